@@ -1,0 +1,123 @@
+"""Logical KV blocks: allocation, reference counts and chained-hash prefix reuse. No torch.
+
+A full block is identified by the hash of (previous block's hash, adapter key, its token ids), so a
+hit on block i implies blocks 0..i-1 match too. Freed blocks keep their hash and stay reusable until
+the allocator needs them again, oldest-freed first (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from model_parallel.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently freed first; cached content is evicted from the front.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    def _block_hash(self, prev: int | None, seq: Sequence, tokens: tuple[int, ...]) -> int:
+        return hash((prev, seq.lora_slot, tokens))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of a new sequence; returns tokens reused.
+
+        At least one token is always left to compute, since the last position's logits are needed.
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        self.prefix_queries += seq.num_tokens
+        prev: int | None = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = self._block_hash(prev, seq, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            prev = h
+        reused = len(seq.block_table) * bs
+        self.prefix_hits += reused
+        seq.num_computed_tokens = reused
+        return reused
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make the block table cover num_computed_tokens + num_new_tokens; False if out of blocks."""
+        needed_blocks = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        missing = needed_blocks - len(seq.block_table)
+        if missing > len(self.free_blocks):
+            return False
+        for _ in range(missing):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its cached content
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+                block.token_ids = ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full of computed tokens so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        prev = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = self._block_hash(prev, seq, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block:
+                block.hash = h
+                block.token_ids = tokens
+                self.hash_to_block[h] = block.block_id
+            seq.block_hashes.append(h)
+            prev = h
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks go into the free queue first, so they are evicted before the shared prefix.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,122 @@
+"""Engine configuration: a few frozen dataclasses, validated on creation and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # a .gguf file, a Hugging Face directory, or None for the default model
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    dtype: str = "auto"  # auto: bfloat16 (measured faster than fp32 on CPU and GPU alike)
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: bytes of KV cache per rank. GPU: ignored in favour of gpu_memory_utilization.
+    kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None  # tests use a tiny cache to force preemption
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError("num_blocks_override must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024  # the per-step token budget that chunks long prefills
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | sdpa | xformers
+    # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
+    cpu_threads_per_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError("device must be auto, cpu or cuda")
+        if self.attention_backend not in ("auto", "sdpa", "xformers"):
+            raise ValueError("attention_backend must be auto, sdpa or xformers")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        """Build from the nested mapping found in cluster.yaml (unknown keys are an error)."""
+        known = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        unknown = set(d) - set(known)
+        if unknown:
+            raise ValueError(f"unknown engine config sections: {sorted(unknown)}")
+        return cls(**{k: known[k](**(d.get(k) or {})) for k in known})
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # Llama-3 style, as sorted items
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)

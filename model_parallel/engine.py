@@ -1,0 +1,315 @@
+"""The engine: add_request / abort, and step() = schedule -> execute -> postprocess.
+
+`LLMEngine` is synchronous and single-threaded. `AsyncLLMEngine` runs it on a background thread
+(torch releases the GIL) and hands each request an async iterator of outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from model_parallel.block_manager import BlockManager
+from model_parallel.config import EngineConfig
+from model_parallel.executor import make_executor
+from model_parallel.loader import read_arch
+from model_parallel.model_files import resolve_model_path
+from model_parallel.model_runner import SeqStep, StepInput
+from model_parallel.outputs import RequestOutput, TokenLogprob
+from model_parallel.sampling_params import SamplingParams
+from model_parallel.scheduler import ScheduledSeq, Scheduler
+from model_parallel.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
+        self.config = config
+        self.model_path = resolve_model_path(config.model.model)
+        self.arch = read_arch(self.model_path)
+        self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.executor = make_executor(config, self.model_path, self.arch)
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        eos = set(eos_token_ids or [])
+        if self.arch.eos_token_id is not None:
+            eos.add(int(self.arch.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.seqs: dict[str, Sequence] = {}
+        self._finished_ids: list[str] = []
+        log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
+                 self.executor.num_blocks, config.cache.block_size, self.max_model_len)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.executor.num_blocks * self.config.cache.block_size
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0):
+        if request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if not prompt_token_ids:
+            raise ValueError("empty prompt")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len {self.max_model_len}")
+        if total > self.capacity_tokens:
+            raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, time.monotonic(),
+                       lora_slot)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        self._finished_ids.append(request_id)
+        return self._output(seq, [], None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+                           bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
+                           self.scheduler.num_preemptions)
+
+    def _seq_step(self, sc: ScheduledSeq) -> SeqStep:
+        seq, n = sc.seq, sc.num_tokens
+        start = seq.num_computed_tokens
+        p = seq.params
+        samples = sc.samples
+        step = SeqStep(seq.request_id, seq.token_ids[start : start + n], start, seq.block_table, samples,
+                       num_prompt_tokens=seq.num_prompt_tokens, lora_slot=seq.lora_slot)
+        if samples or p.prompt_logprobs is not None:
+            step.params = p
+        if samples:
+            if p.needs_penalties and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
+                step.history = seq.token_ids
+            if seq.num_output_tokens < p.min_tokens:
+                step.mask_token_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+        if p.prompt_logprobs is not None and not seq.prompt_logprobs_sent and start < seq.num_prompt_tokens:
+            if start == 0:
+                seq.prompt_logprobs = [None]  # the first prompt token has no logprob
+            # Row i of the chunk predicts token start+i+1, as long as that is still a prompt token.
+            step.prompt_logprob_targets = seq.token_ids[start + 1 : min(start + n + 1, seq.num_prompt_tokens)]
+        return step
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        runnable = []
+        for sc in scheduled:
+            if sc.seq.is_finished:  # could never fit the KV cache
+                self.seqs.pop(sc.seq.request_id, None)
+                self._finished_ids.append(sc.seq.request_id)
+                outputs.append(self._output(sc.seq, [], None))
+            else:
+                runnable.append(sc)
+        if not runnable:
+            return outputs
+        # Decode sequences first: the attention backends batch them together.
+        runnable.sort(key=lambda sc: sc.num_tokens != 1)
+        samples = [sc.samples for sc in runnable]
+        step_input = StepInput([self._seq_step(sc) for sc in runnable], self._finished_ids)
+        self._finished_ids = []
+        result = self.executor.execute(step_input)
+        for sc, sampled in zip(runnable, samples, strict=True):
+            seq = sc.seq
+            seq.num_computed_tokens += sc.num_tokens
+            self.block_manager.commit_full_blocks(seq)
+            prompt_lps = None
+            if seq.request_id in result.prompt_logprobs:
+                seq.prompt_logprobs.extend(result.prompt_logprobs[seq.request_id])
+                if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    prompt_lps = seq.prompt_logprobs
+                    seq.prompt_logprobs_sent = True
+            if not sampled:
+                if prompt_lps is not None:
+                    outputs.append(self._output(seq, [], None, prompt_lps))
+                continue
+            token = result.sampled[seq.request_id]
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps))
+            if seq.is_finished:
+                self.seqs.pop(seq.request_id, None)
+                self._finished_ids.append(seq.request_id)
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason = None
+        if seq.num_output_tokens >= p.min_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
+            reason = "stop"
+            seq.stop_token_id = token
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, seq: Sequence, new: list[int], lp: TokenLogprob | None,
+                prompt_lps: list[TokenLogprob | None] | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_token_id=seq.stop_token_id,
+            logprobs=[lp] if lp is not None else None,
+            prompt_logprobs=prompt_lps,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline helper: run prompts to completion together; returns each one's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_work():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Coalesce outputs that queued up while the consumer was busy: fewer hops per token."""
+    a.new_token_ids = a.new_token_ids + b.new_token_ids
+    if b.logprobs:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
+    a.finished, a.finish_reason, a.stop_token_id = b.finished, b.finish_reason, b.stop_token_id
+    a.num_cached_tokens = b.num_cached_tokens
+    return a
+
+
+class AsyncLLMEngine:
+    """Drives an LLMEngine from a background thread; requests are async iterators of outputs."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, eos_token_ids: list[int] | None = None) -> AsyncLLMEngine:
+        return cls(LLMEngine(config, eos_token_ids))
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            while self._commands:
+                kind, *args = self._commands.popleft()
+                try:
+                    if kind == "add":
+                        engine.add_request(*args)
+                    else:
+                        engine.abort(*args)
+                except ValueError as exc:
+                    self._deliver([(args[0], exc)])
+            if not engine.has_work():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # the engine is unusable: fail every request, report unhealthy
+                log.exception("engine step failed")
+                self.error = exc
+                self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in list(self._queues)])
+                return
+            if outputs:
+                self._deliver([(o.request_id, o) for o in outputs])
+
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list[tuple[str, object]]) -> None:
+        for rid, item in items:
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error}")
+        self._start()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._commands.append(("add", request_id, prompt_token_ids, params, lora_slot))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                # Coalesce whatever else is already here.
+                while not q.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    nxt = q.get_nowait()
+                    item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # consumer went away (client disconnect): free the slot and its blocks
+                self._commands.append(("abort", request_id))
+                self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.append(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.engine.shutdown()

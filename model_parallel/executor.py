@@ -1,0 +1,106 @@
+"""Runs the ranks: in-process for tensor_parallel_size 1, one Ray actor per rank otherwise.
+
+Each engine step is one `execute` per rank; rank 0's result carries the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from model_parallel.config import EngineConfig, LlamaArch
+from model_parallel.model_runner import StepInput, StepOutput
+from model_parallel.worker import Worker, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch):
+        self.worker = Worker(config, model_path, arch, rank=0, dist_init=None)
+        self.num_blocks = self.worker.available_kv_blocks()
+        self.worker.init_cache(self.num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        out = self.worker.execute(step)
+        assert out is not None
+        return out
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class RayExecutor:
+    """One actor per rank, placed in the caller's placement group (a Serve replica's bundles) or a new one."""
+
+    def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch):
+        import ray
+        from ray.util.placement_group import get_current_placement_group, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray = ray
+        tp = config.parallel.tensor_parallel_size
+        on_gpu = resolve_device(config.parallel.device).type == "cuda"
+        resources = {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": 1}
+        pg = get_current_placement_group()
+        first_bundle = 1  # inside a Serve replica, bundle 0 is the replica itself
+        if pg is None:
+            bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+            pg = placement_group([bundle] * tp, strategy="STRICT_PACK")
+            ray.get(pg.ready(), timeout=300)
+            self._own_pg = pg
+            first_bundle = 0
+        else:
+            self._own_pg = None
+        ip = ray.util.get_node_ip_address()
+        init = f"tcp://{ip}:{_free_port()}"
+        actor_cls = ray.remote(Worker)
+        self.workers = [
+            actor_cls.options(
+                **resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=first_bundle + rank
+                ),
+                max_concurrency=1,
+            ).remote(config, model_path, arch, rank, init)
+            for rank in range(tp)
+        ]
+        ray.get([w.ping.remote() for w in self.workers])
+        self.num_blocks = min(ray.get([w.available_kv_blocks.remote() for w in self.workers]))
+        ray.get([w.init_cache.remote(self.num_blocks) for w in self.workers])
+        log.info("tensor-parallel workers ready: %d ranks, %d KV blocks", tp, self.num_blocks)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        ref = self.ray.put(step)  # serialised once, shared by every rank
+        results = self.ray.get([w.execute.remote(ref) for w in self.workers])
+        assert results[0] is not None
+        return results[0]
+
+    def check_health(self) -> None:
+        self.ray.get([w.ping.remote() for w in self.workers], timeout=30)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                self.ray.kill(w)
+            except Exception:  # already gone
+                pass
+        if self._own_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._own_pg)
+
+
+def make_executor(config: EngineConfig, model_path: str, arch: LlamaArch) -> LocalExecutor | RayExecutor:
+    if config.parallel.tensor_parallel_size == 1:
+        return LocalExecutor(config, model_path, arch)
+    return RayExecutor(config, model_path, arch)

@@ -1,0 +1,27 @@
+"""KV cache sizing and allocation: one tensor per rank, viewed per layer as flat slots."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_for_budget(budget_bytes: int, per_block: int) -> int:
+    return max(0, budget_bytes // per_block)
+
+
+def cuda_budget(utilization: float, device: torch.device) -> int:
+    """Bytes left for KV once the model is loaded, keeping (1 - utilization) of the GPU free."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * utilization - used)
+
+
+def allocate(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cache = torch.zeros(num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

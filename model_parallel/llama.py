@@ -1,0 +1,116 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) built from the tensor-parallel layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_parallel.attention import AttentionMetadata
+from model_parallel.config import LlamaArch
+from model_parallel.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from model_parallel.parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    piece,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.attention_bias, tp
+        )
+        group = arch.num_heads // arch.num_kv_heads
+        kv_start, _ = piece(arch.num_kv_heads, tp.size, tp.rank)
+        in_start = kv_start * group * arch.head_dim
+        self.o_proj = RowParallelLinear(in_start, self.qkv_proj.q_size, arch.hidden_size, tp)
+        self.rotary = rotary
+        self.attn = attn_backend
+        self.head_dim = arch.head_dim
+
+    def forward(self, positions, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x)
+        t = x.shape[0]
+        q = q.view(t, -1, self.head_dim)
+        k = k.view(t, -1, self.head_dim)
+        v = v.view(t, -1, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArch, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, tp)
+        in_start, in_size = piece(arch.intermediate_size, tp.size, tp.rank)
+        self.down_proj = RowParallelLinear(in_start, in_size, arch.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, tp, rotary, attn_backend)
+        self.mlp = LlamaMLP(arch, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint (Hugging Face) name fragment -> (our fused parameter fragment, shard id).
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, arch: LlamaArch, tp: TPGroup, attn_backend):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, attn_backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = ParallelLMHead(
+            arch.vocab_size, arch.hidden_size, tp, self.embed_tokens if arch.tie_word_embeddings else None
+        )
+
+    def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
+        """Returns final hidden states [T, hidden]; logits are computed only for rows that need them."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_to_param(self, name: str) -> tuple[str, str | int | None] | None:
+        """Map a Hugging Face tensor name to (our parameter name, shard id); None for tensors we skip."""
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight":
+            return None if self.arch.tie_word_embeddings else ("lm_head.weight", None)
+        for frag, (ours, shard) in self.stacked_params.items():
+            if frag in name:
+                return name.replace(frag, ours), shard
+        return name, None

@@ -1,0 +1,175 @@
+"""Weights from GGUF or a Hugging Face directory, fed to each parameter's own `weight_loader`.
+
+Both formats are turned into one stream of (Hugging Face name, full tensor); the loader then checks
+that every parameter was loaded exactly once and that nothing unexpected was in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from model_parallel.config import LlamaArch
+
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def read_arch(model_path: str) -> LlamaArch:
+    if model_path.endswith(".gguf"):
+        import gguf
+
+        reader = gguf.GGUFReader(model_path)
+        arch = _gguf_field(reader, "general.architecture")
+        if arch not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+
+        def f(key, default=None):
+            return _gguf_field(reader, f"{arch}.{key}", default)
+
+        hidden = int(f("embedding_length"))
+        heads = int(f("attention.head_count"))
+        names = {t.name for t in reader.tensors}
+        vocab = f("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens"))
+        return LlamaArch(
+            hidden_size=hidden,
+            intermediate_size=int(f("feed_forward_length")),
+            num_layers=int(f("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(f("attention.head_count_kv", heads)),
+            head_dim=int(f("rope.dimension_count", hidden // heads)),
+            vocab_size=int(vocab),
+            rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(f("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(f("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        )
+    with open(os.path.join(model_path, "config.json")) as fh:
+        cfg = json.load(fh)
+    if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    return LlamaArch(
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+        rope_scaling=tuple(sorted((cfg.get("rope_scaling") or {}).items())),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+
+
+def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF stores q/k rows interleaved for llama.cpp's rotary; undo it to Hugging Face's layout."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf(path: str, arch: LlamaArch) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+    for t in reader.tensors:
+        base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
+        parts = base.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{GGUF_TO_HF.get(parts[2], parts[2])}.{suffix}"
+        else:
+            name = f"{GGUF_TO_HF.get(base, base)}.{suffix}"
+        w = dequantize(t.data, t.tensor_type)
+        w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
+        if parts[0] == "blk" and parts[2] == "attn_q":
+            w = _unpermute_rotary(w, arch.num_heads)
+        elif parts[0] == "blk" and parts[2] == "attn_k":
+            w = _unpermute_rotary(w, arch.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for fname in files:
+        with safe_open(os.path.join(model_dir, fname), framework="pt") as fh:  # memory-mapped
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def count_tensors(model_path: str) -> int:
+    if model_path.endswith(".gguf"):
+        import gguf
+
+        return len(gguf.GGUFReader(model_path).tensors)
+    return 0
+
+
+def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = True) -> None:
+    """Load every parameter from the checkpoint; fail loudly on missing, unexpected or mis-shaped tensors."""
+    arch: LlamaArch = model.arch  # type: ignore[assignment]
+    params = dict(model.named_parameters())
+    loaded: dict[str, int] = {}
+    unexpected: list[str] = []
+    stream = iter_gguf(model_path, arch) if model_path.endswith(".gguf") else iter_safetensors(model_path)
+    total = count_tensors(model_path) or None
+    for name, tensor in tqdm(stream, total=total, desc="loading weights", unit="tensor", disable=not show_progress):
+        target = model.checkpoint_to_param(name)  # type: ignore[operator]
+        if target is None:
+            continue
+        param_name, shard = target
+        param = params.get(param_name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        try:
+            param.weight_loader(param, tensor.to(param.dtype), shard)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        loaded[param_name] = loaded.get(param_name, 0) + 1
+    if unexpected:
+        raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:10]}")
+    expected_counts = {n: (3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1) for n in params}
+    missing = [n for n, c in expected_counts.items() if loaded.get(n, 0) != c]
+    if missing:
+        raise ValueError(f"parameters missing from checkpoint (or loaded partially): {missing[:10]}")

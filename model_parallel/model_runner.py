@@ -1,0 +1,197 @@
+"""The one place where sequences become tensors: ids, positions, slot mapping, attention metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model_parallel.attention import AttentionMetadata, PrefillChunk
+from model_parallel.outputs import TokenLogprob
+from model_parallel.sampler import SamplingTensors, gather_logprobs, sample
+from model_parallel.sampling_params import SamplingParams
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step; the same message goes to every rank."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to compute now
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool  # this chunk reaches the end of the sequence: draw a token
+    params: SamplingParams | None = None  # set when sample or prompt logprobs are needed
+    history: list[int] | None = None  # all tokens so far, only when penalties need them
+    num_prompt_tokens: int = 0
+    mask_token_ids: tuple[int, ...] = ()  # banned now (EOS/stop ids while below min_tokens)
+    # Prompt tokens predicted by this chunk's rows, when prompt logprobs are asked for.
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    lora_slot: int = 0
+
+
+@dataclass
+class StepInput:
+    seqs: list[SeqStep]  # decode sequences (one token) first, then prefill chunks
+    finished_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprob]
+    # Logprobs of the prompt tokens that this chunk's rows predict.
+    prompt_logprobs: dict[str, list[TokenLogprob]]
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, is_driver: bool):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.is_driver = is_driver
+        self.generators: dict[str, torch.Generator] = {}
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[PrefillChunk] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        ctx_slots: list[int] = []
+        dev = self.device
+        for s in step.seqs:
+            n = len(s.token_ids)
+            q_start = len(ids)
+            ids.extend(s.token_ids)
+            end = s.start_pos + n
+            positions.extend(range(s.start_pos, end))
+            all_slots = self._slots(s.block_table, 0, end)
+            slot_mapping.extend(all_slots[s.start_pos :])
+            q_lens.append(n)
+            ctx_lens.append(end)
+            ctx_slots.extend(all_slots)
+            if n == 1 and not prefills:
+                decode_ctx.append(all_slots)
+            else:
+                fresh = s.start_pos == 0
+                mask = None
+                if not fresh:
+                    q_pos = torch.arange(s.start_pos, end, device=dev).unsqueeze(1)
+                    mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
+                prefills.append(
+                    PrefillChunk(
+                        q_start, n, end, None if fresh else torch.tensor(all_slots, device=dev), mask
+                    )
+                )
+        decode_slots = decode_mask = None
+        if decode_ctx:
+            lmax = max(len(c) for c in decode_ctx)
+            lens = torch.tensor([len(c) for c in decode_ctx], device=dev)
+            decode_slots = torch.tensor([c + [0] * (lmax - len(c)) for c in decode_ctx], device=dev)
+            decode_mask = (torch.arange(lmax, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, device=dev),
+            num_decode=len(decode_ctx),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+            q_lens=q_lens,
+            ctx_lens=ctx_lens,
+            ctx_slots=torch.tensor(ctx_slots, device=dev),
+        )
+        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput | None:
+        for rid in step.finished_request_ids:
+            self.generators.pop(rid, None)
+        input_ids, positions, meta = self.prepare(step)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for s in step.seqs:
+            n = len(s.token_ids)
+            if s.prompt_logprob_targets:
+                count = len(s.prompt_logprob_targets)
+                prompt_rows[s.request_id] = (len(rows), count)
+                rows.extend(range(offset, offset + count))
+            if s.sample:
+                sample_rows.append(len(rows))
+                rows.append(offset + n - 1)
+            offset += n
+        if not rows:
+            # Every rank must still join the LM head's collective in lockstep; nothing to gather here.
+            return StepOutput({}, {}, {}) if self.is_driver else None
+        logits = self.model.compute_logits(hidden[rows]).float()
+        if not self.is_driver:
+            return None
+        sampling = [s for s in step.seqs if s.sample]
+        out = StepOutput({}, {}, {})
+        if sampling:
+            tensors = self.sampling_tensors(sampling)
+            token_ids, logprobs = sample(logits[sample_rows], tensors)
+            for i, s in enumerate(sampling):
+                out.sampled[s.request_id] = token_ids[i]
+                if logprobs is not None and s.params and s.params.logprobs is not None:
+                    lp = logprobs[i]
+                    lp.top = lp.top[: s.params.logprobs]
+                    out.logprobs[s.request_id] = lp
+        for s in step.seqs:
+            if s.request_id in prompt_rows and s.params is not None:
+                first, count = prompt_rows[s.request_id]
+                lps = logits[first : first + count].log_softmax(-1)
+                targets = torch.tensor(s.prompt_logprob_targets)
+                out.prompt_logprobs[s.request_id] = gather_logprobs(lps, targets, s.params.prompt_logprobs or 0)
+        return out
+
+    def sampling_tensors(self, seqs: list[SeqStep]) -> SamplingTensors:
+        params = [s.params or SamplingParams() for s in seqs]
+        v = self.vocab_size
+        generators: list[torch.Generator | None] = []
+        for s, p in zip(seqs, params, strict=True):
+            g = None
+            if p.seed is not None and not p.greedy:
+                g = self.generators.get(s.request_id)
+                if g is None:
+                    g = self.generators[s.request_id] = torch.Generator().manual_seed(p.seed)
+            generators.append(g)
+        additive = None
+        if any(s.mask_token_ids or p.logit_bias for s, p in zip(seqs, params, strict=True)):
+            additive = torch.zeros(len(seqs), v)
+            for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
+                for tok, bias in p.logit_bias:
+                    if 0 <= tok < v:
+                        additive[i, tok] += bias
+                for tok in s.mask_token_ids:
+                    if 0 <= tok < v:
+                        additive[i, tok] = float("-inf")
+        penalty_rows = [
+            (i, s.history, s.num_prompt_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            for i, (s, p) in enumerate(zip(seqs, params, strict=True))
+            if s.history is not None
+        ]
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperatures=torch.tensor([p.temperature for p in params]),
+            top_ps=torch.tensor([p.top_p for p in params]),
+            top_ks=torch.tensor([p.top_k if p.top_k > 0 else v for p in params]),
+            min_ps=torch.tensor([p.min_p for p in params]),
+            generators=generators,
+            all_greedy=all(p.greedy for p in params),
+            needs_truncation=any(p.top_p < 1 or 0 < p.top_k < v or p.min_p > 0 for p in params),
+            max_logprobs=max(logprob_counts) if logprob_counts else None,
+            additive=additive,
+            penalty_rows=penalty_rows or None,
+        )

@@ -1,0 +1,29 @@
+"""What the engine hands back per request per step: plain data, cheap to pickle across Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one chosen token plus the top alternatives, as (token_id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # The token id that triggered a "stop" finish (EOS or one of stop_token_ids), if any.
+    stop_token_id: int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    # Only on the first output of a request that asked for prompt_logprobs; first entry is None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

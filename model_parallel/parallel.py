@@ -1,0 +1,185 @@
+"""Tensor-parallel building blocks. The TP group is passed in explicitly; every collective is in a forward.
+
+Partitions may be uneven (SmolLM2 has 3 KV heads, which TP=2 splits 2+1), so each layer is told
+exactly which slice it owns, and each parameter carries a `weight_loader` that cuts its own slice
+out of the full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def split_evenly(n: int, parts: int) -> list[int]:
+    """Sizes of `parts` near-equal pieces of n; earlier pieces take the remainder."""
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def piece(n: int, parts: int, rank: int) -> tuple[int, int]:
+    """(start, size) of rank's piece of n."""
+    sizes = split_evenly(n, parts)
+    return sum(sizes[:rank]), sizes[rank]
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-width shards along the last dim on every rank."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _set_weight_loader(param: nn.Parameter, loader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q/k/v projection, column-parallel by whole KV-head groups (GQA-correct, uneven allowed)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        group = num_heads // num_kv_heads
+        if tp.size > num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {tp.size} exceeds the {num_kv_heads} KV heads")
+        kv_start, self.num_kv_heads = piece(num_kv_heads, tp.size, tp.rank)
+        self.num_heads = self.num_kv_heads * group
+        self.head_dim = head_dim
+        # Row ranges of the full checkpoint tensors that this rank owns.
+        self.ranges = {
+            "q": (kv_start * group * head_dim, self.num_heads * head_dim),
+            "k": (kv_start * head_dim, self.num_kv_heads * head_dim),
+            "v": (kv_start * head_dim, self.num_kv_heads * head_dim),
+        }
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.weight = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, hidden), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False)
+            _set_weight_loader(self.bias, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        assert shard_id in self.ranges, shard_id
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard_id]
+        start, size = self.ranges[shard_id]
+        src = loaded.narrow(0, start, size)
+        dst = param.data.narrow(0, offset, size)
+        if dst.shape != src.shape:
+            raise ValueError(f"qkv shard {shard_id}: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(self, in_features: int, out_features: list[int], tp: TPGroup):
+        super().__init__()
+        self.pieces = [piece(n, tp.size, tp.rank) for n in out_features]
+        self.offsets = [sum(size for _, size in self.pieces[:i]) for i in range(len(self.pieces))]
+        total = sum(size for _, size in self.pieces)
+        self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        assert shard_id is not None
+        start, size = self.pieces[shard_id]
+        src = loaded.narrow(0, start, size)
+        dst = param.data.narrow(0, self.offsets[shard_id], size)
+        if dst.shape != src.shape:
+            raise ValueError(f"merged shard {shard_id}: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial products summed with all_reduce."""
+
+    def __init__(self, in_start: int, in_size: int, out_features: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.in_start = in_start
+        self.weight = nn.Parameter(torch.empty(out_features, in_size), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        default_weight_loader(param, loaded.narrow(1, self.in_start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split evenly (padded) across ranks; lookups outside a shard contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"embedding: expected ({self.vocab_size}, {param.shape[1]}), got {tuple(loaded.shape)}")
+        rows = loaded[self.start : self.start + self.shard_size]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel output projection; logits are gathered to full width (padding cut off)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, tied_to: VocabParallelEmbedding | None):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        if tied_to is not None:
+            self.weight = tied_to.weight  # tied embeddings share one tensor and one loader
+        else:
+            shard = VocabParallelEmbedding(vocab_size, hidden, tp)
+            self.weight = shard.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]

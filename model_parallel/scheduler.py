@@ -1,0 +1,103 @@
+"""Continuous batching with chunked prefill and preemption by recomputation. No torch.
+
+Every sequence simply has tokens whose KV is not computed yet: a decode step is one such token, a
+prefill is many. Each step hands out a token budget: running sequences first (oldest first), then
+waiting ones. When blocks run out, the newest running sequence is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed (mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from model_parallel.block_manager import BlockManager
+from model_parallel.config import SchedulerConfig
+from model_parallel.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the queues and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        # Admitting new work while we had to preempt would only thrash.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                # Prompt logprobs need every prompt position computed, so those skip the cache.
+                cached = self.block_manager.match_prefix(seq) if seq.params.prompt_logprobs is None else 0
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, n):
+                if not self.running:
+                    # Nothing will ever free blocks for it: the request cannot fit the cache at all.
+                    self.waiting.popleft()
+                    self.block_manager.free(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "length" if seq.num_output_tokens else "abort"
+                    scheduled.append(ScheduledSeq(seq, 0))
+                else:
+                    self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return scheduled

@@ -1,0 +1,106 @@
+"""One tensor-parallel rank: process group, model shard, weights, KV cache, model runner.
+
+Used in-process when tensor_parallel_size is 1 and as a Ray actor per rank otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from model_parallel import kv_cache
+from model_parallel.attention import make_attention_backend
+from model_parallel.config import EngineConfig, LlamaArch
+from model_parallel.llama import LlamaForCausalLM
+from model_parallel.loader import load_weights
+from model_parallel.model_runner import ModelRunner, StepInput, StepOutput
+from model_parallel.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch, rank: int, dist_init: str | None):
+        self.config = config
+        self.rank = rank
+        world = config.parallel.tensor_parallel_size
+        device = resolve_device(config.parallel.device)
+        if device.type == "cuda":
+            # Under Ray each rank sees only its own GPU; otherwise pick by rank.
+            device = torch.device("cuda", 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else rank)
+            torch.cuda.set_device(device)
+        else:
+            threads = config.parallel.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+            torch.set_num_threads(threads)
+        self.device = device
+        group = None
+        if world > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=dist_init, rank=rank, world_size=world, timeout=timedelta(minutes=10)
+            )
+            group = dist.group.WORLD
+        self.tp = TPGroup(rank, world, group)
+        self.dtype = getattr(torch, config.model.torch_dtype_name)
+        self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
+        torch.manual_seed(config.model.seed)
+        with torch.device(device):
+            self.model = LlamaForCausalLM(arch, self.tp, self.attn_backend).to(self.dtype)
+        # Rotary tables stay fp32 for accuracy; they are indexed, not multiplied in bulk.
+        for layer in self.model.layers:
+            layer.self_attn.rotary.float()
+        load_weights(self.model, model_path, show_progress=rank == 0)
+        self.model.eval()
+        self.arch = arch
+        self.runner: ModelRunner | None = None
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.layers[0].self_attn.qkv_proj
+        return kv_cache.bytes_per_block(
+            self.arch.num_layers, attn.num_kv_heads, self.arch.head_dim, self.config.cache.block_size, self.dtype
+        )
+
+    def available_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks_override:
+            return cache.num_blocks_override
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            return kv_cache.blocks_for_budget(kv_cache.cuda_budget(cache.gpu_memory_utilization, self.device), per_block)
+        return kv_cache.blocks_for_budget(cache.kv_cache_bytes, per_block)
+
+    def init_cache(self, num_blocks: int) -> None:
+        attn = self.model.layers[0].self_attn.qkv_proj
+        caches = kv_cache.allocate(
+            self.arch.num_layers,
+            num_blocks,
+            self.config.cache.block_size,
+            attn.num_kv_heads,
+            self.arch.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.runner = ModelRunner(
+            self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device, self.rank == 0
+        )
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        assert self.runner is not None, "init_cache first"
+        return self.runner.execute(step)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
