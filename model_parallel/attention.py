@@ -38,6 +38,23 @@ class AttentionMetadata:
     ctx_slots: torch.Tensor | None = None
 
 
+def decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    """One query per sequence over its paged context, as two small batched matmuls.
+
+    Measured on CPU: SDPA's flash kernel spends ~350 us per call on single-token queries; plain
+    batched matmuls with KV heads as the batch (GQA without repeating K/V) are several times faster.
+    """
+    b, hq, d = q.shape
+    hk = k_cache.shape[1]
+    kd = k_cache[meta.decode_slots].permute(0, 2, 3, 1)  # [B, Hk, D, L]
+    vd = v_cache[meta.decode_slots].transpose(1, 2)  # [B, Hk, L, D]
+    qg = q.view(b, hk, hq // hk, d) * d**-0.5
+    scores = torch.matmul(qg, kd).float()  # [B, Hk, G, L]
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    return torch.matmul(probs, vd).reshape(b, hq, d)
+
+
 class SDPAAttention:
     name = "sdpa"
 
@@ -57,11 +74,7 @@ class SDPAAttention:
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hk, L, D]
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-            out[:nd] = od.squeeze(2)
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta)
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if p.slots is None:

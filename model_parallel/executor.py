@@ -26,6 +26,9 @@ class LocalExecutor:
         assert out is not None
         return out
 
+    def score(self, token_ids: list[int]):
+        return self.worker.score(token_ids)
+
     def check_health(self) -> None:
         return None
 
@@ -84,6 +87,9 @@ class RayExecutor:
         results = self.ray.get([w.execute.remote(ref) for w in self.workers])
         assert results[0] is not None
         return results[0]
+
+    def score(self, token_ids: list[int]):
+        return self.ray.get([w.score.remote(token_ids) for w in self.workers])[0]
 
     def check_health(self) -> None:
         self.ray.get([w.ping.remote() for w in self.workers], timeout=30)

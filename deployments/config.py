@@ -1,0 +1,31 @@
+"""Server configuration read from cluster.yaml's application `args` (or passed to build_app)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_parallel.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Bearer keys accepted on /v1 routes; empty = no auth (local use). Also read from API_KEYS (comma-separated).
+    api_keys: tuple[str, ...] = ()
+    # Logical CPUs the model replica's own actor reserves (its TP ranks reserve one bundle each).
+    replica_num_cpus: float = 1.0
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.model.served_model_name
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> ServerConfig:
+        args = dict(args or {})
+        engine = EngineConfig.from_dict(args.pop("engine", {}) or {})
+        keys = tuple(args.pop("api_keys", None) or ())
+        env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())
+        cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
+        return cfg

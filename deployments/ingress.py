@@ -1,0 +1,242 @@
+"""HTTP ingress: OpenAI routes on FastAPI through serve.ingress. Thin: validate -> tokenize -> generate -> stream."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from app.errors import APIError, from_validation_error
+from app.sse import GenerationDelta, collect_chat, collect_completion, stream_chat, stream_completion
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app import protocol as P
+from deployments.config import ServerConfig
+from deployments.llm_server import GenerateRequest
+
+log = logging.getLogger("ray.serve")
+
+app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status_code)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, APIError):  # Ray wraps remote exceptions in a subclass of the original
+        return error_response(exc)
+    log.exception("unhandled error")
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        body = await request.body()
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
+        raise from_validation_error(errors) from None
+
+
+async def flatten(gen) -> AsyncIterator[GenerationDelta]:
+    async for batch in gen:
+        for delta in batch:
+            yield delta
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=1000)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.llm = llm
+        self.model_name = config.served_model_name
+        self.created = int(time.time())
+        self._info: dict | None = None
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.llm.model_info.remote()
+        return self._info
+
+    def check_auth(self, request: Request) -> None:
+        if not self.config.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.config.api_keys):
+            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error",
+                           param="model", code="model_not_found")
+
+    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, stream: bool, **kw):
+        gen = self.llm.options(stream=True).generate.remote(greq)
+        deltas = flatten(gen)
+        if not stream:
+            try:
+                return JSONResponse((await collect_fn(deltas, **kw)).model_dump(exclude_none=True))
+            finally:
+                gen.cancel()
+        # Wait for the first batch before answering, so early refusals are plain HTTP errors.
+        try:
+            first = await anext(deltas)
+        except StopAsyncIteration:
+            first = None
+
+        async def replay() -> AsyncIterator[GenerationDelta]:
+            if first is not None:
+                yield first
+            async for d in deltas:
+                yield d
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in stream_fn(replay(), **kw):
+                    yield event
+            finally:  # client disconnect lands here: cancelling the stream aborts the request upstream
+                gen.cancel()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await self.llm.check_health.remote()
+        except Exception as exc:
+            return error_response(APIError(503, f"model unavailable: {exc}", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse(P.ModelList(data=[await self.model_card()]).model_dump(exclude_none=True))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        self.check_model(model_id)
+        return JSONResponse((await self.model_card()).model_dump(exclude_none=True))
+
+    async def model_card(self) -> P.ModelCard:
+        info = await self.info()
+        return P.ModelCard(id=self.model_name, created=self.created, owned_by="rayllm-tp", root=self.model_name,
+                           max_model_len=info["max_model_len"])
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        self.check_auth(request)
+        req = await parse(request, P.ChatCompletionRequest)
+        self.check_model(req.model)
+        P.check_supported(req)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        _, ids = await self.tokenizer.render_chat.remote(
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=P.template_kwargs(req),
+            tools=None,
+        )
+        info = await self.info()
+        params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=info["max_model_len"])
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1)
+        opts = req.stream_options
+        kw = dict(request_id=rid, model=self.model_name, created=int(time.time()), n=greq.n)
+        if req.stream:
+            kw |= dict(include_usage=bool(opts and opts.include_usage),
+                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
+        return await self.run(greq, stream_chat, collect_chat, bool(req.stream), **kw)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        self.check_auth(request)
+        req = await parse(request, P.CompletionRequest)
+        self.check_model(req.model)
+        P.check_supported(req)
+        info = await self.info()
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for p in P.completion_prompts(req):
+            if isinstance(p, str):
+                prompts.append(await self.tokenizer.encode.remote(p))
+                texts.append(p)
+            else:
+                prompts.append(list(p))
+                texts.append(await self.tokenizer.decode.remote(list(p), False) if req.echo else "")
+        vocab = (await self.tokenizer_info())["vocab_size"]
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise APIError(400, "best_of > n is not supported yet", param="best_of")
+        # Each prompt is validated against the context on its own; the strictest sets max_tokens.
+        params = min(
+            (P.to_sampling_params(req, prompt_len=len(p), max_model_len=info["max_model_len"]) for p in prompts),
+            key=lambda s: s.max_tokens,
+        )
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
+                               echo_texts=texts if req.echo else None)
+        opts = req.stream_options
+        kw = dict(request_id=rid, model=self.model_name, created=int(time.time()), n=greq.n)
+        if req.stream:
+            kw |= dict(include_usage=bool(opts and opts.include_usage),
+                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
+        return await self.run(greq, stream_completion, collect_completion, bool(req.stream), **kw)
+
+    async def tokenizer_info(self) -> dict:
+        if not hasattr(self, "_tok_info"):
+            self._tok_info = await self.tokenizer.info.remote()
+        return self._tok_info
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        req = await parse(request, P.TokenizeRequest)
+        self.check_model(req.model)
+        if req.messages is not None:
+            _, ids = await self.tokenizer.render_chat.remote(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=None,
+                chat_template_kwargs=req.chat_template_kwargs,
+                tools=None,
+            )
+        else:
+            ids = await self.tokenizer.encode.remote(req.prompt or "", req.add_special_tokens)
+        info = await self.info()
+        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        req = await parse(request, P.DetokenizeRequest)
+        self.check_model(req.model)
+        return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))

