@@ -117,7 +117,17 @@ def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(path: str, arch: LlamaArch) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_bits(tensor_type) -> int:
+    """Bits per weight of a GGUF tensor type's quantised values (16 for unquantised)."""
+    name = tensor_type.name
+    if name.startswith(("Q4", "IQ4", "Q3", "Q2", "IQ3", "IQ2", "IQ1")):
+        return 4
+    if name.startswith(("Q5", "Q6", "Q8")):
+        return 8
+    return 16
+
+
+def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
@@ -128,6 +138,8 @@ def iter_gguf(path: str, arch: LlamaArch) -> Iterator[tuple[str, torch.Tensor]]:
             name = f"model.layers.{parts[1]}.{GGUF_TO_HF.get(parts[2], parts[2])}.{suffix}"
         else:
             name = f"{GGUF_TO_HF.get(base, base)}.{suffix}"
+        if bits is not None:
+            bits[name] = _gguf_bits(t.tensor_type)
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         if parts[0] == "blk" and parts[2] == "attn_q":
@@ -155,13 +167,19 @@ def count_tensors(model_path: str) -> int:
     return 0
 
 
-def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = True) -> None:
-    """Load every parameter from the checkpoint; fail loudly on missing, unexpected or mis-shaped tensors."""
+def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = True) -> dict[str, int]:
+    """Load every parameter from the checkpoint; fail loudly on missing, unexpected or mis-shaped tensors.
+
+    Returns, per parameter, the fewest bits any of its checkpoint tensors was quantised to (GGUF only).
+    """
     arch: LlamaArch = model.arch  # type: ignore[assignment]
     params = dict(model.named_parameters())
     loaded: dict[str, int] = {}
     unexpected: list[str] = []
-    stream = iter_gguf(model_path, arch) if model_path.endswith(".gguf") else iter_safetensors(model_path)
+    ckpt_bits: dict[str, int] = {}
+    is_gguf = model_path.endswith(".gguf")
+    stream = iter_gguf(model_path, arch, ckpt_bits) if is_gguf else iter_safetensors(model_path)
+    source_bits: dict[str, int] = {}
     total = count_tensors(model_path) or None
     for name, tensor in tqdm(stream, total=total, desc="loading weights", unit="tensor", disable=not show_progress):
         target = model.checkpoint_to_param(name)  # type: ignore[operator]
@@ -177,9 +195,12 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         loaded[param_name] = loaded.get(param_name, 0) + 1
+        if name in ckpt_bits:
+            source_bits[param_name] = min(source_bits.get(param_name, 99), ckpt_bits[name])
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:10]}")
     expected_counts = {n: (3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1) for n in params}
     missing = [n for n, c in expected_counts.items() if loaded.get(n, 0) != c]
     if missing:
         raise ValueError(f"parameters missing from checkpoint (or loaded partially): {missing[:10]}")
+    return source_bits

@@ -18,7 +18,7 @@ from model_parallel.config import EngineConfig, LlamaArch
 from model_parallel.llama import LlamaForCausalLM
 from model_parallel.loader import load_weights
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
-from model_parallel.parallel import TPGroup
+from model_parallel.parallel import TPGroup, pack_small_batch_weights
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,10 @@ class Worker:
         # Rotary tables stay fp32 for accuracy; they are indexed, not multiplied in bulk.
         for layer in self.model.layers:
             layer.self_attn.rotary.float()
-        load_weights(self.model, model_path, show_progress=rank == 0)
+        source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+        if config.model.small_batch_quant == "auto" and device.type == "cpu" and self.dtype == torch.bfloat16:
+            packed = pack_small_batch_weights(self.model, source_bits)
+            log.info("packed %d layers for small-batch weight-only kernels", packed)
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None
