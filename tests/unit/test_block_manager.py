@@ -1,0 +1,96 @@
+"""Block manager and scheduler logic, without torch or a model."""
+
+from __future__ import annotations
+
+from model_parallel.block_manager import BlockManager
+from model_parallel.config import SchedulerConfig
+from model_parallel.sampling_params import SamplingParams
+from model_parallel.scheduler import Scheduler
+from model_parallel.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int], max_tokens: int = 8) -> Sequence:
+    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def test_prefix_blocks_are_shared_and_survive_free_until_evicted():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", list(range(10)))
+    assert bm.match_prefix(a) == 0
+    assert bm.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.commit_full_blocks(a)  # blocks 0 and 1 are full and hashed; the third is partial
+    b = seq("b", list(range(10)))
+    assert bm.match_prefix(b) == 8
+    assert b.block_table[:2] == a.block_table[:2]
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+    c = seq("c", list(range(9)))
+    assert bm.match_prefix(c) == 8  # still cached after both owners finished
+    bm.free(c)
+    # Different content after the first block: only the first block matches.
+    d = seq("d", [0, 1, 2, 3, 99, 99, 99, 99, 5])
+    assert bm.match_prefix(d) == 4
+
+
+def test_whole_prompt_cached_still_leaves_one_token_to_compute():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq("a", list(range(8)))
+    bm.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    bm.commit_full_blocks(a)
+    bm.free(a)
+    b = seq("b", list(range(8)))
+    assert bm.match_prefix(b) == 4
+
+
+def test_eviction_reuses_least_recently_freed_block():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    a = seq("a", [1, 2, 3])
+    bm.allocate_slots(a, 3)
+    a.num_computed_tokens = 3
+    bm.commit_full_blocks(a)
+    bm.free(a)
+    other = seq("x", [7, 7, 7, 7])
+    assert bm.allocate_slots(other, 4)  # needs both blocks: the cached one is evicted
+    assert not bm.hash_to_block
+    bm.free(other)
+    assert bm.match_prefix(seq("a2", [1, 2, 3])) == 0
+
+
+def test_scheduler_chunks_prefill_under_token_budget_and_preempts_newest():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), bm)
+    a, b = seq("a", list(range(10))), seq("b", list(range(20, 25)))
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    assert [(s.seq.request_id, s.num_tokens) for s in step] == [("a", 6)]
+    a.num_computed_tokens += 6
+    step = sched.schedule()
+    # a finishes its prompt (4 tokens), b gets the remaining budget (2 tokens)
+    assert [(s.seq.request_id, s.num_tokens) for s in step] == [("a", 4), ("b", 2)]
+    assert step[0].samples and not step[1].samples
+    a.num_computed_tokens += 4
+    b.num_computed_tokens += 2
+    a.token_ids += [1, 2, 3]  # a grows to 13 tokens: needs a 4th block; b holds 1 block -> out of blocks
+    a.num_computed_tokens = 12
+    b.num_computed_tokens = 5
+    b.token_ids.append(9)
+    step = sched.schedule()
+    assert sched.num_preemptions == 1
+    assert [s.seq.request_id for s in step] == ["a"]
+    assert sched.waiting[0] is b and b.num_computed_tokens == 0 and not b.block_table
+
+
+def test_finish_frees_blocks_immediately():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), bm)
+    a = seq("a", list(range(6)))
+    sched.add(a)
+    sched.schedule()
+    assert bm.num_free_blocks == 2
+    sched.finish(a, "abort")
+    assert bm.num_free_blocks == 4 and not sched.has_work()
