@@ -1,0 +1,86 @@
+"""A real Ray Serve deployment of the whole app on the default model, shared by the serve tests."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+API_KEY = "test-key-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server():
+    import ray
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    port = _free_port()
+    # More logical CPUs than cores: the ingress and tokenizer reserve none, TP ranks one each.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # fp32 so that greedy outputs do not depend on batch composition (bf16 GEMMs round per batch shape).
+    app = build_app({
+        "api_keys": [API_KEY],
+        "engine": {"model": {"dtype": "float32", "max_model_len": 2048},
+                   "cache": {"kv_cache_bytes": 512 << 20},
+                   "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512}},
+    })
+    serve.run(app, name="llm", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        raise RuntimeError("server did not become healthy")
+    yield base
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def aclient(server):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def llm_stats(server):
+    """The model replica's engine counters (running/waiting sequences, KV usage)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("llm", app_name="llm")
+    return lambda: handle.stats.remote().result()
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return "SmolLM2-135M-Instruct"
