@@ -83,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch, tp: TPGroup, attn_backend):
         super().__init__()
         self.arch = arch
+        self.attn_backend = attn_backend
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, attn_backend) for _ in range(arch.num_layers))

@@ -53,60 +53,71 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver
         self.generators: dict[str, torch.Generator] = {}
+        # Varlen backends (xformers) attend over every sequence's context slots in one flat batch.
+        self.needs_context_slots = getattr(getattr(model, "attn_backend", None), "name", "") == "xformers"
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _context_slots(self, block_table: list[int], ctx_len: int) -> torch.Tensor:
+        """Cache slots of positions 0..ctx_len-1, built with tensor ops (no per-position Python)."""
+        bs = self.block_size
+        blocks = torch.tensor(block_table[: -(-ctx_len // bs)], device=self.device)
+        return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).flatten()[:ctx_len]
+
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Per-step tensors; Python work is O(new tokens + blocks), never O(context length)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_ctx: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
-        ctx_slots: list[int] = []
         dev = self.device
+        bs = self.block_size
         for s in step.seqs:
             n = len(s.token_ids)
             q_start = len(ids)
             ids.extend(s.token_ids)
             end = s.start_pos + n
             positions.extend(range(s.start_pos, end))
-            all_slots = self._slots(s.block_table, 0, end)
-            slot_mapping.extend(all_slots[s.start_pos :])
+            slot_mapping.extend(self._slots(s.block_table, s.start_pos, end))
             q_lens.append(n)
             ctx_lens.append(end)
-            ctx_slots.extend(all_slots)
             if n == 1 and not prefills:
-                decode_ctx.append(all_slots)
+                decode_tables.append(s.block_table[: -(-end // bs)])
+                decode_lens.append(end)
             else:
                 fresh = s.start_pos == 0
                 mask = None
                 if not fresh:
                     q_pos = torch.arange(s.start_pos, end, device=dev).unsqueeze(1)
                     mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
-                prefills.append(
-                    PrefillChunk(
-                        q_start, n, end, None if fresh else torch.tensor(all_slots, device=dev), mask
-                    )
-                )
-        decode_slots = decode_mask = None
-        if decode_ctx:
-            lmax = max(len(c) for c in decode_ctx)
-            lens = torch.tensor([len(c) for c in decode_ctx], device=dev)
-            decode_slots = torch.tensor([c + [0] * (lmax - len(c)) for c in decode_ctx], device=dev)
-            decode_mask = (torch.arange(lmax, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+                slots = None if fresh else self._context_slots(s.block_table, end)
+                prefills.append(PrefillChunk(q_start, n, end, slots, mask))
+        tables_t = mask_t = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            mask_t = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        ctx_slots = None
+        if self.needs_context_slots:
+            ctx_slots = torch.cat([self._context_slots(s.block_table, c) for s, c in zip(step.seqs, ctx_lens,
+                                                                                          strict=True)])
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=dev),
-            num_decode=len(decode_ctx),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
+            num_decode=len(decode_tables),
+            block_size=bs,
+            decode_block_tables=tables_t,
+            decode_mask=mask_t,
             prefills=prefills,
             q_lens=q_lens,
             ctx_lens=ctx_lens,
-            ctx_slots=torch.tensor(ctx_slots, device=dev),
+            ctx_slots=ctx_slots,
         )
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
 
@@ -134,14 +145,17 @@ class ModelRunner:
         if not rows:
             # Every rank must still join the LM head's collective in lockstep; nothing to gather here.
             return StepOutput({}, {}, {}) if self.is_driver else None
-        logits = self.model.compute_logits(hidden[rows]).float()
+        # Logits stay in the model dtype (the LM head's output precision); the sampler upcasts the
+        # rows that need more than an argmax. Copying [B, vocab] fp32 tensors costs ms per step.
+        logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
         if not self.is_driver:
             return None
         sampling = [s for s in step.seqs if s.sample]
         out = StepOutput({}, {}, {})
         if sampling:
             tensors = self.sampling_tensors(sampling)
-            token_ids, logprobs = sample(logits[sample_rows], tensors)
+            rows_needed = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            token_ids, logprobs = sample(rows_needed, tensors)
             for i, s in enumerate(sampling):
                 out.sampled[s.request_id] = token_ids[i]
                 if logprobs is not None and s.params and s.params.logprobs is not None:
@@ -151,7 +165,7 @@ class ModelRunner:
         for s in step.seqs:
             if s.request_id in prompt_rows and s.params is not None:
                 first, count = prompt_rows[s.request_id]
-                lps = logits[first : first + count].log_softmax(-1)
+                lps = logits[first : first + count].float().log_softmax(-1)
                 targets = torch.tensor(s.prompt_logprob_targets)
                 out.prompt_logprobs[s.request_id] = gather_logprobs(lps, targets, s.params.prompt_logprobs or 0)
         return out

@@ -61,7 +61,10 @@ def _truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[list[int], list[TokenLogprob] | None]:
-    """logits: [B, V] float32. Returns chosen token ids and, if any row asked, their logprobs."""
+    """logits: [B, V] in the model dtype. Returns chosen token ids and, if asked, their logprobs."""
+    if t.all_greedy and t.max_logprobs is None and t.additive is None and not t.penalty_rows:
+        return logits.argmax(-1).tolist(), None  # the common fast path: no upcast, no copies
+    logits = logits.float()
     if t.additive is not None:
         logits = logits + t.additive
     if t.penalty_rows:
