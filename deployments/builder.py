@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from deployments.tokenizer import TokenizerDeployment
-from model_parallel.model_files import resolve_model_path
 from ray.serve import Application
 
 from deployments.config import ServerConfig
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMDeployment
+from deployments.tokenizer import TokenizerDeployment
+from model_parallel.model_files import resolve_model_path
 from model_parallel.worker import resolve_device
 
 log = logging.getLogger("ray.serve")

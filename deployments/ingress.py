@@ -1,16 +1,13 @@
 """HTTP ingress: OpenAI routes on FastAPI through serve.ingress. Thin: validate -> tokenize -> generate -> stream."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
 import hmac
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from app.errors import APIError, from_validation_error
-from app.sse import GenerationDelta, collect_chat, collect_completion, stream_chat, stream_completion
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -18,6 +15,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import protocol as P
+from app.errors import APIError, from_validation_error
+from app.sse import GenerationDelta, collect_chat, collect_completion, stream_chat, stream_completion
 from deployments.config import ServerConfig
 from deployments.llm_server import GenerateRequest
 
@@ -90,12 +89,20 @@ class Ingress:
             raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error",
                            param="model", code="model_not_found")
 
+    async def render(self, messages: list[dict], **kw) -> list[int]:
+        try:
+            _, ids = await self.tokenizer.render_chat.remote(messages, **kw)
+        except ValueError as exc:  # template or message-shape problems are the client's
+            raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
+                           param="messages") from None
+        return ids
+
     async def run(self, greq: GenerateRequest, stream_fn, collect_fn, stream: bool, **kw):
         gen = self.llm.options(stream=True).generate.remote(greq)
         deltas = flatten(gen)
         if not stream:
             try:
-                return JSONResponse((await collect_fn(deltas, **kw)).model_dump(exclude_none=True))
+                return JSONResponse(await collect_fn(deltas, **kw))
             finally:
                 gen.cancel()
         # Wait for the first batch before answering, so early refusals are plain HTTP errors.
@@ -131,18 +138,18 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        return JSONResponse(P.ModelList(data=[await self.model_card()]).model_dump(exclude_none=True))
+        return JSONResponse({"object": "list", "data": [await self.model_card()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self.check_auth(request)
         self.check_model(model_id)
-        return JSONResponse((await self.model_card()).model_dump(exclude_none=True))
+        return JSONResponse(await self.model_card())
 
-    async def model_card(self) -> P.ModelCard:
+    async def model_card(self) -> dict:
         info = await self.info()
-        return P.ModelCard(id=self.model_name, created=self.created, owned_by="rayllm-tp", root=self.model_name,
-                           max_model_len=info["max_model_len"])
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
+                "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"]}
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -151,7 +158,7 @@ class Ingress:
         self.check_model(req.model)
         P.check_supported(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        _, ids = await self.tokenizer.render_chat.remote(
+        ids = await self.render(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
@@ -189,8 +196,6 @@ class Ingress:
         vocab = (await self.tokenizer_info())["vocab_size"]
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise APIError(400, "best_of > n is not supported yet", param="best_of")
         # Each prompt is validated against the context on its own; the strictest sets max_tokens.
         params = min(
             (P.to_sampling_params(req, prompt_len=len(p), max_model_len=info["max_model_len"]) for p in prompts),
@@ -217,7 +222,7 @@ class Ingress:
         req = await parse(request, P.TokenizeRequest)
         self.check_model(req.model)
         if req.messages is not None:
-            _, ids = await self.tokenizer.render_chat.remote(
+            ids = await self.render(
                 [m.model_dump(exclude_none=True) for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
@@ -236,7 +241,3 @@ class Ingress:
         req = await parse(request, P.DetokenizeRequest)
         self.check_model(req.model)
         return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
-
-
-def dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))

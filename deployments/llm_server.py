@@ -12,12 +12,12 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from ray import serve
+
 from app.errors import APIError
 from app.protocol import StopOptions
 from app.sse import GenerationDelta
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
-from ray import serve
-
 from model_parallel.config import EngineConfig
 from model_parallel.outputs import RequestOutput, TokenLogprob
 from model_parallel.sampling_params import SamplingParams
