@@ -18,10 +18,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model_parallel.model_files import default_model_path  # noqa: E402
-
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from model_parallel.engine import LLMEngine  # noqa: E402
+from model_parallel.model_files import default_model_path  # noqa: E402
 from model_parallel.sampling_params import SamplingParams  # noqa: E402
 
 QUESTIONS = [

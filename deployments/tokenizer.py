@@ -13,6 +13,10 @@ from typing import Any
 
 from ray import serve
 
+# Text held back while stop_regex is set (SGLang bounds regex stops similarly); longer matches
+# still stop generation, but their start may already have been streamed.
+REGEX_HOLDBACK_CHARS = 64
+
 # Roles some chat templates do not know, mapped onto ones they do.
 ROLE_FALLBACK = {"developer": "system", "function": "tool"}
 
@@ -171,6 +175,9 @@ class IncrementalDetokenizer:
                 if self.text.endswith(s[:k]):
                     safe = min(safe, len(self.text) - k)
                     break
+        if self.stop_regex:
+            # A regex match can begin anywhere; keep a window unsent so typical matches are cut cleanly.
+            safe = min(safe, len(self.text) - REGEX_HOLDBACK_CHARS)
         out = self.text[self.emitted : max(safe, self.emitted)]
         self.emitted = max(safe, self.emitted)
         return out, None
