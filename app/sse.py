@@ -66,7 +66,7 @@ def legacy_logprobs(entries: list[dict | None], text_start: int) -> dict[str, An
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_start
     for e in entries:
-        if e is None:  # the first prompt token has no logprob
+        if e is None:
             continue
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
@@ -77,12 +77,8 @@ def legacy_logprobs(entries: list[dict | None], text_start: int) -> dict[str, An
 
 
 def _prompt_entries(d: GenerationDelta) -> list[dict | None]:
-    if not d.prompt_logprobs:
-        return []
-    first, *rest = d.prompt_logprobs
-    # The first prompt token is reported with a null logprob, as OpenAI's echo does.
-    head = [{"token": "", "logprob": None, "bytes": [], "top_logprobs": []}] if first is None else [first]
-    return head + rest
+    # The first prompt token comes with a null logprob, as OpenAI's echo reports it.
+    return list(d.prompt_logprobs or [])
 
 
 async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,

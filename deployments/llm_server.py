@@ -122,7 +122,7 @@ class LLMServer:
                     if req.echo_texts is not None:
                         delta.prompt_text = req.echo_texts[index // req.n]
                     if o.prompt_logprobs is not None:
-                        delta.prompt_logprobs = self._prompt_logprobs(o)
+                        delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0])
                 out.put_nowait(delta)
                 if matched is not None:
                     break  # leaving the generator aborts the sequence in the engine
@@ -131,10 +131,14 @@ class LLMServer:
         except Exception as exc:
             out.put_nowait(exc)
 
-    def _prompt_logprobs(self, o: RequestOutput) -> list[dict | None]:
+    def _prompt_logprobs(self, o: RequestOutput, first_token: int) -> list[dict | None]:
+        """The first prompt token has no logprob: it is reported with its text and a null value."""
         assert o.prompt_logprobs is not None
         rest = [lp for lp in o.prompt_logprobs if lp is not None]
-        return [None] + _token_logprobs(self.tokenizer, rest)
+        (first,) = self.tokenizer.token_strings([first_token])
+        head = {"token": first, "logprob": None, "bytes": self.tokenizer.token_bytes([first_token])[0],
+                "top_logprobs": []}
+        return [head] + _token_logprobs(self.tokenizer, rest)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]:
         """Yields batches of deltas (whatever all choices produced since the last yield)."""

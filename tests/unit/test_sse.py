@@ -59,13 +59,13 @@ def lp(tok: str, val: float) -> dict:
 
 
 async def test_completion_echo_and_legacy_logprobs_offsets():
-    first = delta(0, " x", prompt_text="ab", prompt_logprobs=[None, lp("b", -0.5)])
+    first = delta(0, " x", prompt_text="ab", prompt_logprobs=[{"token": "a", "logprob": None, "bytes": [97], "top_logprobs": []}, lp("b", -0.5)])
     first.logprobs = [lp(" x", -1.0)]
     body = await collect_completion(agen([first, delta(0, "", "stop")]), n=1, **KW)
     c = body["choices"][0]
     assert c["text"] == "ab x"
-    assert c["logprobs"]["tokens"] == ["", "b", " x"]
+    assert c["logprobs"]["tokens"] == ["a", "b", " x"]
     assert c["logprobs"]["token_logprobs"] == [None, -0.5, -1.0]
-    assert c["logprobs"]["text_offset"] == [0, 0, 1]
+    assert c["logprobs"]["text_offset"] == [0, 1, 2]
     out = await events(stream_completion(agen([delta(0, "hi", prompt_text="P: "), delta(0, "", "stop")]), n=1, **KW))
     assert json.loads(out[0][6:])["choices"][0]["text"] == "P: hi"
