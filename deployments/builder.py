@@ -24,15 +24,20 @@ log = logging.getLogger("ray.serve")
 def placement_bundles(config: ServerConfig) -> list[dict[str, float]] | None:
     """Bundle 0 holds the replica itself; one more bundle per tensor-parallel rank."""
     tp = config.engine.parallel.tensor_parallel_size
-    if tp == 1:
+    if tp == 1 and config.engine.parallel.executor == "auto":
         return None  # the replica runs the model in-process
     on_gpu = resolve_device(config.engine.parallel.device).type == "cuda"
     rank = {"CPU": 1.0, "GPU": 1.0} if on_gpu else {"CPU": 1.0}
     return [{"CPU": config.replica_num_cpus}] + [rank] * tp
 
 
-def build_app(args: dict[str, Any] | None = None, *, engine_cls=None) -> Application:
-    config = ServerConfig.from_args(args)
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve's application-builder entry: exactly one parameter, the `args` mapping from cluster.yaml."""
+    return build_app_with(ServerConfig.from_args(args))
+
+
+def build_app_with(config: ServerConfig, engine_cls=None) -> Application:
+    """The same, from a config object; `engine_cls` lets routing tests inject a small fake engine."""
     model_path = resolve_model_path(config.engine.model.model)
     llm_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": config.replica_num_cpus}}
     bundles = placement_bundles(config)

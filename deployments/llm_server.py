@@ -24,6 +24,8 @@ from model_parallel.sampling_params import SamplingParams
 
 log = logging.getLogger("ray.serve")
 
+GIL_SWITCH_INTERVAL_S = 0.0002
+
 
 @dataclass
 class GenerateRequest:
@@ -56,7 +58,13 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict
 
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None):
+        import sys
+
         from model_parallel.engine import AsyncLLMEngine, LLMEngine
+
+        # The engine thread re-takes the GIL between hundreds of small torch ops per step; with the
+        # default 5 ms switch interval, every hand-off from the asyncio thread stalls it that long.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
         self.tokenizer = TokenizerService(model_path)
         engine_cls = engine_cls or LLMEngine

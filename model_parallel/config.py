@@ -71,8 +71,13 @@ class ParallelConfig:
     attention_backend: str = "auto"  # auto | sdpa | xformers
     # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
     cpu_threads_per_rank: int = 0
+    # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
+    # keeps the model off the serving replica's GIL and event loop.
+    executor: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.executor not in ("auto", "ray"):
+            raise ValueError("executor must be auto or ray")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -39,6 +39,9 @@ class EngineStats:
     kv_usage: float
     prefix_hit_rate: float
     num_preemptions: int
+    num_steps: int
+    step_seconds: float  # total time spent in step(), for the per-step cost under load
+    execute_seconds: float  # of which in the model (executor.execute)
 
 
 class LLMEngine:
@@ -59,6 +62,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
         self._finished_ids: list[str] = []
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.execute_seconds = 0.0
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
                  self.executor.num_blocks, config.cache.block_size, self.max_model_len)
 
@@ -97,7 +103,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
                            bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
-                           self.scheduler.num_preemptions)
+                           self.scheduler.num_preemptions, self.num_steps, self.step_seconds,
+                           self.execute_seconds)
 
     def _seq_step(self, sc: ScheduledSeq) -> SeqStep:
         seq, n = sc.seq, sc.num_tokens
@@ -121,6 +128,14 @@ class LLMEngine:
         return step
 
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         runnable = []
@@ -138,7 +153,9 @@ class LLMEngine:
         samples = [sc.samples for sc in runnable]
         step_input = StepInput([self._seq_step(sc) for sc in runnable], self._finished_ids)
         self._finished_ids = []
+        t_exec = time.perf_counter()
         result = self.executor.execute(step_input)
+        self.execute_seconds += time.perf_counter() - t_exec
         for sc, sampled in zip(runnable, samples, strict=True):
             seq = sc.seq
             seq.num_computed_tokens += sc.num_tokens

@@ -107,6 +107,6 @@ class RayExecutor:
 
 
 def make_executor(config: EngineConfig, model_path: str, arch: LlamaArch) -> LocalExecutor | RayExecutor:
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.tensor_parallel_size == 1 and config.parallel.executor == "auto":
         return LocalExecutor(config, model_path, arch)
     return RayExecutor(config, model_path, arch)

@@ -1,0 +1,50 @@
+"""cluster.yaml is a valid Serve config whose args build our ServerConfig."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import ServerConfig
+from model_parallel.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cluster_yaml_builds_server_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    ServeDeploySchema.model_validate(doc) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema(**doc)
+    (app,) = doc["applications"]
+    assert app["import_path"] == "deployments.builder:build_app"
+    cfg = ServerConfig.from_args(app["args"])
+    assert cfg.served_model_name == "SmolLM2-135M-Instruct"
+    assert cfg.engine.parallel.tensor_parallel_size == 1
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8000, "request_timeout_s": 600}
+
+
+def test_builder_takes_exactly_one_argument_as_serve_requires():
+    from deployments.builder import build_app
+
+    assert len(inspect.signature(build_app).parameters) == 1
+
+
+def test_bad_engine_config_is_rejected():
+    with pytest.raises(ValueError):
+        EngineConfig.from_dict({"cache": {"block_size": 12}})
+    with pytest.raises(ValueError):
+        EngineConfig.from_dict({"bogus": {}})
+    with pytest.raises(TypeError):
+        EngineConfig.from_dict({"model": {"not_a_field": 1}})
+
+
+def test_tp_placement_bundles():
+    from deployments.builder import placement_bundles
+
+    cfg = ServerConfig.from_args({"engine": {"parallel": {"tensor_parallel_size": 2, "device": "cpu"}}})
+    assert placement_bundles(cfg) == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert placement_bundles(ServerConfig()) is None
