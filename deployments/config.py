@@ -16,6 +16,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     # Logical CPUs the model replica's own actor reserves (its TP ranks reserve one bundle each).
     replica_num_cpus: float = 1.0
+    # Minimum seconds between streamed messages of one request (0 = one message per engine step).
+    stream_interval_s: float = 0.0
 
     @property
     def served_model_name(self) -> str:

@@ -57,7 +57,9 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict
 
 
 class LLMServer:
-    def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None):
+    def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None,
+                 stream_interval_s: float = 0.0):
+        self.stream_interval_s = stream_interval_s
         import sys
 
         from model_parallel.engine import AsyncLLMEngine, LLMEngine
@@ -156,15 +158,24 @@ class LLMServer:
             asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue)) for i in range(total)
         ]
         finished = 0
+        loop = asyncio.get_running_loop()
+        last_yield: float | None = None
         try:
             while finished < total:
                 batch = [await queue.get()]
+                if last_yield is not None and self.stream_interval_s > 0:
+                    # Coalesce tokens into fewer, larger stream messages: each hop costs CPU on every
+                    # process it crosses. The first delta (time to first token) is never delayed.
+                    delay = last_yield + self.stream_interval_s - loop.time()
+                    if delay > 0 and not any(d.finish_reason for d in batch if isinstance(d, GenerationDelta)):
+                        await asyncio.sleep(delay)
                 while not queue.empty():
                     batch.append(queue.get_nowait())
                 for item in batch:
                     if isinstance(item, BaseException):
                         raise item
                 finished += sum(1 for d in batch if d.finish_reason is not None)
+                last_yield = loop.time()
                 yield batch
         finally:
             for t in tasks:  # client gone or error: cancel every choice, which aborts it in the engine

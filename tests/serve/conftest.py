@@ -32,6 +32,7 @@ def server():
     # fp32 so that greedy outputs do not depend on batch composition (bf16 GEMMs round per batch shape).
     app = build_app({
         "api_keys": [API_KEY],
+        "stream_interval_s": 0.05,  # the coalescing path that cluster.yaml enables
         "engine": {"model": {"dtype": "float32", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},
                    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512}},
