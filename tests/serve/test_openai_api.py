@@ -181,3 +181,34 @@ def test_disconnect_mid_stream_frees_slot_and_blocks(server, auth, model_name, c
     assert s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_usage"] == 0.0
     r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=8)
     assert r.choices[0].message.content
+
+
+def test_tensor_parallel_2_replica_through_serve(server, client, model_name, auth):
+    """A second application whose model replica drives two TP actors in its placement group (gloo)."""
+    from openai import OpenAI
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    api_key = auth["Authorization"].removeprefix("Bearer ")
+    app = build_app({"api_keys": [api_key], "engine": {
+        "model": {"dtype": "float32", "max_model_len": 2048}, "cache": {"kv_cache_bytes": 128 << 20},
+        "parallel": {"tensor_parallel_size": 2, "device": "cpu"}}})
+    serve.run(app, name="tp2", route_prefix="/tp2", blocking=False)
+    try:
+        tp2 = OpenAI(base_url=f"{server}/tp2/v1", api_key=api_key, max_retries=0, timeout=120)
+        deadline = time.time() + 240
+        while True:
+            try:
+                got = tp2.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=16)
+                break
+            except (openai.APIStatusError, openai.APIConnectionError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
+        ref = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=16)
+        assert got.choices[0].message.content == ref.choices[0].message.content
+        handle = serve.get_deployment_handle("llm", app_name="tp2")
+        assert handle.stats.remote().result()["num_steps"] > 0
+    finally:
+        serve.delete("tp2")
