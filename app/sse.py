@@ -81,6 +81,12 @@ def _prompt_entries(d: GenerationDelta) -> list[dict | None]:
     return list(d.prompt_logprobs or [])
 
 
+def _stream_end(base: dict[str, Any], usage: Usage, include_usage: bool) -> list[str]:
+    """The usage chunk (empty choices) when asked for, then [DONE]."""
+    events = [sse_event(base | {"choices": [], "usage": usage.to_dict()})] if include_usage else []
+    return events + [SSE_DONE]
+
+
 async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
                       n: int, include_usage: bool = False, continuous_usage_stats: bool = False
                       ) -> AsyncIterator[str]:
@@ -107,9 +113,8 @@ async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str
         yield sse_error(err)
         yield SSE_DONE
         return
-    if include_usage:
-        yield sse_event(base | {"choices": [], "usage": usage.to_dict()})
-    yield SSE_DONE
+    for event in _stream_end(base, usage, include_usage):
+        yield event
 
 
 async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
@@ -142,9 +147,8 @@ async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_i
         yield sse_error(err)
         yield SSE_DONE
         return
-    if include_usage:
-        yield sse_event(base | {"choices": [], "usage": usage.to_dict()})
-    yield SSE_DONE
+    for event in _stream_end(base, usage, include_usage):
+        yield event
 
 
 async def collect_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,

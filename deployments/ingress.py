@@ -97,7 +97,13 @@ class Ingress:
                            param="messages") from None
         return ids
 
-    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, stream: bool, **kw):
+    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields):
+        stream = bool(req.stream)
+        kw = dict(request_id=greq.request_id, model=self.model_name, created=int(time.time()), n=greq.n)
+        if stream:
+            opts = req.stream_options
+            kw |= dict(include_usage=bool(opts and opts.include_usage),
+                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
         gen = self.llm.options(stream=True).generate.remote(greq)
         deltas = flatten(gen)
         if not stream:
@@ -170,12 +176,7 @@ class Ingress:
         params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=info["max_model_len"])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1)
-        opts = req.stream_options
-        kw = dict(request_id=rid, model=self.model_name, created=int(time.time()), n=greq.n)
-        if req.stream:
-            kw |= dict(include_usage=bool(opts and opts.include_usage),
-                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
-        return await self.run(greq, stream_chat, collect_chat, bool(req.stream), **kw)
+        return await self.run(greq, stream_chat, collect_chat, req)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -204,12 +205,7 @@ class Ingress:
         rid = f"cmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
                                echo_texts=texts if req.echo else None)
-        opts = req.stream_options
-        kw = dict(request_id=rid, model=self.model_name, created=int(time.time()), n=greq.n)
-        if req.stream:
-            kw |= dict(include_usage=bool(opts and opts.include_usage),
-                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
-        return await self.run(greq, stream_completion, collect_completion, bool(req.stream), **kw)
+        return await self.run(greq, stream_completion, collect_completion, req)
 
     async def tokenizer_info(self) -> dict:
         if not hasattr(self, "_tok_info"):
