@@ -192,8 +192,8 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
             continue
         try:
             param.weight_loader(param, tensor.to(param.dtype), shard)  # type: ignore[attr-defined]
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        except (ValueError, RuntimeError) as exc:  # shape checks, or a slice past a too-small tensor
+            raise ValueError(f"{name} {tuple(tensor.shape)} does not fit {param_name}: {exc}") from None
         loaded[param_name] = loaded.get(param_name, 0) + 1
         if name in ckpt_bits:
             source_bits[param_name] = min(source_bits.get(param_name, 99), ckpt_bits[name])

@@ -78,3 +78,22 @@ def test_smollm2_logits_match_transformers(gguf_path, hf_model, hf_tokenizer, tp
     got = our_logits(gguf_path, tp, ids)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
     assert hf_tokenizer.decode(int(got[-1].argmax())).strip() == "Berlin"
+
+
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "misshaped"])
+def test_loader_fails_loudly_on_bad_checkpoints(tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    (shard,) = [f for f in __import__("os").listdir(path) if f.endswith(".safetensors")]
+    tensors = load_file(f"{path}/{shard}")
+    if damage == "missing":
+        tensors.pop("model.layers.1.mlp.down_proj.weight")
+    elif damage == "unexpected":
+        tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    else:
+        tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(5, 96)
+    save_file(tensors, f"{path}/{shard}")
+    with pytest.raises(ValueError, match={"missing": "missing", "unexpected": "unexpected",
+                                          "misshaped": "k_proj"}[damage]):
+        our_logits(path, 1, [1, 2, 3])
