@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from app.errors import APIError
@@ -30,7 +30,6 @@ class GenerationDelta:
     completion_tokens: int  # cumulative for this choice
     prompt_logprobs: list[dict | None] | None = None  # first delta only, echo + logprobs
     prompt_text: str | None = None  # first delta only, completions echo
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def sse_event(payload: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ray import serve
 
@@ -38,7 +38,6 @@ class GenerateRequest:
     n: int = 1
     echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
     lora: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
