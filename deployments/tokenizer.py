@@ -7,63 +7,118 @@ own CPU replicas. `IncrementalDetokenizer` runs beside the engine in the model d
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from ray import serve
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-# Text held back while stop_regex is set (SGLang bounds regex stops similarly); longer matches
-# still stop generation, but their start may already have been streamed.
+# Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
+# exists; this window makes typical (short) matches stop cleanly. Longer matches still stop
+# generation, but their beginning may already have been streamed.
 REGEX_HOLDBACK_CHARS = 64
+
+# Prompt tokens decoded as context before the first output token (as vLLM): a token's leading
+# space or a UTF-8 character split across the prompt/output boundary decodes as it would in place.
+PROMPT_CONTEXT_TOKENS = 5
 
 # Roles some chat templates do not know, mapped onto ones they do.
 ROLE_FALLBACK = {"developer": "system", "function": "tool"}
 
+# Keys of chat_template_kwargs that would clash with our own arguments to apply_chat_template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "return_dict", "return_tensors", "chat_template", "tools",
+     "add_generation_prompt", "continue_final_message", "padding", "truncation", "max_length"}
+)
 
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
+# Fill-in-the-middle token spellings: StarCoder/SantaCoder style and Qwen2.5-Coder style.
+FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                  ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 
-    if model_path.endswith(".gguf"):
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
-        if not getattr(tok, "chat_template", None):
-            from model_parallel.loader import open_gguf
+# End-of-turn tokens of common chat formats, stopped on besides the tokenizer's EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
 
-            field = open_gguf(model_path).fields.get("tokenizer.chat_template")
-            if field is not None:
-                tok.chat_template = field.contents()
-        return tok
-    return AutoTokenizer.from_pretrained(model_path)
+# Marks the end of the final message's content when continuing it (cut point in the rendered text).
+_CONTINUE_SENTINEL = "\x00<continue-final-message>\x00"
+
+
+def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
+    """A GGUF file (tokenizer rebuilt from its metadata by transformers) or a Hugging Face directory."""
+    if not model_path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(model_path)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    if not getattr(tok, "chat_template", None):
+        # Older transformers did not copy `tokenizer.chat_template` from the GGUF metadata.
+        from gguf import GGUFReader  # numpy only, no torch
+
+        field = GGUFReader(model_path).fields.get("tokenizer.chat_template")
+        if field is not None:
+            tok.chat_template = field.contents()
+    return tok
 
 
 def _text_of(content: Any) -> str | None:
     """OpenAI content: a string, None, or a list of parts; text parts are joined."""
     if content is None or isinstance(content, str):
         return content
-    parts = []
+    if not isinstance(content, list):
+        raise ValueError(f"message content must be a string or a list of parts, not {type(content).__name__}")
+    parts: list[str] = []
     for part in content:
-        if part.get("type") != "text":
-            raise ValueError(f"{part.get('type')} content is not supported by this text-only model")
-        parts.append(part.get("text", ""))
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text":
+            parts.append(str(part.get("text") or ""))
+        elif isinstance(part, dict) and part.get("type") == "refusal":
+            parts.append(str(part.get("refusal") or ""))
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{kind} content is not supported by this text-only model")
     return "".join(parts)
 
 
-class ChatRenderer:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        template = getattr(tokenizer, "chat_template", None) or ""
-        self.known_roles = {r for r in ("developer", "function", "tool") if f"'{r}'" in template}
+def _tool_calls(calls: list[dict]) -> list[dict]:
+    """HF templates expect `arguments` as a mapping (they `tojson` it); OpenAI sends a JSON string."""
+    out = []
+    for call in calls:
+        call = dict(call)
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
+            except json.JSONDecodeError:
+                pass  # leave malformed arguments as the client sent them
+        out.append(call)
+    return out
 
-    def _messages(self, messages: list[dict]) -> list[dict]:
+
+class ChatRenderer:
+    """Renders OpenAI-shaped messages with the model's (or a request's) jinja chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.default_template: str | None = getattr(tokenizer, "chat_template", None) or None
+
+    @staticmethod
+    def _known_roles(template: str) -> set[str]:
+        return {r for r in ROLE_FALLBACK if f"'{r}'" in template or f'"{r}"' in template}
+
+    def _messages(self, messages: list[dict], template: str) -> list[dict]:
+        known = self._known_roles(template)
         out = []
-        for m in messages:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}] must be an object with a role")
             m = dict(m)
-            m["content"] = _text_of(m.get("content"))
-            role = m.get("role")
-            if role in ROLE_FALLBACK and role not in self.known_roles:
-                m["role"] = ROLE_FALLBACK[role]
-            if m["content"] is None:
-                m["content"] = ""
+            # Templates concatenate content; None (assistant with tool_calls) renders as empty.
+            m["content"] = _text_of(m.get("content")) or ""
+            if m["role"] in ROLE_FALLBACK and m["role"] not in known:
+                m["role"] = ROLE_FALLBACK[m["role"]]
+            if m.get("tool_calls"):
+                m["tool_calls"] = _tool_calls(m["tool_calls"])
             out.append(m)
         return out
 
@@ -79,40 +134,65 @@ class ChatRenderer:
     ) -> str:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        msgs = self._messages(messages)
-        if continue_final_message and (not msgs or msgs[-1]["role"] != "assistant"):
-            raise ValueError("continue_final_message needs the last message to be from the assistant")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                msgs,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
-        except Exception as exc:  # jinja errors and template-raised exceptions alike
-            raise ValueError(f"chat template failed: {exc}") from None
+        template = chat_template or self.default_template
+        if not template:
+            raise ValueError("this model has no chat template; pass chat_template or use /v1/completions")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        msgs = self._messages(messages, template)
         if continue_final_message:
-            # Cut right after the final message's content, leaving the assistant turn open.
+            if msgs[-1]["role"] != "assistant":
+                raise ValueError("continue_final_message needs the last message to be from the assistant")
             final = msgs[-1]["content"]
-            cut = text.rfind(final) if final else -1
+            msgs[-1] = {**msgs[-1], "content": final + _CONTINUE_SENTINEL}
+        kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=template, tools=tools, **kwargs)
+        except Exception as exc:  # jinja syntax errors, undefined variables, raise_exception() alike
+            raise ValueError(f"chat template error: {type(exc).__name__}: {exc}") from None
+        if not isinstance(text, str):
+            raise ValueError("chat template did not render to text")
+        if continue_final_message:
+            # Cut right after the final content, dropping the template's end-of-turn tokens (as vLLM);
+            # the sentinel survives templates that rewrite content (strip, split on think tags).
+            cut = text.rfind(_CONTINUE_SENTINEL)
             if cut < 0:
-                raise ValueError("could not locate the final assistant message in the rendered prompt")
-            text = text[: cut + len(final)]
+                raise ValueError("the chat template dropped the final assistant message; cannot continue it")
+            text = text[:cut]
         return text
+
+
+def _fast_backend(tokenizer: PreTrainedTokenizerBase) -> Any | None:
+    """The Rust `tokenizers.Tokenizer` behind a fast tokenizer, else None (slow/Python tokenizer)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if backend is not None and hasattr(backend, "decode_batch") else None
+
+
+def _make_decoder(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool, spaces_between_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    backend = _fast_backend(tokenizer)
+    if backend is not None:
+        # Straight to Rust: ~3x less overhead than tokenizer.decode on this hot path. Fast tokenizers
+        # ignore spaces_between_special_tokens and we never clean up tokenization spaces.
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False,
+                             spaces_between_special_tokens=spaces_between_special_tokens)
 
 
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas, holding back what could still be a stop string.
 
-    Decoding uses a sliding window (prefix/read offsets): only the last few tokens are re-decoded
-    per step, and text ending in an incomplete UTF-8 character (U+FFFD) waits for the next token.
+    Decoding uses a sliding window (prefix/read offsets): each step re-decodes only the tokens since
+    the last emitted one plus the previous few, and text ending in an incomplete UTF-8 character
+    (U+FFFD) waits for the next token. Emitted text is never revisited, so a step is O(new tokens)
+    plus the stop search over the held-back tail (and, with stop_regex, a search of the full text).
     """
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: list[int],
         *,
         stop: tuple[str, ...] = (),
@@ -121,142 +201,93 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ):
-        self.tokenizer = tokenizer
-        self.skip_special = skip_special_tokens
-        self.spaces_between_special = spaces_between_special_tokens
+        self._decode = _make_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.stop_regex = tuple(re.compile(r) for r in stop_regex)
         self.include_stop = include_stop_str_in_output
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
-        # A few prompt tokens of context make the first output token's leading space decode right.
-        self.ids: list[int] = list(prompt_token_ids[-4:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-        self.text = ""  # all output text decoded so far
-        self.emitted = 0  # characters of self.text already returned
+        # For the hold-back check: last character -> (k, prefix) for every proper stop prefix ending in
+        # it, so a step whose text ends in a character that no stop contains costs O(1).
+        self._prefix_lens: dict[str, list[tuple[int, str]]] = {}
+        for s in self.stop:
+            for k in range(len(s) - 1, 0, -1):
+                self._prefix_lens.setdefault(s[k - 1], []).append((k, s[:k]))
+        # Window (vLLM's prefix/read offsets, with the prefix offset kept at 0 by dropping older ids):
+        # ids[:read] decoded to prefix_text, already emitted; ids[read:] not yet turned into text.
+        self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids) if self._ids else ""
+        self._pending = ""  # decoded text not yet returned (possible start of a stop string)
+        self._text = ""  # the whole output text, kept only when stop_regex needs it
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special,
-            spaces_between_special_tokens=self.spaces_between_special,
-            clean_up_tokenization_spaces=False,
-        )
-
-    def _append_tokens(self, token_ids: list[int]) -> None:
+    def _step(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the newly completed text (vLLM's detokenize_incrementally)."""
+        new = []
         for tid in token_ids:
-            self.ids.append(tid)
-            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            full = self._decode(self.ids[self.prefix_offset :])
-            if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix) :]
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.ids)
+            self._ids.append(tid)
+            full = self._decode(self._ids)
+            if len(full) > len(self._prefix_text) and not full.endswith("\ufffd"):
+                new.append(full[len(self._prefix_text) :])
+                # Slide the window: the tokens just read become the next step's context.
+                del self._ids[: self._read]
+                self._read = len(self._ids)
+                self._prefix_text = self._decode(self._ids)
+        return "".join(new)
 
     def add(self, token_ids: list[int]) -> tuple[str, str | None]:
         """Returns (text safe to emit now, the stop string or regex match that ended the output, if any)."""
         if self.stopped:
             return "", None
-        start_search = max(0, self.emitted - self.max_stop_len)
-        self._append_tokens(token_ids)
-        for s in self.stop:
-            idx = self.text.find(s, start_search)
-            if idx >= 0:
-                return self._finish(idx, idx + len(s), s)
-        for rx in self.stop_regex:
-            m = rx.search(self.text)
-            if m:
-                return self._finish(m.start(), m.end(), m.group(0))
-        # Hold back a tail that could be the start of a stop string.
-        safe = len(self.text)
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    safe = min(safe, len(self.text) - k)
-                    break
-        if self.stop_regex:
-            # A regex match can begin anywhere; keep a window unsent so typical matches are cut cleanly.
-            safe = min(safe, len(self.text) - REGEX_HOLDBACK_CHARS)
-        out = self.text[self.emitted : max(safe, self.emitted)]
-        self.emitted = max(safe, self.emitted)
-        return out, None
-
-    def _finish(self, start: int, end: int, matched: str) -> tuple[str, str]:
-        cut = end if self.include_stop else start
-        out = self.text[self.emitted : max(cut, self.emitted)]
-        self.emitted = max(cut, self.emitted)
-        self.stopped = True
-        return out, matched
+        return self._emit(self._step(token_ids), final=False)
 
     def flush(self) -> str:
-        """Text held back for a possible stop string, when generation ends without one."""
+        """Held-back text when generation ends without a stop (plus an incomplete last character as U+FFFD)."""
         if self.stopped:
             return ""
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
-        return out
+        tail = ""
+        if self._read < len(self._ids):  # tokens still waiting for the rest of a UTF-8 character
+            tail = self._decode(self._ids)[len(self._prefix_text) :]
+            self._read = len(self._ids)
+        text, _ = self._emit(tail, final=True)
+        self.stopped = True
+        return text
 
+    def _emit(self, new_text: str, *, final: bool) -> tuple[str, str | None]:
+        if not new_text and not final:
+            return "", None
+        pending = self._pending + new_text
+        if self.stop_regex:
+            self._text += new_text
+        # The earliest stop wins. With the hold-back below, a stop string can only start inside
+        # `pending`, so only that tail is searched.
+        best: tuple[int, int, str] | None = None  # (start, end) in pending coordinates, matched
+        for s in self.stop:
+            i = pending.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, i + len(s), s)
+        base = len(self._text) - len(pending)  # pending's offset inside the full text
+        for rx in self.stop_regex:
+            m = rx.search(self._text)
+            if m and (best is None or m.start() - base < best[0]):
+                best = (m.start() - base, m.end() - base, m.group(0))
+        if best is not None:
+            start, end, matched = best
+            out = pending[: max(end if self.include_stop else start, 0)]
+            self._pending = ""
+            self.stopped = True
+            return out, matched
+        safe = len(pending) if final else len(pending) - self._holdback(pending)
+        out, self._pending = pending[:safe], pending[safe:]
+        return out, None
 
-class TokenizerService:
-    def __init__(self, model_path: str):
-        self.tokenizer = load_tokenizer(model_path)
-        self.renderer = ChatRenderer(self.tokenizer)
-        tok = self.tokenizer
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        for special in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
-            tid = tok.convert_tokens_to_ids(special)
-            if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
-                eos.add(tid)
-        self.eos_token_ids = sorted(eos)
-        self.bos_token_id = tok.bos_token_id
-        self.vocab_size = len(tok)
-        vocab = tok.get_vocab()
-        self.has_fim_tokens = all(t in vocab for t in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
-
-    def info(self) -> dict:
-        return {"vocab_size": self.vocab_size, "eos_token_ids": self.eos_token_ids,
-                "bos_token_id": self.bos_token_id, "has_fim_tokens": self.has_fim_tokens}
-
-    def render_chat(
-        self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict | None = None,
-        tools: list[dict] | None = None,
-    ) -> tuple[str, list[int]]:
-        text = self.renderer.render(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )
-        # The template already wrote the special tokens.
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def token_strings(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-
-    def token_bytes(self, ids: list[int]) -> list[list[int]]:
-        """Raw bytes of each token (byte-level BPE: a token may hold part of a UTF-8 character)."""
-        out = []
-        byte_decoder = getattr(self.tokenizer, "byte_decoder", None) or _gpt2_byte_decoder()
-        for piece in self.tokenizer.convert_ids_to_tokens(ids):
-            try:
-                out.append([byte_decoder[c] for c in piece])
-            except KeyError:  # not a byte-level piece (special token, sentencepiece)
-                out.append(list(piece.encode("utf-8")))
-        return out
+    def _holdback(self, pending: str) -> int:
+        """How many trailing characters of pending could begin a stop string (or a regex match)."""
+        hold = min(REGEX_HOLDBACK_CHARS, len(pending)) if self.stop_regex else 0
+        if pending:
+            for k, prefix in self._prefix_lens.get(pending[-1], ()):
+                if k > hold and pending.endswith(prefix):
+                    hold = k
+        return hold
 
 
 @functools.lru_cache(maxsize=1)
@@ -271,6 +302,94 @@ def _gpt2_byte_decoder() -> dict[str, int]:
             cs.append(256 + n)
             n += 1
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def _generation_config_eos(model_path: str) -> list[int]:
+    """EOS ids a Hugging Face directory's generation_config.json adds (a GGUF has them in its metadata)."""
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [eos] if isinstance(eos, int) else [int(e) for e in eos or ()]
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenizerService:
+    """Chat rendering, encoding and decoding for one model; plain methods so Ray is optional."""
+
+    def __init__(self, model_path: str):
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path)
+        self.renderer = ChatRenderer(self.tokenizer)
+        tok = self.tokenizer
+        vocab = tok.get_vocab()
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        # Chat models end a turn with their own token, which is not always the configured EOS.
+        eos.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        eos.update(_generation_config_eos(model_path))
+        self.eos_token_ids: list[int] = sorted(eos)
+        self.bos_token_id: int | None = tok.bos_token_id
+        self.vocab_size: int = len(tok)  # base vocab plus added tokens: the valid id range
+        self.fim_tokens: tuple[str, str, str] | None = next(
+            (ts for ts in FIM_TOKEN_SETS if all(t in vocab for t in ts)), None
+        )
+        self.has_fim_tokens: bool = self.fim_tokens is not None
+        backend = _fast_backend(tok)
+        self._backend = backend
+        self._added = set(tok.added_tokens_decoder)
+        # Byte-level BPE (GPT-2 style) pieces map characters to bytes; SentencePiece pieces do not.
+        self._byte_level = backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str())["decoder"])
+
+    def info(self) -> dict:
+        return {"vocab_size": self.vocab_size, "eos_token_ids": self.eos_token_ids,
+                "bos_token_id": self.bos_token_id, "has_fim_tokens": self.has_fim_tokens,
+                "fim_tokens": self.fim_tokens}
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> tuple[str, list[int]]:
+        text = self.renderer.render(messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, chat_template=chat_template,
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
+        # The template already wrote BOS and the turn markers: add no special tokens of our own.
+        return text, self.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token decoded alone (a partial UTF-8 character shows as U+FFFD), for logprobs."""
+        if self._backend is not None:
+            return self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def token_bytes(self, ids: list[int]) -> list[list[int]]:
+        """Raw bytes of each token (a token may hold part of a UTF-8 character)."""
+        out = []
+        byte_decoder = _gpt2_byte_decoder()
+        for tid, piece in zip(ids, self.tokenizer.convert_ids_to_tokens(ids), strict=True):
+            piece = piece or ""
+            if tid in self._added:  # added tokens are stored as their text, not byte-mapped
+                out.append(list(piece.encode("utf-8")))
+            elif self._byte_level and all(c in byte_decoder for c in piece):
+                out.append([byte_decoder[c] for c in piece])
+            elif m := _BYTE_PIECE.fullmatch(piece):  # SentencePiece byte fallback
+                out.append([int(m.group(1), 16)])
+            else:  # SentencePiece word piece: '▁' is a space
+                out.append(list(piece.replace("\u2581", " ").encode("utf-8")))
+        return out
 
 
 @serve.deployment(name="tokenizer", max_ongoing_requests=1000)

