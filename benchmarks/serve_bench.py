@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+import urllib.parse
 
 import httpx
 from tqdm import tqdm
@@ -28,45 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_peers  # noqa: E402
 import serve_report  # noqa: E402
 from serve_prompts import messages_for  # noqa: E402
+from serve_stats import Result, cpu_busy, spread_tokens, summarize  # noqa: E402
 
 MAX_TOKENS = {"short": 64, "long": 32}
-
-
-@dataclass
-class Result:
-    ok: bool = False
-    error: str | None = None
-    ttft: float | None = None
-    itl: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    end: float = 0.0
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default method); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def spread_tokens(chars: list[int], total: int) -> list[int]:
-    """Tokens per content chunk: 1 each, or `total` shared by text length when chunks carry several."""
-    n = len(chars)
-    if total <= n or n == 0:
-        return [1] * n
-    weights = [max(c, 1) for c in chars]
-    s = sum(weights)
-    raw = [total * w / s for w in weights]
-    out = [max(1, int(r)) for r in raw]
-    # largest remainder, bounded by n steps either way
-    for i in sorted(range(n), key=lambda i: raw[i] - int(raw[i]), reverse=True)[: max(0, total - sum(out))]:
-        out[i] += 1
-    return out
 
 
 async def one_request(client: httpx.AsyncClient, base: str, model: str, messages: list[dict],
@@ -105,43 +69,22 @@ async def one_request(client: httpx.AsyncClient, base: str, model: str, messages
         res.error = f"{type(e).__name__}: {e}"[:200]
         return res
     res.end = time.perf_counter()
-    if usage is None:
-        res.error = "no usage chunk (stream_options.include_usage ignored?)"
-        return res
-    res.completion_tokens = int(usage.get("completion_tokens") or 0)
-    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    if usage is None:  # server ignores stream_options.include_usage: count content chunks instead
+        res.counted_chunks = True
+        res.completion_tokens = len(times)
+    else:
+        res.completion_tokens = int(usage.get("completion_tokens") or 0)
+        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     if times:
         res.ttft = times[0] - t0
         per_chunk = spread_tokens(chars, res.completion_tokens)
+        if len(times) > 1 and res.completion_tokens > 1:
+            res.tpot = (times[-1] - times[0]) / (res.completion_tokens - 1)
         for i in range(1, len(times)):
             gap, k = times[i] - times[i - 1], per_chunk[i]
             res.itl.extend([gap / k] * k)
     res.ok = True
     return res
-
-
-def summarize(results: list[Result], n_requested: int, wall: float, timed_out: bool) -> dict:
-    ok = [r for r in results if r.ok]
-    toks = sum(r.completion_tokens for r in ok)
-    ttft = [r.ttft for r in ok if r.ttft is not None]
-    itl = [x for r in ok for x in r.itl]
-    errors = [r.error for r in results if not r.ok]
-
-    def rnd(x, k=4):
-        return None if x is None else round(x, k)
-
-    return {
-        "requests": n_requested, "completed": len(ok), "errors": n_requested - len(ok),
-        "timed_out": timed_out, "wall_s": rnd(wall, 3),
-        "ttft_p50_s": rnd(percentile(ttft, 50)), "ttft_p95_s": rnd(percentile(ttft, 95)),
-        "itl_p50_ms": rnd(None if not itl else 1000 * percentile(itl, 50), 2),
-        "itl_p95_ms": rnd(None if not itl else 1000 * percentile(itl, 95), 2),
-        "output_tokens_per_s": rnd(toks / wall if wall > 0 else None, 2),
-        "requests_per_s": rnd(len(ok) / wall if wall > 0 else None, 3),
-        "completion_tokens": toks,
-        "prompt_tokens_mean": rnd(sum(r.prompt_tokens for r in ok) / len(ok), 1) if ok else None,
-        "error_samples": sorted(set(e for e in errors if e))[:3],
-    }
 
 
 async def run_point(client: httpx.AsyncClient, base: str, model: str, prompts: list[list[dict]],
@@ -171,10 +114,30 @@ async def run_point(client: httpx.AsyncClient, base: str, model: str, prompts: l
     return out
 
 
+def wait_idle(max_wait: float, threshold: float) -> float | None:
+    """Wait (at most max_wait s) until the machine's CPU is mostly idle; returns the last busy share.
+
+    The servers under test are idle between points, so a busy CPU here means foreign load (another
+    benchmark, a build) that would skew this point; the share goes into the JSON line either way.
+    """
+    t0 = time.monotonic()
+    busy = cpu_busy()
+    while busy is not None and busy > threshold and time.monotonic() - t0 < max_wait:
+        tqdm.write(f"machine busy ({busy:.0%} CPU before the point); waiting up to {max_wait:.0f}s", file=sys.stderr)
+        time.sleep(4)
+        busy = cpu_busy()
+    if busy is not None and busy > threshold:
+        tqdm.write(f"warning: measuring with {busy:.0%} CPU busy from other processes", file=sys.stderr)
+    return busy
+
+
 async def served_model(client: httpx.AsyncClient, base: str) -> str:
-    resp = await client.get(f"{base}/v1/models", timeout=30)
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    try:
+        resp = await client.get(f"{base}/v1/models", timeout=30)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise SystemExit(f"{base} does not answer GET /v1/models with a model: {type(e).__name__}: {e}") from e
 
 
 def add_ratios(lines: list[dict], ours: str) -> None:
@@ -210,22 +173,27 @@ async def sweep(args, servers: dict[str, str], floor) -> list[dict]:
             total = sum(args.n_requests(c) for c in args.concurrency) * (len(servers) + bool(floor))
             bar = tqdm(total=total, desc=f"{variant} sweep", unit="req", file=sys.stderr, dynamic_ncols=True)
             for c in args.concurrency:
-                prompts = messages_for(variant, args.n_requests(c), salt=c)
+                prompts = messages_for(variant, args.n_requests(c), salt=args.prompt_seed * 1009 + c)
                 point = []
                 for name, url in servers.items():
                     bar.set_postfix_str(f"{name} c={c}")
+                    busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
                     stats = await run_point(client, url, models[name], prompts, c, MAX_TOKENS[variant],
                                             args.point_timeout, bar)
                     point.append({"bench": "serve", "server": name, "variant": variant, "concurrency": c,
-                                  "model": models[name], "max_tokens": MAX_TOKENS[variant], **stats})
+                                  "model": models[name], "max_tokens": MAX_TOKENS[variant],
+                                  "prompt_seed": args.prompt_seed, **stats,
+                                  "cpu_busy_before": busy})
                 if floor is not None:
                     bar.set_postfix_str(f"transformers c={c}")
+                    busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
                     stats = await asyncio.to_thread(floor.run_point, prompts, c, MAX_TOKENS[variant],
                                                     args.point_timeout)
                     bar.update(len(prompts))
                     point.append({"bench": "serve", "server": "transformers", "variant": variant,
                                   "concurrency": c, "model": floor.name, "max_tokens": MAX_TOKENS[variant],
-                                  **stats})
+                                  "prompt_seed": args.prompt_seed,
+                                  **stats, "tokens_from": "generate", "cpu_busy_before": busy})
                 add_ratios(point, args.ours)
                 for line in point:
                     tqdm.write(json.dumps(line), file=sys.stdout)
@@ -238,7 +206,8 @@ async def sweep(args, servers: dict[str, str], floor) -> list[dict]:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", action="append", default=[], metavar="NAME=URL",
-                    help="an already-running OpenAI-compatible server (repeatable), e.g. llamacpp=http://127.0.0.1:8001")
+                    help="an already-running OpenAI-compatible server on this machine (loopback only; repeatable), "
+                         "e.g. llamacpp=http://127.0.0.1:8001")
     ap.add_argument("--start-ours", action="store_true", help="start `serve run cluster.yaml` (port 8000)")
     ap.add_argument("--start-llamacpp", action="store_true",
                     help="build/reuse benchmarks/.venv-llamacpp and start llama-cpp-python's server (port 8001)")
@@ -248,7 +217,13 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
     ap.add_argument("--requests", type=int, default=0, help="requests per point (default max(2*c, 8))")
     ap.add_argument("--variants", default="short,long", help="short (max_tokens 64), long (~1k-token prompts, 32)")
-    ap.add_argument("--point-timeout", type=float, default=300.0, help="time cap per sweep point, seconds")
+    ap.add_argument("--prompt-seed", type=int, default=None,
+                    help="seed of the long prompts (default: from the clock, so a server's prefix cache "
+                         "holds nothing from an earlier run); recorded in every JSON line")
+    ap.add_argument("--point-timeout", type=float, default=600.0, help="time cap per sweep point, seconds")
+    ap.add_argument("--wait-idle", type=float, default=120.0,
+                    help="before each point wait up to this long for the CPU to be idle (0: just record it)")
+    ap.add_argument("--idle-threshold", type=float, default=0.3, help="CPU busy share that counts as idle")
     ap.add_argument("--ours", default="ours", help="which server the ratio_* fields put first")
     ap.add_argument("--api-key", default=os.environ.get("BENCH_API_KEY"), help="Bearer key (or BENCH_API_KEY)")
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for a started server")
@@ -258,6 +233,8 @@ def parse_args(argv=None):
     if args.quick:
         args.concurrency = "1,4"
         args.requests = args.requests or 4
+    if args.prompt_seed is None:
+        args.prompt_seed = int(time.time()) % 1_000_000
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in MAX_TOKENS]
@@ -283,6 +260,9 @@ def main(argv=None) -> int:
             name, sep, url = spec.partition("=")
             if not sep or not url.startswith("http"):
                 raise SystemExit(f"--url wants NAME=URL, got {spec!r}")
+            host = urllib.parse.urlsplit(url).hostname or ""
+            if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+                raise SystemExit(f"--url {spec!r}: only loopback servers (127.0.0.0/8, localhost, [::1]) are allowed")
             servers[name] = url.rstrip("/")
         if args.ours in servers:  # ours first at every point
             servers = {args.ours: servers[args.ours], **servers}
