@@ -8,14 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
+    # OpenAI answers unknown fields with a 400; so do we.
     model_config = ConfigDict(extra="forbid")
 
 
 class Loose(BaseModel):
+    # Nested objects whose extra keys vary by server (e.g. SGLang's image_url.max_dynamic_patch).
     model_config = ConfigDict(extra="allow")
 
 
-# ---- messages -------------------------------------------------------------------------------
+# ---- content parts --------------------------------------------------------------------------
 
 
 class ImageURL(Loose):
@@ -27,6 +29,17 @@ class MediaURL(Loose):
     url: str
 
 
+class InputAudio(Loose):
+    data: str
+    format: str | None = None
+
+
+class FileRef(Loose):
+    file_id: str | None = None
+    file_data: str | None = None
+    filename: str | None = None
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -35,6 +48,7 @@ class TextPart(Strict):
 class ImagePart(Strict):
     type: Literal["image_url"]
     image_url: ImageURL
+    modalities: str | None = None  # SGLang: "image" | "multi-images" | "video"
 
 
 class VideoPart(Strict):
@@ -49,10 +63,21 @@ class AudioPart(Strict):
 
 class InputAudioPart(Strict):
     type: Literal["input_audio"]
-    input_audio: dict[str, Any]
+    input_audio: InputAudio
 
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart | AudioPart | InputAudioPart, Field(discriminator="type")]
+class FilePart(Strict):
+    type: Literal["file"]
+    file: FileRef
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | VideoPart | AudioPart | InputAudioPart | FilePart, Field(discriminator="type")
+]
+MessageContent = str | list[ContentPart] | None
+
+
+# ---- messages -------------------------------------------------------------------------------
 
 
 class FunctionCall(Loose):
@@ -66,26 +91,44 @@ class ToolCall(Loose):
     function: FunctionCall
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    role: Role
+    content: MessageContent = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    function_call: FunctionCall | None = None
-    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    function_call: FunctionCall | None = None  # assistant, deprecated
+    reasoning_content: str | None = None  # assistant, reasoning models (SGLang / vLLM)
+    # Echoed back by clients that append a previous response message as-is; accepted and ignored.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _content_present(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
+    def _role_rules(self) -> ChatMessage:
+        # OpenAI's rules: only an assistant turn that calls a tool may omit content.
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
+            if self.role != "assistant":
+                raise ValueError(f"a {self.role} message needs content")
+            raise ValueError("an assistant message needs content unless it has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs name")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
         return self
 
 
 class StreamOptions(Strict):
     include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM / SGLang: usage on every chunk
+    include_obfuscation: bool | None = None  # OpenAI's padding field; nothing to obfuscate here, ignored
 
 
 class ResponseFormat(Loose):
     type: Literal["text", "json_object", "json_schema", "structural_tag", "regex", "grammar"]
+    json_schema: dict[str, Any] | None = None

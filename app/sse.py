@@ -1,16 +1,33 @@
 """Engine text deltas -> OpenAI responses: SSE chunks for streams, one assembled body otherwise.
 
-Chunks are built as plain dicts and serialised once: this runs for every streamed delta.
+Pure formatting, no network code. Stream chunks are built as plain dicts and serialised once (this
+runs for every streamed delta; their shape is checked against app.responses' chunk models in the
+tests); whole responses are the pydantic models of app.responses.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import APIError
+from pydantic import BaseModel
+
+from app.errors import APIError, server_error
+from app.responses import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -19,32 +36,37 @@ SSE_DONE = "data: [DONE]\n\n"
 class GenerationDelta:
     """What the model deployment yields per choice per step."""
 
-    index: int  # choice index (several prompts: prompt_i * n + j)
+    index: int  # choice index (completions with several prompts: prompt_i * n + j)
     text: str  # new text since the previous delta (stop strings already handled)
-    token_ids: list[int]
+    token_ids: list[int]  # new token ids
     logprobs: list[dict] | None  # per new token: {"token", "logprob", "bytes", "top_logprobs": [...]}
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     matched_stop: str | int | None
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int  # cumulative for this choice
-    prompt_logprobs: list[dict | None] | None = None  # first delta only, echo + logprobs
+    prompt_logprobs: list[dict | None] | None = None  # first delta only, echo + logprobs; first entry None
     prompt_text: str | None = None  # first delta only, completions echo
 
 
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event: compact JSON; a model drops its None fields, a dict is sent as built."""
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json(exclude_none=True)
+    else:
+        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {body}\n\n"
 
 
 def sse_error(err: APIError) -> str:
     return sse_event(err.to_dict())
 
 
-class Usage:
-    """Token counts over every choice; a prompt is counted once however many choices it has."""
+class UsageCounter:
+    """Token counts over every choice; a prompt (and its cache hits) counts once however many choices."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int) -> None:
+        self.n = max(1, n)
         self.prompt: dict[int, tuple[int, int]] = {}
         self.completion: dict[int, int] = {}
 
@@ -59,136 +81,174 @@ class Usage:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-
-def legacy_logprobs(entries: list[dict | None], text_start: int) -> dict[str, Any]:
-    """Completions' legacy shape: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = text_start
-    for e in entries:
-        if e is None:
-            continue
-        out["tokens"].append(e["token"])
-        out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append({t["token"]: t["logprob"] for t in e["top_logprobs"]} or None)
-        out["text_offset"].append(offset)
-        offset += len(e["token"])
-    return out
+    def to_model(self) -> Usage:
+        return Usage.model_validate(self.to_dict())
 
 
-def _prompt_entries(d: GenerationDelta) -> list[dict | None]:
-    # The first prompt token comes with a null logprob, as OpenAI's echo reports it.
-    return list(d.prompt_logprobs or [])
+class LegacyLogprobs:
+    """Completions' legacy logprobs (parallel lists) with text_offset, built across deltas."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, entries: list[dict | None], offset: int) -> None:
+        """Tokens whose text starts at `offset` in the choice's text, one after another."""
+        for e in entries:
+            if e is None:  # a first prompt token reported without its text: null logprob, empty token
+                e = {"token": "", "logprob": None, "top_logprobs": []}
+            self.tokens.append(e["token"])
+            self.token_logprobs.append(e["logprob"])
+            top = {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []}
+            self.top_logprobs.append(top or None)
+            self.text_offset.append(offset)
+            offset += len(e["token"])
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
 
 
-def _stream_end(base: dict[str, Any], usage: Usage, include_usage: bool) -> list[str]:
-    """The usage chunk (empty choices) when asked for, then [DONE]."""
-    events = [sse_event(base | {"choices": [], "usage": usage.to_dict()})] if include_usage else []
-    return events + [SSE_DONE]
+def legacy_logprobs(entries: list[dict | None], text_start: int = 0) -> dict[str, Any]:
+    """Chat-shaped logprob entries as completions' legacy shape, the first token at `text_start`."""
+    out = LegacyLogprobs()
+    out.add(entries, text_start)
+    return out.to_dict()
+
+
+def _error_events(exc: Exception) -> list[str]:
+    """A failure mid-stream becomes an error event, then [DONE]: the 200 and its headers are already sent."""
+    if not isinstance(exc, APIError):  # anything else is ours: log it, keep the stream well-formed
+        log.error("stream failed", exc_info=exc)
+        exc = server_error(f"internal error: {type(exc).__name__}")
+    return [sse_error(exc), SSE_DONE]
 
 
 async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
-                      n: int, include_usage: bool = False, continuous_usage_stats: bool = False
+                      n: int = 1, include_usage: bool = False, continuous_usage_stats: bool = False
                       ) -> AsyncIterator[str]:
+    """SSE events of /v1/chat/completions: role, content deltas, finish, [usage chunk], [DONE]."""
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-    usage = Usage(n)
+    usage = UsageCounter(n)
     started: set[int] = set()
     try:
         async for d in deltas:
             usage.add(d)
             extra = {"usage": usage.to_dict()} if continuous_usage_stats else {}
-            if d.index not in started:
+            if d.index not in started:  # each choice opens with the role
                 started.add(d.index)
                 yield sse_event(base | {"choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]} | extra)
             if not d.text and d.finish_reason is None and not d.logprobs:
-                continue
-            choice: dict[str, Any] = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                continue  # nothing to say yet (e.g. a stop string may be forming)
+            choice: dict[str, Any] = {"index": d.index,
+                                      "delta": {"content": d.text} if d.text or d.logprobs else {},
                                       "logprobs": {"content": d.logprobs} if d.logprobs else None,
                                       "finish_reason": d.finish_reason}
             if d.finish_reason is not None:
                 choice["matched_stop"] = d.matched_stop
             yield sse_event(base | {"choices": [choice]} | extra)
-    except APIError as err:
-        yield sse_error(err)
-        yield SSE_DONE
+    except Exception as exc:
+        for event in _error_events(exc):
+            yield event
         return
-    for event in _stream_end(base, usage, include_usage):
-        yield event
+    if include_usage:
+        yield sse_event(base | {"choices": [], "usage": usage.to_dict()})
+    yield SSE_DONE
 
 
-async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
-                            n: int, include_usage: bool = False, continuous_usage_stats: bool = False
-                            ) -> AsyncIterator[str]:
+async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str,
+                            created: int, n: int = 1, include_usage: bool = False,
+                            continuous_usage_stats: bool = False) -> AsyncIterator[str]:
+    """SSE events of /v1/completions: text deltas (echo: the prompt first), finish, [usage chunk], [DONE]."""
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    usage = Usage(n)
-    offsets: dict[int, int] = {}
+    usage = UsageCounter(n)
+    emitted: dict[int, int] = {}  # characters of text sent so far per choice: the next text_offset
     try:
         async for d in deltas:
             usage.add(d)
-            text = d.text
-            entries: list[dict | None] = []
-            if d.index not in offsets:
-                offsets[d.index] = 0
+            text, lp = d.text, LegacyLogprobs()
+            if d.index not in emitted:
+                emitted[d.index] = 0
                 if d.prompt_text is not None:
                     text = d.prompt_text + text
-                    entries = _prompt_entries(d)
-            entries += d.logprobs or []
-            if not text and d.finish_reason is None and not entries:
+                    lp.add(d.prompt_logprobs or [], 0)
+                    emitted[d.index] = len(d.prompt_text)
+            lp.add(d.logprobs or [], emitted[d.index])
+            emitted[d.index] += len(d.text)
+            if not text and d.finish_reason is None and not lp:
                 continue
-            choice: dict[str, Any] = {"index": d.index, "text": text, "finish_reason": d.finish_reason,
-                                      "logprobs": legacy_logprobs(entries, offsets[d.index]) if entries else None}
+            choice: dict[str, Any] = {"index": d.index, "text": text,
+                                      "logprobs": lp.to_dict() if lp else None, "finish_reason": d.finish_reason}
             if d.finish_reason is not None:
                 choice["matched_stop"] = d.matched_stop
-            offsets[d.index] += len(text)
             extra = {"usage": usage.to_dict()} if continuous_usage_stats else {}
             yield sse_event(base | {"choices": [choice]} | extra)
-    except APIError as err:
-        yield sse_error(err)
-        yield SSE_DONE
+    except Exception as exc:
+        for event in _error_events(exc):
+            yield event
         return
-    for event in _stream_end(base, usage, include_usage):
-        yield event
+    if include_usage:
+        yield sse_event(base | {"choices": [], "usage": usage.to_dict()})
+    yield SSE_DONE
 
 
 async def collect_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
-                       n: int) -> dict[str, Any]:
-    usage = Usage(n)
-    choices: dict[int, dict[str, Any]] = {}
+                       n: int = 1) -> ChatCompletionResponse:
+    """The whole /v1/chat/completions body: text concatenated per choice, usage summed over choices."""
+    usage = UsageCounter(n)
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, list[dict]] = {}
+    finish: dict[int, tuple[str | None, str | int | None]] = {}
     async for d in deltas:
         usage.add(d)
-        c = choices.setdefault(d.index, {"index": d.index, "message": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None})
-        c["message"]["content"] += d.text
+        texts.setdefault(d.index, []).append(d.text)
         if d.logprobs:
-            c["logprobs"] = c["logprobs"] or {"content": []}
-            c["logprobs"]["content"] += d.logprobs
+            logprobs.setdefault(d.index, []).extend(d.logprobs)
         if d.finish_reason is not None:
-            c["finish_reason"] = d.finish_reason
-            c["matched_stop"] = d.matched_stop
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choices[i] for i in sorted(choices)], "usage": usage.to_dict(),
-            "system_fingerprint": None}
+            finish[d.index] = (d.finish_reason, d.matched_stop)
+    choices = []
+    for i in sorted(texts):
+        reason, matched = finish.get(i, (None, None))
+        lp = ChatLogprobs.model_validate({"content": logprobs[i]}) if i in logprobs else None
+        choices.append(ChatChoice(index=i, message=ChatResponseMessage(content="".join(texts[i])), logprobs=lp,
+                                  finish_reason=reason, matched_stop=matched))  # type: ignore[arg-type]
+    return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=usage.to_model())
 
 
 async def collect_completion(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str,
-                             created: int, n: int) -> dict[str, Any]:
-    usage = Usage(n)
-    choices: dict[int, dict[str, Any]] = {}
-    entries: dict[int, list[dict | None]] = {}
+                             created: int, n: int = 1) -> CompletionResponse:
+    """The whole /v1/completions body: echo prepends the prompt (and its logprobs, the first null)."""
+    usage = UsageCounter(n)
+    texts: dict[int, list[str]] = {}
+    lps: dict[int, LegacyLogprobs] = {}
+    lengths: dict[int, int] = {}
+    finish: dict[int, tuple[str | None, str | int | None]] = {}
     async for d in deltas:
         usage.add(d)
-        c = choices.get(d.index)
-        if c is None:
-            c = choices[d.index] = {"index": d.index, "text": d.prompt_text or "", "logprobs": None,
-                                    "finish_reason": None}
-            entries[d.index] = _prompt_entries(d) if d.prompt_text is not None else []
-        c["text"] += d.text
-        entries[d.index] += d.logprobs or []
+        if d.index not in texts:
+            texts[d.index], lps[d.index], lengths[d.index] = [], LegacyLogprobs(), 0
+            if d.prompt_text is not None:
+                texts[d.index].append(d.prompt_text)
+                lps[d.index].add(d.prompt_logprobs or [], 0)
+                lengths[d.index] = len(d.prompt_text)
+        # Each delta's tokens are placed where its text starts, so offsets never drift from the text.
+        lps[d.index].add(d.logprobs or [], lengths[d.index])
+        texts[d.index].append(d.text)
+        lengths[d.index] += len(d.text)
         if d.finish_reason is not None:
-            c["finish_reason"] = d.finish_reason
-            c["matched_stop"] = d.matched_stop
-    for i, c in choices.items():
-        if entries[i]:
-            c["logprobs"] = legacy_logprobs(entries[i], 0)
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choices[i] for i in sorted(choices)], "usage": usage.to_dict()}
+            finish[d.index] = (d.finish_reason, d.matched_stop)
+    choices = []
+    for i in sorted(texts):
+        reason, matched = finish.get(i, (None, None))
+        lp = CompletionLogprobs.model_validate(lps[i].to_dict()) if lps[i] else None
+        choices.append(CompletionChoice(index=i, text="".join(texts[i]), logprobs=lp, finish_reason=reason,
+                                        matched_stop=matched))  # type: ignore[arg-type]
+    return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                              usage=usage.to_model())

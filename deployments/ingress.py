@@ -108,7 +108,7 @@ class Ingress:
         deltas = flatten(gen)
         if not stream:
             try:
-                return JSONResponse(await collect_fn(deltas, **kw))
+                return JSONResponse((await collect_fn(deltas, **kw)).model_dump())
             finally:
                 gen.cancel()
         # Wait for the first batch before answering, so early refusals are plain HTTP errors.

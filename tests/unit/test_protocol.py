@@ -1,9 +1,12 @@
-"""Request parsing, validation and conversion: no Ray, no model."""
+"""Request parsing, validation, the unsupported table and conversion: no Ray, no model."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -11,11 +14,15 @@ from pydantic import ValidationError
 from app.errors import APIError, from_validation_error
 from app.protocol import (
     IGNORED,
+    UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     check_supported,
     completion_prompts,
     stop_options,
+    template_kwargs,
     to_sampling_params,
 )
 
@@ -23,113 +30,369 @@ MSG = [{"role": "user", "content": "hi"}]
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
 
 
-def chat(**kw) -> ChatCompletionRequest:
+def chat(**kw: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"model": "m", "messages": MSG} | kw)
 
 
-def api_error(**kw) -> APIError:
+def completion(**kw: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hi"} | kw)
+
+
+def outcome(model: type, body: dict[str, Any]) -> APIError | None:
+    """What the server would answer: None when accepted, else the APIError (parse, support, conversion)."""
     try:
-        req = chat(**kw)
+        req = model.model_validate(body)
         check_supported(req)
         to_sampling_params(req, prompt_len=10, max_model_len=100)
         stop_options(req)
     except ValidationError as exc:
-        return from_validation_error(exc.errors())
+        return from_validation_error(exc)
     except APIError as exc:
         return exc
-    raise AssertionError(f"{kw} was accepted")
+    return None
+
+
+def chat_error(**kw: Any) -> APIError:
+    err = outcome(ChatCompletionRequest, {"model": "m", "messages": MSG} | kw)
+    assert err is not None, f"{kw} was accepted"
+    assert err.status_code == 400 and set(err.to_dict()["error"]) == {"message", "type", "param", "code"}
+    return err
+
+
+def completion_error(**kw: Any) -> APIError:
+    err = outcome(CompletionRequest, {"model": "m", "prompt": "hi"} | kw)
+    assert err is not None, f"{kw} was accepted"
+    assert err.status_code == 400
+    return err
+
+
+# ---- validation ranges ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field, value", [
-    ("temperature", 2.5), ("top_p", 0), ("top_k", -2), ("min_p", 1.5), ("presence_penalty", 3),
-    ("frequency_penalty", -3), ("repetition_penalty", 0), ("n", 0), ("top_logprobs", 21),
-    ("max_tokens", 0), ("stop", ["a", "b", "c", "d", "e"]), ("logit_bias", {"x": 1}),
-    ("logit_bias", {"5": 101}), ("stop_regex", "(unclosed"),
+    ("temperature", 2.5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.01), ("top_k", -2), ("min_p", 1.5),
+    ("presence_penalty", 3), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", 2.5),
+    ("n", 0), ("n", 129), ("top_logprobs", 21), ("max_tokens", 0), ("max_completion_tokens", 0),
+    ("min_tokens", -1), ("stop", ["a", "b", "c", "d", "e"]), ("logit_bias", {"x": 1}),
+    ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 101}), ("stop_regex", "(unclosed"),
+    ("stop_token_ids", [-1]), ("reasoning_effort", "extreme"), ("messages", []),
 ])
 def test_out_of_range_values_are_400s_naming_the_field(field, value):
-    err = api_error(**{field: value})
-    assert err.status_code == 400
-    assert err.param == field
-    assert field in err.message
-    assert set(err.to_dict()["error"]) == {"message", "type", "param", "code"}
+    err = chat_error(**{field: value} | ({"logprobs": True} if field == "top_logprobs" else {}))
+    assert err.param is not None and err.param.split(".")[0] == field
+    assert err.message.startswith(field)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("lora_path", "/x"), ("return_routed_experts", True), ("return_hidden_states", True),
-    ("custom_logit_processor", "x"), ("store", True), ("conversation", "c1"), ("guided_choice", ["a"]),
-    ("regex", "a+"), ("ebnf", "root ::= 'a'"), ("separate_reasoning", True), ("tool_choice", "required"),
+def test_range_message_is_readable():
+    err = chat_error(temperature=3)
+    assert err.message == "temperature: Input should be less than or equal to 2"
+    assert err.param == "temperature" and err.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", 6), ("logprobs", -1), ("best_of", 0)])
+def test_completion_ranges(field, value):
+    assert completion_error(**{field: value}).param == field
+
+
+def test_cross_field_rules_name_the_field():
+    assert chat_error(top_logprobs=2).param == "top_logprobs"  # needs logprobs=true
+    assert outcome(ChatCompletionRequest, {"messages": MSG, "logprobs": True, "top_logprobs": 2}) is None
+    assert outcome(ChatCompletionRequest, {"messages": MSG, "top_logprobs": 0}) is None
+    assert completion_error(n=3, best_of=2).param == "best_of"
+    assert chat_error(max_tokens=5, min_tokens=6).param == "min_tokens"
+    assert chat_error(continue_final_message=True).param == "continue_final_message"  # last turn is user's
+    msgs = MSG + [{"role": "assistant", "content": "The"}]
+    assert chat_error(messages=msgs, continue_final_message=True, add_generation_prompt=True).param == \
+        "add_generation_prompt"
+    assert chat(messages=msgs, continue_final_message=True).add_generation_prompt is False
+
+
+def test_nested_errors_give_a_dotted_path():
+    err = chat_error(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert err.param == "messages.0.content.0.image_url.url" and "Field required" in err.message
+    assert chat_error(messages=[{"role": "wizard", "content": "x"}]).param == "messages.0.role"
+    err = chat_error(messages=[{"role": "tool", "content": "42"}])  # OpenAI: a tool reply names its call
+    assert err.param == "messages.0" and "tool_call_id" in err.message
+    assert chat_error(stop=5).param == "stop"
+
+
+def test_unknown_fields_are_400():
+    err = chat_error(not_a_param=1)
+    assert err.param == "not_a_param" and err.code == "unsupported_parameter"
+    assert err.message == "Unrecognized request argument supplied: not_a_param"
+    assert chat_error(messages=[{"role": "user", "content": "x", "colour": "red"}]).param == "messages.0.colour"
+    assert completion_error(messages=MSG).param == "messages"  # a chat field on the completions route
+
+
+def test_from_validation_error_accepts_fastapi_error_lists():
+    errors = [{"type": "less_than_equal", "loc": ("body", "temperature"), "msg": "Input should be <= 2"}]
+    err = from_validation_error(errors)
+    assert err.param == "temperature" and err.message == "temperature: Input should be <= 2"
+    assert from_validation_error([]).status_code == 400
+
+
+def test_extra_body_sent_literally_is_merged():
+    req = chat(temperature=0.7, extra_body={"top_k": 50, "repetition_penalty": 1.05})
+    assert req.top_k == 50 and req.repetition_penalty == 1.05 and req.temperature == 0.7
+    assert chat_error(extra_body={"bogus": 1}).param == "bogus"
+    assert chat_error(extra_body=[1]).code == "invalid_value"
+
+
+# ---- supported, refused, ignored ------------------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+REFUSED_SAMPLES: dict[str, Any] = {
+    "response_format": {"type": "json_object"}, "regex": "a+", "ebnf": "root ::= 'a'",
+    "json_schema": '{"type": "object"}', "guided_choice": ["a", "b"], "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "required",
+    "functions": [{"name": "f"}], "function_call": {"name": "f"}, "lora_path": "/adapters/a",
+    "custom_logit_processor": "x", "return_hidden_states": True, "return_routed_experts": True,
+    "suffix": "end", "best_of": 3, "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
+    "store_reasoning": True, "conversation": {"id": "c1"}, "separate_reasoning": True,
+    "stream_reasoning": True, "deep_research": True, "modalities": ["text", "audio"],
+    "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
+}
+PARTS: dict[str, dict[str, Any]] = {
+    "image_url": {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
+    "video_url": {"type": "video_url", "video_url": {"url": "https://x/y.mp4"}},
+    "audio_url": {"type": "audio_url", "audio_url": {"url": "https://x/y.wav"}},
+    "input_audio": {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    "file": {"type": "file", "file": {"file_id": "file-1"}},
+}
+
+
+def test_every_unsupported_entry_has_a_sample_and_a_home():
+    fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    assert set(UNSUPPORTED) == set(REFUSED_SAMPLES) | set(PARTS)
+    assert set(REFUSED_SAMPLES) <= fields and not set(PARTS) & fields
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_SAMPLES))
+def test_unsupported_parameters_are_refused_by_name(field):
+    model = CompletionRequest if field in ("suffix", "best_of", "json_schema") else ChatCompletionRequest
+    base = {"model": "m"} | ({"prompt": "hi"} if model is CompletionRequest else {"messages": MSG})
+    err = outcome(model, base | {field: REFUSED_SAMPLES[field]})
+    assert err is not None and err.status_code == 400
+    assert err.param == field and f"`{field}`" in err.message and UNSUPPORTED[field] in err.message
+    assert err.code == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_multimodal_parts_parse_and_are_refused_with_their_type(part):
+    content = [{"type": "text", "text": "look:"}, PARTS[part]]
+    req = chat(messages=[{"role": "user", "content": content}])  # parses
+    with pytest.raises(APIError) as e:
+        check_supported(req)
+    assert e.value.message.startswith(f"{part} content is not supported") and e.value.param == "messages.0.content"
+
+
+@pytest.mark.parametrize("kw", [
+    {"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"tools": []},
+    {"store": False}, {"modalities": ["text"]}, {"return_hidden_states": False}, {"lora_path": None},
+    {"parallel_tool_calls": True}, {"return_cached_tokens_details": True},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
 ])
-def test_unsupported_parameters_are_refused_by_name(field, value):
-    err = api_error(**{field: value})
-    assert err.status_code == 400 and err.param == field and field in err.message
+def test_default_or_harmless_values_of_refused_fields_pass(kw):
+    assert outcome(ChatCompletionRequest, {"model": "m", "messages": MSG} | kw) is None
 
 
-def test_multimodal_part_refused_with_its_type():
-    err = api_error(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}])
-    assert "image_url" in err.message
+def test_best_of_equal_to_n_is_accepted():
+    assert outcome(CompletionRequest, {"prompt": "x", "best_of": 2, "n": 2}) is None
 
 
 def test_ignored_parameters_are_accepted():
-    req = chat(**{name: "x" if name != "metadata" else {"k": "v"} for name in IGNORED})
-    check_supported(req)
+    values = {"user": "u", "metadata": {"k": "v"}, "service_tier": "flex", "safety_identifier": "h",
+              "verbosity": "low", "prompt_cache_key": "k", "parallel_tool_calls": False, "request_id": "r",
+              "rid": "r"}
+    assert set(values) == set(IGNORED)
+    assert outcome(ChatCompletionRequest, {"messages": MSG} | values) is None
 
 
-def test_unknown_field_is_400():
-    err = api_error(not_a_param=1)
-    assert err.param == "not_a_param" and err.code == "unsupported_parameter"
+# ---- the seed pages: every parameter parses, then works or is refused by name -----------------
 
-
-def test_conversion_and_lengths():
-    req = chat(max_tokens=50, max_completion_tokens=5, temperature=0, top_k=0, logprobs=True, top_logprobs=3,
-               logit_bias={"7": 100}, stop="x", no_stop_trim=True, seed=3)
-    p = to_sampling_params(req, prompt_len=10, max_model_len=100)
-    assert p.max_tokens == 5 and p.greedy and p.top_k == -1 and p.logprobs == 3 and p.seed == 3
-    assert p.logit_bias == ((7, 100.0),)
-    assert stop_options(req).stop == ("x",) and stop_options(req).include_stop_str_in_output
-    assert to_sampling_params(chat(), prompt_len=10, max_model_len=100).max_tokens == 90
-    with pytest.raises(APIError) as e:
-        to_sampling_params(chat(), prompt_len=100, max_model_len=100)
-    assert e.value.param == "messages"
-    with pytest.raises(APIError) as e:
-        to_sampling_params(chat(max_tokens=91), prompt_len=10, max_model_len=100)
-    assert e.value.param == "max_tokens"
-
-
-def test_completion_prompts_and_echo_logprobs():
-    assert completion_prompts(CompletionRequest(prompt="a")) == ["a"]
-    assert completion_prompts(CompletionRequest(prompt=[1, 2])) == [[1, 2]]
-    assert completion_prompts(CompletionRequest(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
-    assert completion_prompts(CompletionRequest(prompt=["a", "b"])) == ["a", "b"]
-    with pytest.raises(APIError):
-        completion_prompts(CompletionRequest(prompt=[]))
-    p = to_sampling_params(CompletionRequest(prompt="a", echo=True, logprobs=2), prompt_len=3, max_model_len=50)
-    assert p.logprobs == 2 and p.prompt_logprobs == 2
-    with pytest.raises(ValidationError):
-        CompletionRequest(prompt="a", n=3, best_of=2)
+SEED_000_CHAT = {  # SGLang chat page (names from its descriptions)
+    "messages", "model", "max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+    "seed", "stop", "stop_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "response_format", "regex", "ebnf", "tools", "tool_choice", "logprobs", "top_logprobs", "logit_bias",
+    "stream", "stream_options", "max_dynamic_patch", "min_dynamic_patch", "reasoning_effort",
+    "separate_reasoning", "stream_reasoning", "ignore_eos", "skip_special_tokens", "no_stop_trim",
+    "stop_regex", "min_tokens", "continue_final_message", "lora_path", "chat_template_kwargs",
+    "custom_logit_processor", "return_hidden_states", "return_routed_experts", "return_cached_tokens_details",
+}
+SEED_001_COMPLETIONS = {  # SGLang completions page
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+    "stop_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty", "response_format",
+    "json_schema", "regex", "ebnf", "stream", "stream_options", "echo", "logprobs", "logit_bias", "best_of",
+    "suffix", "ignore_eos", "skip_special_tokens", "no_stop_trim", "stop_regex", "min_tokens", "lora_path",
+    "return_hidden_states", "return_routed_experts", "return_cached_tokens_details",
+}
+SEED_002_CHAT = {
+    "chat_template_kwargs", "conversation", "deep_research", "enable_thinking", "frequency_penalty",
+    "function_call", "functions", "guided_choice", "logit_bias", "logprobs", "max_completion_tokens",
+    "max_tokens", "messages", "metadata", "model", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+    "reasoning_effort", "repetition_penalty", "response_format", "safety_identifier", "seed", "service_tier",
+    "stop", "store", "store_reasoning", "stream", "stream_options", "temperature", "tool_choice", "tools",
+    "top_k", "top_logprobs", "top_p", "user", "verbosity",
+}
+SEED_004_CHAT = {
+    "model", "messages", "temperature", "top_p", "top_k", "min_p", "n", "max_tokens", "max_completion_tokens",
+    "min_tokens", "stop", "stream", "stream_options", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logprobs", "top_logprobs", "logit_bias", "seed", "response_format", "tools",
+    "tool_choice", "parallel_tool_calls", "functions", "function_call", "user", "metadata", "extra_body",
+}
+SAMPLE: dict[str, dict[str, Any]] = {  # a valid, non-default value for every seed parameter (+ what it needs)
+    "messages": {"messages": MSG + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]},
+    "model": {"model": "m"}, "max_completion_tokens": {"max_completion_tokens": 5}, "max_tokens": {"max_tokens": 5},
+    "temperature": {"temperature": 0.5}, "top_p": {"top_p": 0.9}, "top_k": {"top_k": 40}, "min_p": {"min_p": 0.1},
+    "n": {"n": 2}, "seed": {"seed": 7}, "stop": {"stop": ["\n\n"]}, "stop_token_ids": {"stop_token_ids": [2]},
+    "frequency_penalty": {"frequency_penalty": 0.5}, "presence_penalty": {"presence_penalty": -0.5},
+    "repetition_penalty": {"repetition_penalty": 1.1}, "logprobs": {"logprobs": True},
+    "top_logprobs": {"logprobs": True, "top_logprobs": 3}, "logit_bias": {"logit_bias": {"1639": 6}},
+    "stream": {"stream": True}, "stream_options": {"stream": True, "stream_options": {"include_usage": True,
+                                                                                      "continuous_usage_stats": True}},
+    "reasoning_effort": {"reasoning_effort": "low"}, "enable_thinking": {"enable_thinking": False},
+    "ignore_eos": {"ignore_eos": True}, "skip_special_tokens": {"skip_special_tokens": False},
+    "no_stop_trim": {"no_stop_trim": True}, "stop_regex": {"stop_regex": [r"\d+\."]},
+    "min_tokens": {"min_tokens": 2},
+    "continue_final_message": {"continue_final_message": True,
+                               "messages": MSG + [{"role": "assistant", "content": "The"}]},
+    "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+    "return_cached_tokens_details": {"return_cached_tokens_details": True}, "metadata": {"metadata": {"k": "v"}},
+    "parallel_tool_calls": {"parallel_tool_calls": False}, "safety_identifier": {"safety_identifier": "h"},
+    "service_tier": {"service_tier": "priority"}, "user": {"user": "u"}, "verbosity": {"verbosity": "high"},
+    "extra_body": {"extra_body": {"top_k": 50, "repetition_penalty": 1.05}}, "prompt": {"prompt": ["a", "b"]},
+    "echo": {"echo": True}, "functions": {"functions": [{"name": "f", "parameters": {}}]},
+} | {name: {name: value} for name, value in REFUSED_SAMPLES.items()} | {"logprobs_completion": {"logprobs": 2}}
 
 
 def _seed_names(text: str) -> set[str]:
-    names = set(re.findall(r"^\s*Name\s*\n\s*([a-z_]+)\s*$", text, flags=re.M))
-    names |= set(re.findall(r"^([a-z_]+)\?", text, flags=re.M))
-    return names
+    names = set(re.findall(r"^\W*Name\s*\n\s*([a-z_]+)\s*$", text, flags=re.M))  # 004
+    return names | set(re.findall(r"^([a-z_]+)\?", text, flags=re.M))  # 002
 
 
 @pytest.mark.skipif(not SEEDS.exists(), reason="shared/seeds is not beside the checkout")
-def test_every_seed_parameter_is_a_request_field():
-    chat_fields = set(ChatCompletionRequest.model_fields)
-    names = set()
-    for f in sorted(SEEDS.glob("00[24]_*.txt")):
-        names |= _seed_names(f.read_text())
-    names -= {"extra_body"}  # the SDK merges it into the body
-    assert names and names <= chat_fields, sorted(names - chat_fields)
-    sglang = {"max_completion_tokens", "max_tokens", "top_k", "min_p", "stop_token_ids", "regex", "ebnf",
-              "ignore_eos", "skip_special_tokens", "no_stop_trim", "stop_regex", "min_tokens",
-              "continue_final_message", "lora_path", "chat_template_kwargs", "custom_logit_processor",
-              "return_hidden_states", "return_routed_experts", "max_dynamic_patch", "min_dynamic_patch",
-              "separate_reasoning", "stream_reasoning", "reasoning_effort", "repetition_penalty"}
-    assert sglang <= chat_fields
-    completion = {"prompt", "echo", "suffix", "best_of", "logprobs", "json_schema", "regex", "ebnf",
-                  "ignore_eos", "no_stop_trim", "stop_regex", "min_tokens", "lora_path", "return_hidden_states",
-                  "return_routed_experts", "stream_options", "logit_bias", "response_format"}
-    assert completion <= set(CompletionRequest.model_fields)
+def test_seed_lists_match_the_pages():
+    assert _seed_names(next(SEEDS.glob("002_*.txt")).read_text()) == SEED_002_CHAT
+    assert _seed_names(next(SEEDS.glob("004_*.txt")).read_text()) == SEED_004_CHAT
+    for f, names in (("000", SEED_000_CHAT), ("001", SEED_001_COMPLETIONS)):  # pages describe, not name
+        text = next(SEEDS.glob(f"{f}_*.txt")).read_text()
+        assert "Return detailed cache hit information." in text and "return_cached_tokens_details" in names
+
+
+@pytest.mark.parametrize("route, name", sorted(
+    [("chat", n) for n in SEED_000_CHAT | SEED_002_CHAT | SEED_004_CHAT]
+    + [("completions", n) for n in SEED_001_COMPLETIONS]))
+def test_every_seed_parameter_parses_then_works_or_is_refused_by_name(route, name):
+    model = ChatCompletionRequest if route == "chat" else CompletionRequest
+    assert name in model.model_fields or name == "extra_body"
+    sample = SAMPLE["logprobs_completion" if (route, name) == ("completions", "logprobs") else name]
+    base = {"model": "m"} | ({"messages": MSG} if route == "chat" else {"prompt": "hi"})
+    err = outcome(model, base | sample)
+    if name in UNSUPPORTED:
+        assert err is not None and err.param == name, err
+    else:
+        assert err is None, err.to_dict() if err else None
+
+
+# ---- conversion ----------------------------------------------------------------------------
+
+
+def test_conversion():
+    req = chat(max_tokens=50, max_completion_tokens=5, temperature=0, top_k=0, logprobs=True, top_logprobs=3,
+               logit_bias={"9": -1, "7": 100}, stop="x", no_stop_trim=True, seed=3, stop_token_ids=[4, 4, 5],
+               min_p=0.05, repetition_penalty=1.2, presence_penalty=0.1, frequency_penalty=0.2, min_tokens=2)
+    p = to_sampling_params(req, prompt_len=10, max_model_len=100)
+    assert p.max_tokens == 5 and p.greedy and p.top_k == -1 and p.logprobs == 3 and p.seed == 3
+    assert p.logit_bias == ((7, 100.0), (9, -1.0)) and p.stop_token_ids == (4, 5) and p.min_tokens == 2
+    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (0.05, 1.2, 0.1, 0.2)
+    assert p.prompt_logprobs is None
+    assert to_sampling_params(chat(logprobs=True), prompt_len=1, max_model_len=9).logprobs == 0
+    assert to_sampling_params(chat(), prompt_len=1, max_model_len=9).logprobs is None
+
+
+def test_default_max_tokens_is_what_the_context_leaves():
+    assert to_sampling_params(chat(), prompt_len=10, max_model_len=100).max_tokens == 90
+    assert to_sampling_params(completion(), prompt_len=10, max_model_len=100).max_tokens == 90
+    assert to_sampling_params(chat(min_tokens=95), prompt_len=10, max_model_len=100).min_tokens == 90
+    assert to_sampling_params(chat(max_tokens=90), prompt_len=10, max_model_len=100).max_tokens == 90
+
+
+def test_context_length_errors():
+    with pytest.raises(APIError) as e:
+        to_sampling_params(chat(), prompt_len=100, max_model_len=100)
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    assert "maximum context length is 100 tokens" in e.value.message and "100 input tokens" in e.value.message
+    with pytest.raises(APIError) as e:
+        to_sampling_params(completion(), prompt_len=120, max_model_len=100)
+    assert e.value.param == "prompt"
+    with pytest.raises(APIError) as e:
+        to_sampling_params(chat(max_tokens=91), prompt_len=10, max_model_len=100)
+    assert e.value.param == "max_tokens" and "(91 > 100 - 10)" in e.value.message
+    with pytest.raises(APIError) as e:
+        to_sampling_params(chat(max_tokens=1, max_completion_tokens=91), prompt_len=10, max_model_len=100)
+    assert e.value.param == "max_completion_tokens"
+
+
+def test_eos_token_id_joins_stop_ids_unless_ignored():
+    assert to_sampling_params(chat(stop_token_ids=[3]), prompt_len=1, max_model_len=9,
+                              eos_token_id=2).stop_token_ids == (3, 2)
+    assert to_sampling_params(chat(stop_token_ids=[2]), prompt_len=1, max_model_len=9,
+                              eos_token_id=2).stop_token_ids == (2,)
+    p = to_sampling_params(chat(ignore_eos=True), prompt_len=1, max_model_len=9, eos_token_id=2)
+    assert p.stop_token_ids == () and p.ignore_eos
+
+
+def test_completion_logprobs_and_echo():
+    p = to_sampling_params(completion(echo=True, logprobs=2), prompt_len=3, max_model_len=50)
+    assert p.logprobs == 2 and p.prompt_logprobs == 2
+    p = to_sampling_params(completion(logprobs=0), prompt_len=3, max_model_len=50)
+    assert p.logprobs == 0 and p.prompt_logprobs is None
+    assert to_sampling_params(completion(echo=True), prompt_len=3, max_model_len=50).prompt_logprobs is None
+
+
+def test_stop_options():
+    s = stop_options(chat(stop=["a", "", "a", "b"], stop_regex=r"\d", include_stop_str_in_output=True,
+                          skip_special_tokens=False, spaces_between_special_tokens=False))
+    assert s.stop == ("a", "b") and s.stop_regex == (r"\d",) and s.include_stop_str_in_output
+    assert not s.skip_special_tokens and not s.spaces_between_special_tokens
+    d = stop_options(completion(stop="x"))
+    assert d.stop == ("x",) and not d.include_stop_str_in_output and d.skip_special_tokens
+    assert stop_options(chat(no_stop_trim=True)).include_stop_str_in_output
+
+
+def test_reasoning_switches_merge_into_template_kwargs():
+    assert template_kwargs(chat(enable_thinking=False, reasoning_effort="high")) == {
+        "enable_thinking": False, "reasoning_effort": "high"}
+    kw = template_kwargs(chat(enable_thinking=True, chat_template_kwargs={"enable_thinking": False, "x": 1}))
+    assert kw == {"enable_thinking": False, "x": 1}  # the explicit kwargs win
+    assert template_kwargs(chat()) == {}
+
+
+def test_completion_prompts():
+    assert completion_prompts(completion(prompt="a")) == ["a"]
+    assert completion_prompts(completion(prompt=[1, 2])) == [[1, 2]]
+    assert completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
+    assert completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
+    for bad in ([], [[]], [[1], [-2]], [-1], ["a", ""]):
+        with pytest.raises(APIError) as e:
+            completion_prompts(completion(prompt=bad))
+        assert e.value.param == "prompt"
+
+
+def test_tokenize_requests():
+    assert TokenizeRequest(prompt="hi").add_special_tokens
+    assert TokenizeRequest.model_validate({"messages": MSG, "add_generation_prompt": False}).messages
+    for body in ({}, {"prompt": "a", "messages": MSG}):
+        with pytest.raises(ValidationError):
+            TokenizeRequest.model_validate(body)
+    with pytest.raises(ValidationError):
+        DetokenizeRequest(tokens=[-1])
+
+
+def test_app_imports_neither_torch_nor_ray():
+    code = ("import sys, app.protocol, app.sse, app.errors; "
+            "print(sorted(m for m in ('torch', 'ray', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
