@@ -158,11 +158,11 @@ def add_ratios(lines: list[dict], ours: str) -> None:
         mine.update({"peer": first, **vs[first], "vs": vs})
 
 
-async def sweep(args, servers: dict[str, str], floor) -> list[dict]:
+async def sweep(args, servers: dict[str, str], floor, rows: list[dict]) -> None:
+    """Appends finished points to `rows` as it goes, so an interrupted run still reports them."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8, max_keepalive_connections=0)
     timeout = httpx.Timeout(args.point_timeout + 30, connect=10)
-    rows: list[dict] = []
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
         models = {name: await served_model(client, url) for name, url in servers.items()}
         for name, url in servers.items():  # warm-up, not measured
@@ -200,7 +200,6 @@ async def sweep(args, servers: dict[str, str], floor) -> list[dict]:
                     sys.stdout.flush()
                 rows.extend(point)
             bar.close()
-    return rows
 
 
 def parse_args(argv=None):
@@ -271,10 +270,15 @@ def main(argv=None) -> int:
         if not servers and floor is None:
             raise SystemExit("nothing to benchmark: give --url NAME=URL, --start-ours or --start-llamacpp")
         print(f"servers: {servers}" + (" + transformers floor" if floor else ""), file=sys.stderr)
-        rows = asyncio.run(sweep(args, servers, floor))
-        paths = serve_report.write(rows, args.results_dir)
-        print(serve_report.markdown(rows), file=sys.stderr)
-        print("wrote " + ", ".join(paths), file=sys.stderr)
+        rows: list[dict] = []
+        try:
+            asyncio.run(sweep(args, servers, floor, rows))
+        except KeyboardInterrupt:
+            print(f"interrupted: reporting the {len(rows)} finished points", file=sys.stderr)
+        if rows:
+            paths = serve_report.write(rows, args.results_dir)
+            print(serve_report.markdown(rows), file=sys.stderr)
+            print("wrote " + ", ".join(paths), file=sys.stderr)
     finally:
         for s in reversed(started):
             s.stop()

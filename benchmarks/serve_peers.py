@@ -113,8 +113,17 @@ def _start(name: str, url: str, cmd: list[str], timeout: float, env: dict | None
     log_path = os.path.join(LOGS, f"{name}-server.log")
     _log(f"starting {name}: {' '.join(cmd)}  (log: {log_path})")
     log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env=env)
+    # A shell's background job ignores SIGINT and children inherit that; stop() relies on SIGINT
+    # (`serve run` shuts Serve down on it), so the child gets the default disposition.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = Started(name, url, proc, log_path, shutdown_cmd)
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -210,6 +219,10 @@ class TransformersFloor:
         self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         self.eos = self.tok.eos_token_id
+        with torch.no_grad():  # warm-up, not measured
+            ids = torch.tensor([self._ids([{"role": "user", "content": "Hi!"}])])
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4,
+                                pad_token_id=self.pad)
 
     def _ids(self, messages: list[dict]) -> list[int]:
         out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
