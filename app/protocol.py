@@ -51,18 +51,6 @@ from model_parallel.sampling_params import SamplingParams
 
 # Request field (or chat content-part type) -> why this server refuses it. Features delete their rows.
 UNSUPPORTED: dict[str, str] = {
-    "response_format": "structured output (json_object / json_schema) is not available yet",
-    "regex": "regex-constrained decoding is not available yet",
-    "ebnf": "grammar-constrained decoding is not available yet",
-    "json_schema": "schema-constrained decoding is not available yet",
-    "guided_choice": "guided decoding is not available yet",
-    "guided_json": "guided decoding is not available yet",
-    "guided_regex": "guided decoding is not available yet",
-    "guided_grammar": "guided decoding is not available yet",
-    "tools": "tool calling is not available yet",
-    "tool_choice": "tool calling is not available yet",
-    "functions": "function calling is not available yet",
-    "function_call": "function calling is not available yet",
     "lora_path": "LoRA adapters are not available yet",
     "custom_logit_processor": "custom logit processors are not run (arbitrary code from clients)",
     "return_hidden_states": "hidden states are not returned yet",
@@ -74,8 +62,6 @@ UNSUPPORTED: dict[str, str] = {
     "store": "conversation storage is not available yet",
     "store_reasoning": "conversation storage is not available yet",
     "conversation": "conversation storage is not available yet",
-    "separate_reasoning": "reasoning parsing is not available yet",
-    "stream_reasoning": "reasoning parsing is not available yet",
     "deep_research": "deep research is not offered by this server",
     "modalities": "this text-only model only answers with text",
     "audio": "audio output is not supported by this text-only model",
@@ -91,18 +77,13 @@ UNSUPPORTED: dict[str, str] = {
 
 # Values of a table entry that ask for nothing new (besides None and the field's default).
 _HARMLESS: dict[str, Callable[[Any, SamplingFields], bool]] = {
-    "response_format": lambda v, req: v.type == "text",
-    "tools": lambda v, req: v == [],
-    "functions": lambda v, req: v == [],
-    "tool_choice": lambda v, req: v in ("none", "auto") and not getattr(req, "tools", None),
-    "function_call": lambda v, req: v in ("none", "auto") and not getattr(req, "functions", None),
     "modalities": lambda v, req: v == ["text"],
     "best_of": lambda v, req: v == (req.n or 1),
 }
 
 # Accepted and ignored, as OpenAI does (store=false too: it is the default).
 IGNORED = ("user", "metadata", "service_tier", "safety_identifier", "verbosity", "prompt_cache_key",
-           "parallel_tool_calls", "request_id", "rid")
+           "request_id", "rid")
 
 
 def check_supported(req: SamplingFields) -> None:

@@ -57,7 +57,7 @@ class SamplingFields(Strict):
     # streaming
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # structured output (refused for now)
+    # structured output (app.structured)
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -121,7 +121,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # tools (refused for now)
+    # tools (app.tools)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -135,8 +135,8 @@ class ChatCompletionRequest(SamplingFields):
     # reasoning
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     enable_thinking: bool | None = None
-    separate_reasoning: bool | None = False
-    stream_reasoning: bool | None = False
+    separate_reasoning: bool | None = None  # SGLang; default: on when the model or template thinks
+    stream_reasoning: bool | None = None  # SGLang; default on: reasoning streams as it is generated
     deep_research: bool | None = False
     # platform storage (seed 002)
     store: bool | None = False

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-from app.messages import ToolCall
+from app.messages import FunctionCall, ToolCall
 
 
 class OpenAIObject(BaseModel):
@@ -71,18 +71,19 @@ class CompletionLogprobs(OpenAIObject):
     text_offset: list[int] = Field(default_factory=list)
 
 
-FinishReason = Literal["stop", "length", "abort", "tool_calls", "content_filter"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls", "function_call", "content_filter"]
 
 
 # ---- chat -----------------------------------------------------------------------------------
 
 
 class ChatResponseMessage(OpenAIObject):
-    _omit_none = frozenset({"reasoning_content", "tool_calls"})
+    _omit_none = frozenset({"reasoning_content", "tool_calls", "function_call"})
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # the deprecated functions API
 
 
 class ChatChoice(OpenAIObject):
@@ -104,11 +105,12 @@ class ChatCompletionResponse(OpenAIObject):
 
 
 class DeltaMessage(OpenAIObject):
-    _omit_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
+    _omit_none = frozenset({"role", "content", "reasoning_content", "tool_calls", "function_call"})
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatChunkChoice(OpenAIObject):

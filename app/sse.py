@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
+from app.chat_output import ChatOutputParser, merge_deltas
 from app.errors import APIError, server_error
 from app.responses import (
     ChatChoice,
@@ -30,6 +31,7 @@ from app.responses import (
 log = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+ParserFactory = Callable[[], ChatOutputParser]
 
 
 @dataclass
@@ -130,12 +132,16 @@ def _error_events(exc: Exception) -> list[str]:
 
 
 async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
-                      n: int = 1, include_usage: bool = False, continuous_usage_stats: bool = False
-                      ) -> AsyncIterator[str]:
-    """SSE events of /v1/chat/completions: role, content deltas, finish, [usage chunk], [DONE]."""
+                      n: int = 1, include_usage: bool = False, continuous_usage_stats: bool = False,
+                      parser_factory: ParserFactory | None = None) -> AsyncIterator[str]:
+    """SSE events of /v1/chat/completions: role, content deltas, finish, [usage chunk], [DONE].
+
+    parser_factory: one ChatOutputParser per choice, when reasoning or tool calls are parsed out of the text.
+    """
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     usage = UsageCounter(n)
     started: set[int] = set()
+    parsers: dict[int, ChatOutputParser] = {}
     try:
         async for d in deltas:
             usage.add(d)
@@ -144,6 +150,11 @@ async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str
                 started.add(d.index)
                 yield sse_event(base | {"choices": [{"index": d.index, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}]} | extra)
+            if parser_factory is not None:
+                parser = parsers.get(d.index) or parsers.setdefault(d.index, parser_factory())
+                for choice in _parsed_choices(parser, d):
+                    yield sse_event(base | {"choices": [choice]} | extra)
+                continue
             if not d.text and d.finish_reason is None and not d.logprobs:
                 continue  # nothing to say yet (e.g. a stop string may be forming)
             choice: dict[str, Any] = {"index": d.index,
@@ -160,6 +171,22 @@ async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str
     if include_usage:
         yield sse_event(base | {"choices": [], "usage": usage.to_dict()})
     yield SSE_DONE
+
+
+def _parsed_choices(parser: ChatOutputParser, d: GenerationDelta) -> list[dict[str, Any]]:
+    """A delta's text through the choice's parser: zero or more content / reasoning / tool-call chunks."""
+    pieces = parser.feed(d.text) if d.text else []
+    if d.finish_reason is not None:
+        pieces += parser.finish()
+    lp = {"content": d.logprobs} if d.logprobs else None
+    out = [{"index": d.index, "delta": piece, "logprobs": lp if k == 0 else None, "finish_reason": None}
+           for k, piece in enumerate(pieces)]
+    if lp is not None and not out:
+        out.append({"index": d.index, "delta": {}, "logprobs": lp, "finish_reason": None})
+    if d.finish_reason is not None:
+        out.append({"index": d.index, "delta": {}, "logprobs": None,
+                    "finish_reason": parser.finish_reason(d.finish_reason), "matched_stop": d.matched_stop})
+    return out
 
 
 async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str,
@@ -199,7 +226,7 @@ async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_i
 
 
 async def collect_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
-                       n: int = 1) -> ChatCompletionResponse:
+                       n: int = 1, parser_factory: ParserFactory | None = None) -> ChatCompletionResponse:
     """The whole /v1/chat/completions body: text concatenated per choice, usage summed over choices."""
     usage = UsageCounter(n)
     texts: dict[int, list[str]] = {}
@@ -216,7 +243,14 @@ async def collect_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: st
     for i in sorted(texts):
         reason, matched = finish.get(i, (None, None))
         lp = ChatLogprobs.model_validate({"content": logprobs[i]}) if i in logprobs else None
-        choices.append(ChatChoice(index=i, message=ChatResponseMessage(content="".join(texts[i])), logprobs=lp,
+        if parser_factory is not None:  # the same parser as streaming, fed the whole text
+            parser = parser_factory()
+            fields = merge_deltas(parser.feed("".join(texts[i]), final=True))
+            message = ChatResponseMessage.model_validate(fields)
+            reason = parser.finish_reason(reason)
+        else:
+            message = ChatResponseMessage(content="".join(texts[i]))
+        choices.append(ChatChoice(index=i, message=message, logprobs=lp,
                                   finish_reason=reason, matched_stop=matched))  # type: ignore[arg-type]
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage.to_model())

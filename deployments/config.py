@@ -18,6 +18,8 @@ class ServerConfig:
     replica_num_cpus: float = 1.0
     # Minimum seconds between streamed messages of one request (0 = one message per engine step).
     stream_interval_s: float = 0.0
+    # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
+    reasoning_parser: str = "auto"
 
     @property
     def served_model_name(self) -> str:
@@ -30,4 +32,6 @@ class ServerConfig:
         keys = tuple(args.pop("api_keys", None) or ())
         env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())
         cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
+        if cfg.reasoning_parser not in ("auto", "think", "none"):
+            raise ValueError(f"reasoning_parser must be auto, think or none, got {cfg.reasoning_parser!r}")
         return cfg

@@ -2,6 +2,7 @@
 
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
+import functools
 import hmac
 import logging
 import time
@@ -15,8 +16,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import protocol as P
+from app.chat_output import ChatOutputParser
 from app.errors import APIError, from_validation_error
 from app.sse import GenerationDelta, collect_chat, collect_completion, stream_chat, stream_completion
+from app.structured import guided_spec
+from app.tools import ToolPlan, plan_tools
 from deployments.config import ServerConfig
 from deployments.llm_server import GenerateRequest
 
@@ -89,17 +93,16 @@ class Ingress:
             raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error",
                            param="model", code="model_not_found")
 
-    async def render(self, messages: list[dict], **kw) -> list[int]:
+    async def render(self, messages: list[dict], **kw) -> tuple[str, list[int]]:
         try:
-            _, ids = await self.tokenizer.render_chat.remote(messages, **kw)
+            return await self.tokenizer.render_chat.remote(messages, **kw)
         except ValueError as exc:  # template or message-shape problems are the client's
             raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
                            param="messages") from None
-        return ids
 
-    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields):
+    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields, **extra):
         stream = bool(req.stream)
-        kw = dict(request_id=greq.request_id, model=self.model_name, created=int(time.time()), n=greq.n)
+        kw = dict(request_id=greq.request_id, model=self.model_name, created=int(time.time()), n=greq.n, **extra)
         if stream:
             opts = req.stream_options
             kw |= dict(include_usage=bool(opts and opts.include_usage),
@@ -163,20 +166,43 @@ class Ingress:
         req = await parse(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         P.check_supported(req)
+        guided = guided_spec(req)
+        plan = plan_tools(req, other_constraint=guided is not None)
+        if plan is not None and plan.guided is not None:
+            guided = plan.guided
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        ids = await self.render(
+        text, ids = await self.render(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template=req.chat_template,
             chat_template_kwargs=P.template_kwargs(req),
-            tools=None,
+            tools=plan.template_tools if plan is not None and plan.mode != "none" else None,
         )
         info = await self.info()
         params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=info["max_model_len"])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1)
-        return await self.run(greq, stream_chat, collect_chat, req)
+        greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided)
+        parser_factory = await self.output_parser(req, plan, text)
+        return await self.run(greq, stream_chat, collect_chat, req, parser_factory=parser_factory)
+
+    async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
+        """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""
+        model_reasons = (await self.tokenizer_info())["reasoning"] or self.config.reasoning_parser == "think"
+        if self.config.reasoning_parser == "none":
+            model_reasons = False
+        template_reasons = bool(req.chat_template and "<think>" in req.chat_template)
+        reasoning = req.separate_reasoning is True or (
+            req.separate_reasoning is None and (model_reasons or template_reasons))
+        if not model_reasons and (req.reasoning_effort is not None or req.enable_thinking is not None):
+            log.info("reasoning_effort / enable_thinking passed to the chat template; this model does not reason")
+        tools_active = plan is not None and plan.mode != "none"
+        if not reasoning and not tools_active:
+            return None
+        return functools.partial(ChatOutputParser, reasoning=reasoning,
+                                 starts_in_reasoning=reasoning and prompt_text.rstrip().endswith("<think>"),
+                                 stream_reasoning=req.stream_reasoning is not False,
+                                 tools=plan if tools_active else None)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -204,7 +230,7 @@ class Ingress:
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
-                               echo_texts=texts if req.echo else None)
+                               echo_texts=texts if req.echo else None, guided=guided_spec(req))
         return await self.run(greq, stream_completion, collect_completion, req)
 
     async def tokenizer_info(self) -> dict:
@@ -218,7 +244,7 @@ class Ingress:
         req = await parse(request, P.TokenizeRequest)
         self.check_model(req.model)
         if req.messages is not None:
-            ids = await self.render(
+            _, ids = await self.render(
                 [m.model_dump(exclude_none=True) for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,

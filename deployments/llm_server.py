@@ -19,6 +19,7 @@ from app.protocol import StopOptions
 from app.sse import GenerationDelta
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
 from model_parallel.config import EngineConfig
+from model_parallel.guided import GrammarCompiler, GuidedSpec
 from model_parallel.outputs import RequestOutput, TokenLogprob
 from model_parallel.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ class GenerateRequest:
     n: int = 1
     echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
     lora: str | None = None
+    guided: GuidedSpec | None = None  # grammar constraint (structured output, forced tool calls)
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
@@ -71,13 +73,28 @@ class LLMServer:
         engine_cls = engine_cls or LLMEngine
         self.engine = AsyncLLMEngine(engine_cls(engine_config, eos_token_ids=list(self.tokenizer.eos_token_ids)))
         self.config = engine_config
+        self._grammars: GrammarCompiler | None = None
+
+    def _compile(self, spec: GuidedSpec):
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.engine.arch.vocab_size,
+                                             self.tokenizer.eos_token_ids)
+        return self._grammars.compile(spec)
+
+    async def compile_grammar(self, spec: GuidedSpec):
+        """Compile in a worker thread (cached): a new schema never stalls the engine or other streams."""
+        try:
+            return await asyncio.to_thread(self._compile, spec)
+        except ValueError as exc:
+            raise APIError(400, f"invalid {spec.param}: {exc}", param=spec.param, code="invalid_grammar") from None
 
     def model_info(self) -> dict:
         eng = self.engine.engine
         return {"max_model_len": eng.max_model_len, "capacity_tokens": eng.capacity_tokens}
 
     def stats(self) -> dict:
-        return vars(self.engine.engine.stats())
+        grammars = self._grammars.num_compiled if self._grammars is not None else 0
+        return vars(self.engine.engine.stats()) | {"grammars_compiled": grammars}
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
@@ -85,7 +102,8 @@ class LLMServer:
             raise RuntimeError(f"engine failed: {self.engine.error}")
         await asyncio.to_thread(self.engine.engine.executor.check_health)
 
-    async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue) -> None:
+    async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue,
+                      grammar=None) -> None:
         """Run one choice to its end, pushing GenerationDelta objects into the shared queue."""
         params = req.params
         choice = index % req.n
@@ -105,7 +123,7 @@ class LLMServer:
         first = True
         rid = f"{req.request_id}-{index}"
         try:
-            async for o in self.engine.generate(rid, prompt, params):
+            async for o in self.engine.generate(rid, prompt, params, grammar=grammar):
                 completion_tokens += len(o.new_token_ids)
                 text, matched = detok.add(o.new_token_ids) if o.new_token_ids else ("", None)
                 finish, matched_stop = o.finish_reason, None
@@ -153,8 +171,9 @@ class LLMServer:
         """Yields batches of deltas (whatever all choices produced since the last yield)."""
         queue: asyncio.Queue = asyncio.Queue()
         total = len(req.prompts) * req.n
+        grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
         tasks = [
-            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue)) for i in range(total)
+            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar)) for i in range(total)
         ]
         finished = 0
         loop = asyncio.get_running_loop()

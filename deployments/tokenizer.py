@@ -16,6 +16,8 @@ from typing import Any
 from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from app.tools import inline_tools, template_knows_tools
+
 # Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
 # exists; this window makes typical (short) matches stop cleanly. Longer matches still stop
 # generation, but their beginning may already have been streamed.
@@ -140,6 +142,11 @@ class ChatRenderer:
         if not messages:
             raise ValueError("messages must not be empty")
         msgs = self._messages(messages, template)
+        if not template_knows_tools(template) and (
+            tools or any(m.get("tool_calls") or m.get("function_call") or m["role"] == "tool" for m in msgs)
+        ):
+            # A template without tool support (SmolLM2's): offer the tools and replay the calls as text.
+            msgs, tools = inline_tools(msgs, tools), None
         if continue_final_message:
             if msgs[-1]["role"] != "assistant":
                 raise ValueError("continue_final_message needs the last message to be from the assistant")
@@ -344,9 +351,12 @@ class TokenizerService:
         self._byte_level = backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str())["decoder"])
 
     def info(self) -> dict:
+        template = self.renderer.default_template or ""
         return {"vocab_size": self.vocab_size, "eos_token_ids": self.eos_token_ids,
                 "bos_token_id": self.bos_token_id, "has_fim_tokens": self.has_fim_tokens,
-                "fim_tokens": self.fim_tokens}
+                "fim_tokens": self.fim_tokens,
+                # A template that writes <think> belongs to a reasoning model: parse its thoughts out.
+                "reasoning": "<think>" in template}
 
     def render_chat(
         self,

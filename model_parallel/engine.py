@@ -13,10 +13,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from model_parallel.block_manager import BlockManager
 from model_parallel.config import EngineConfig
 from model_parallel.executor import make_executor
+from model_parallel.guided import new_matcher, next_token_bitmask
 from model_parallel.loader import read_arch
 from model_parallel.model_files import resolve_model_path
 from model_parallel.model_runner import SeqStep, StepInput
@@ -72,7 +74,9 @@ class LLMEngine:
     def capacity_tokens(self) -> int:
         return self.executor.num_blocks * self.config.cache.block_size
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0):
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0,
+                    grammar: Any = None):
+        """grammar: an xgrammar CompiledGrammar (guided.GrammarCompiler) constraining the output, or None."""
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
@@ -85,6 +89,8 @@ class LLMEngine:
             raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, time.monotonic(),
                        lora_slot)
+        if grammar is not None:
+            seq.matcher = new_matcher(grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -120,6 +126,8 @@ class LLMEngine:
                 step.history = seq.token_ids
             if seq.num_output_tokens < p.min_tokens:
                 step.mask_token_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+            if seq.matcher is not None:
+                step.allowed_bitmask = next_token_bitmask(seq.matcher, self.arch.vocab_size)
         if p.prompt_logprobs is not None and not seq.prompt_logprobs_sent and start < seq.num_prompt_tokens:
             if start == 0:
                 seq.prompt_logprobs = [None]  # the first prompt token has no logprob
@@ -172,6 +180,8 @@ class LLMEngine:
                 continue
             token = result.sampled[seq.request_id]
             seq.token_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                log.warning("request %s: token %d rejected by its grammar", seq.request_id, token)
             self._check_stop(seq, token)
             outputs.append(self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps))
             if seq.is_finished:
@@ -182,7 +192,10 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
         reason = None
-        if seq.num_output_tokens >= p.min_tokens and (
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "stop"  # the grammar is complete: it accepted a stop token
+            seq.stop_token_id = token
+        elif seq.num_output_tokens >= p.min_tokens and (
             token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
         ):
             reason = "stop"
@@ -293,14 +306,15 @@ class AsyncLLMEngine:
                 q.put_nowait(item)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0,
+        grammar: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error}")
         self._start()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._commands.append(("add", request_id, prompt_token_ids, params, lora_slot))
+        self._commands.append(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
         self._wake.set()
         finished = False
         try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model_parallel.attention import AttentionMetadata, PrefillChunk
+from model_parallel.guided import bitmask_to_allowed
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampler import SamplingTensors, gather_logprobs, sample
 from model_parallel.sampling_params import SamplingParams
@@ -28,6 +29,8 @@ class SeqStep:
     # Prompt tokens predicted by this chunk's rows, when prompt logprobs are asked for.
     prompt_logprob_targets: list[int] = field(default_factory=list)
     lora_slot: int = 0
+    # Grammar-constrained sequences: the allowed next tokens as 32-bit words (see guided.py).
+    allowed_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -182,7 +185,8 @@ class ModelRunner:
                     g = self.generators[s.request_id] = torch.Generator().manual_seed(p.seed)
             generators.append(g)
         additive = None
-        if any(s.mask_token_ids or p.logit_bias for s, p in zip(seqs, params, strict=True)):
+        if any(s.mask_token_ids or p.logit_bias or s.allowed_bitmask is not None
+               for s, p in zip(seqs, params, strict=True)):
             additive = torch.zeros(len(seqs), v)
             for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
                 for tok, bias in p.logit_bias:
@@ -191,6 +195,8 @@ class ModelRunner:
                 for tok in s.mask_token_ids:
                     if 0 <= tok < v:
                         additive[i, tok] = float("-inf")
+                if s.allowed_bitmask is not None:
+                    additive[i].masked_fill_(~bitmask_to_allowed(s.allowed_bitmask, v), float("-inf"))
         penalty_rows = [
             (i, s.history, s.num_prompt_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
             for i, (s, p) in enumerate(zip(seqs, params, strict=True))

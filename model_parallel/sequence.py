@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from model_parallel.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class Sequence:
     stop_token_id: int | None = None
     prompt_logprobs: list = field(default_factory=list)  # accumulated over prefill chunks
     prompt_logprobs_sent: bool = False
+    matcher: Any = None  # xgrammar GrammarMatcher of a constrained request (see guided.py)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,239 @@
+"""A chat choice's generated text -> OpenAI message parts: content, reasoning_content and tool calls.
+
+One streaming parser per choice serves both the SSE stream (each `feed` returns delta dicts) and the
+whole response (the same deltas merged), so the two can never disagree. Text that may be the start of
+a tag (`<think>`, `</think>`, `<tool_call>`) is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from app.tools import HERMES_CLOSE, HERMES_OPEN, ToolPlan, new_call_id
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (to hold back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ThinkSplitter:
+    """Splits `<think>...</think>` (at the start of the output, or opened by the prompt) from the answer."""
+
+    def __init__(self, starts_inside: bool) -> None:
+        self.state = "inside" if starts_inside else "start"
+        self.buf = ""
+        self.strip_newlines = False  # right after </think>: the answer's leading newlines are layout
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """Returns (reasoning, content) decided so far."""
+        self.buf += text
+        reasoning = content = ""
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(THINK_OPEN):
+                self.state, self.buf = "inside", head[len(THINK_OPEN):]
+            elif THINK_OPEN.startswith(head) and not final:
+                return "", ""  # could still become <think>
+            else:
+                self.state = "after"
+        if self.state == "inside":
+            end = self.buf.find(THINK_CLOSE)
+            if end >= 0:
+                reasoning, self.buf = self.buf[:end], self.buf[end + len(THINK_CLOSE):]
+                self.state, self.strip_newlines = "after", True
+            else:
+                keep = 0 if final else _partial_suffix(self.buf, THINK_CLOSE)
+                reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return reasoning, ""
+        if self.state == "after":
+            if self.strip_newlines:
+                self.buf = self.buf.lstrip("\n")
+                self.strip_newlines = not self.buf
+            content, self.buf = self.buf, ""
+        return reasoning, content
+
+
+@dataclass
+class _Call:
+    name: str
+    arguments: str
+
+
+class ToolExtractor:
+    """Turns content text into tool calls as the plan says; yields ("content", text) / ("call", _Call) events."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.buf = ""
+        self.inside = False
+        self.started = False
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, Any]]:
+        mode = self.plan.mode
+        if mode == "named":
+            assert self.plan.named is not None
+            events: list[tuple[str, Any]] = []
+            if not self.started:
+                self.started = True
+                events.append(("open", self.plan.named))
+            if text:
+                events.append(("args", text))
+            return events
+        if mode == "required":
+            self.buf += text
+            if not final:
+                return []
+            try:
+                calls = json.loads(self.buf)
+            except json.JSONDecodeError:
+                return [("content", self.buf)]  # cut by max_tokens: hand back what there is
+            return [("call", _Call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))) for c in calls]
+        return self._hermes(text, final)
+
+    def _hermes(self, text: str, final: bool) -> list[tuple[str, Any]]:
+        self.buf += text
+        events: list[tuple[str, Any]] = []
+        while self.buf:
+            if not self.inside:
+                start = self.buf.find(HERMES_OPEN)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self.buf, HERMES_OPEN)
+                    if len(self.buf) > keep:
+                        events.append(("content", self.buf[: len(self.buf) - keep]))
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                if start:
+                    events.append(("content", self.buf[:start]))
+                self.buf, self.inside = self.buf[start + len(HERMES_OPEN):], True
+            end = self.buf.find(HERMES_CLOSE)
+            if end < 0 and not final:
+                break
+            body = self.buf if end < 0 else self.buf[:end]
+            call = _parse_hermes(body)
+            if call is None:  # not a call after all: keep the text as the model wrote it
+                events.append(("content", HERMES_OPEN + body + ("" if end < 0 else HERMES_CLOSE)))
+            else:
+                events.append(("call", call))
+            self.buf, self.inside = ("" if end < 0 else self.buf[end + len(HERMES_CLOSE):]), False
+        return events
+
+
+def _parse_hermes(body: str) -> _Call | None:
+    try:
+        obj = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return _Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+class ChatOutputParser:
+    """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning_content} / {tool_calls})."""
+
+    def __init__(self, *, reasoning: bool = False, starts_in_reasoning: bool = False, stream_reasoning: bool = True,
+                 tools: ToolPlan | None = None) -> None:
+        self.think = ThinkSplitter(starts_in_reasoning) if reasoning else None
+        self.stream_reasoning = stream_reasoning
+        self.held_reasoning = ""
+        self.tools = ToolExtractor(tools) if tools is not None and tools.mode != "none" else None
+        self.legacy = bool(tools and tools.legacy)
+        self.num_calls = 0
+        self._call_id: str | None = None
+
+    @property
+    def called(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        if self.think is not None:
+            reasoning, text = self.think.feed(text, final)
+            if reasoning:
+                if self.stream_reasoning:
+                    deltas.append({"reasoning_content": reasoning})
+                else:
+                    self.held_reasoning += reasoning
+            if self.held_reasoning and (self.think.state == "after" or final):
+                deltas.append({"reasoning_content": self.held_reasoning})
+                self.held_reasoning = ""
+        if self.tools is None:
+            if text:
+                deltas.append({"content": text})
+            return deltas
+        for kind, value in self.tools.feed(text, final):
+            if kind == "content":
+                if value.strip() or not self.called:  # whitespace between calls is not content
+                    deltas.append({"content": value})
+            elif kind == "open":
+                deltas.append(self._open(value))
+            elif kind == "args":
+                deltas.append(self._args(value))
+            else:
+                deltas.append(self._open(value.name))
+                deltas.append(self._args(value.arguments))
+        return deltas
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.feed("", final=True)
+
+    def _open(self, name: str) -> dict[str, Any]:
+        self.num_calls += 1
+        if self.legacy:
+            return {"function_call": {"name": name, "arguments": ""}}
+        self._call_id = new_call_id()
+        return {"tool_calls": [{"index": self.num_calls - 1, "id": self._call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def _args(self, text: str) -> dict[str, Any]:
+        if self.legacy:
+            return {"function_call": {"arguments": text}}
+        return {"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": text}}]}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if self.called and reason == "stop":
+            return "function_call" if self.legacy else "tool_calls"
+        return reason
+
+
+def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas of one choice -> the message fields of the whole response."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    function_call: dict[str, Any] | None = None
+    for d in deltas:
+        if "content" in d:
+            content.append(d["content"])
+        if "reasoning_content" in d:
+            reasoning.append(d["reasoning_content"])
+        for c in d.get("tool_calls") or []:
+            call = calls.setdefault(c["index"], {"id": None, "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+            call["id"] = c.get("id") or call["id"]
+            fn = c.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+        if "function_call" in d:
+            fc = d["function_call"]
+            function_call = function_call or {"name": "", "arguments": ""}
+            function_call["name"] += fc.get("name") or ""
+            function_call["arguments"] += fc.get("arguments") or ""
+    text = "".join(content)
+    out: dict[str, Any] = {"content": text if text or not (calls or function_call) else None}
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    if calls:
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if function_call:
+        out["function_call"] = function_call
+    return out
