@@ -14,7 +14,7 @@ from typing import Any
 
 from app.errors import bad_request
 from app.request_models import SamplingFields
-from model_parallel.guided import GuidedSpec
+from model_parallel.sampling_params import GuidedSpec
 
 # Any JSON object (OpenAI's json_object mode promises an object, not any JSON value).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from app.errors import bad_request
 from app.request_models import ChatCompletionRequest
 from app.structured import check_json_schema
-from model_parallel.guided import GuidedSpec
+from model_parallel.sampling_params import GuidedSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

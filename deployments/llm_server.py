@@ -19,9 +19,9 @@ from app.protocol import StopOptions
 from app.sse import GenerationDelta
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
 from model_parallel.config import EngineConfig
-from model_parallel.guided import GrammarCompiler, GuidedSpec
+from model_parallel.guided import GrammarCompiler
 from model_parallel.outputs import RequestOutput, TokenLogprob
-from model_parallel.sampling_params import SamplingParams
+from model_parallel.sampling_params import GuidedSpec, SamplingParams
 
 log = logging.getLogger("ray.serve")
 

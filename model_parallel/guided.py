@@ -13,24 +13,14 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-GuidedKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
+from model_parallel.sampling_params import GuidedSpec
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; clients need only the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
-
-
-@dataclass(frozen=True)
-class GuidedSpec:
-    """What to constrain the output to. `param` names the request field, for error messages."""
-
-    kind: GuidedKind
-    value: str  # JSON schema text, regex, EBNF grammar, or structural-tag JSON
-    param: str = "response_format"
 
 
 def _clean(exc: BaseException) -> str:

@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+GuidedKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What to constrain a request's output to (compiled by guided.GrammarCompiler).
+
+    `param` names the request field, for error messages.
+    """
+
+    kind: GuidedKind
+    value: str  # JSON schema text, regex, EBNF grammar, or structural-tag JSON
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)

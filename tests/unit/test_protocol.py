@@ -25,6 +25,8 @@ from app.protocol import (
     template_kwargs,
     to_sampling_params,
 )
+from app.structured import guided_spec
+from app.tools import plan_tools
 
 MSG = [{"role": "user", "content": "hi"}]
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
@@ -45,6 +47,9 @@ def outcome(model: type, body: dict[str, Any]) -> APIError | None:
         check_supported(req)
         to_sampling_params(req, prompt_len=10, max_model_len=100)
         stop_options(req)
+        guided = guided_spec(req)
+        if isinstance(req, ChatCompletionRequest):
+            plan_tools(req, other_constraint=guided is not None)
     except ValidationError as exc:
         return from_validation_error(exc)
     except APIError as exc:
@@ -142,16 +147,18 @@ def test_extra_body_sent_literally_is_merged():
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED_SAMPLES: dict[str, Any] = {
-    "response_format": {"type": "json_object"}, "regex": "a+", "ebnf": "root ::= 'a'",
-    "json_schema": '{"type": "object"}', "guided_choice": ["a", "b"], "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "required",
-    "functions": [{"name": "f"}], "function_call": {"name": "f"}, "lora_path": "/adapters/a",
+    "lora_path": "/adapters/a",
     "custom_logit_processor": "x", "return_hidden_states": True, "return_routed_experts": True,
     "suffix": "end", "best_of": 3, "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
-    "store_reasoning": True, "conversation": {"id": "c1"}, "separate_reasoning": True,
-    "stream_reasoning": True, "deep_research": True, "modalities": ["text", "audio"],
+    "store_reasoning": True, "conversation": {"id": "c1"}, "deep_research": True, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
+}
+WORKING_SAMPLES: dict[str, Any] = {  # structured output, tools and reasoning: parsed into a plan
+    "response_format": {"type": "json_object"}, "regex": "a+", "ebnf": "root ::= 'a'",
+    "json_schema": '{"type": "object"}', "guided_choice": ["a", "b"], "guided_json": {"type": "object"},
+    "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "none",
+    "separate_reasoning": True, "stream_reasoning": False,
 }
 PARTS: dict[str, dict[str, Any]] = {
     "image_url": {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
@@ -203,7 +210,7 @@ def test_best_of_equal_to_n_is_accepted():
 
 def test_ignored_parameters_are_accepted():
     values = {"user": "u", "metadata": {"k": "v"}, "service_tier": "flex", "safety_identifier": "h",
-              "verbosity": "low", "prompt_cache_key": "k", "parallel_tool_calls": False, "request_id": "r",
+              "verbosity": "low", "prompt_cache_key": "k", "request_id": "r",
               "rid": "r"}
     assert set(values) == set(IGNORED)
     assert outcome(ChatCompletionRequest, {"messages": MSG} | values) is None
@@ -263,7 +270,9 @@ SAMPLE: dict[str, dict[str, Any]] = {  # a valid, non-default value for every se
     "service_tier": {"service_tier": "priority"}, "user": {"user": "u"}, "verbosity": {"verbosity": "high"},
     "extra_body": {"extra_body": {"top_k": 50, "repetition_penalty": 1.05}}, "prompt": {"prompt": ["a", "b"]},
     "echo": {"echo": True}, "functions": {"functions": [{"name": "f", "parameters": {}}]},
-} | {name: {name: value} for name, value in REFUSED_SAMPLES.items()} | {"logprobs_completion": {"logprobs": 2}}
+    "function_call": {"function_call": "none"},
+} | {name: {name: value} for name, value in (REFUSED_SAMPLES | WORKING_SAMPLES).items()} | {
+    "logprobs_completion": {"logprobs": 2}}
 
 
 def _seed_names(text: str) -> set[str]:

@@ -80,7 +80,11 @@ def test_roles_and_tool_calls(svc):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     text, _ = svc.render_chat(msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n42<|im_end|>" in text
+    # SmolLM2's template knows no tools: they go to the system prompt, calls and results in Hermes tags.
+    assert text.startswith("<|im_start|>system\nYou are a function calling AI model.")
+    assert '<tools>\n{"name": "f", "parameters": {}}\n</tools>' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+            '<|im_start|>tool\n<tool_response>\n42\n</tool_response><|im_end|>') in text
 
 
 def test_template_errors_are_value_errors(svc):

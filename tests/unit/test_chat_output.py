@@ -1,0 +1,101 @@
+"""The per-choice output parser: reasoning / tool-call extraction is the same however the text is chunked."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from app.chat_output import ChatOutputParser, merge_deltas
+from app.request_models import ChatCompletionRequest
+from app.tools import plan_tools
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def plan(**kw):
+    return plan_tools(ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS} | kw),
+                      other_constraint=False)
+
+
+def run(text: str, chunks: list[int], **kw) -> tuple[list[dict], ChatOutputParser]:
+    parser = ChatOutputParser(**kw)
+    deltas, pos = [], 0
+    for n in chunks:
+        deltas += parser.feed(text[pos:pos + n])
+        pos += n
+    deltas += parser.feed(text[pos:]) + parser.finish()
+    return deltas, parser
+
+
+def random_chunks(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, 6) for _ in range(length)]
+
+
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_hermes_calls_whatever_the_chunking(seed):
+    deltas, parser = run(HERMES, random_chunks(seed, 40), tools=plan())
+    msg = merge_deltas(deltas)
+    assert msg["content"] == "Let me check. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert all(c["id"].startswith("call_") for c in msg["tool_calls"])
+    assert parser.finish_reason("stop") == "tool_calls" and parser.finish_reason("length") == "length"
+    # The first delta of each call names it; the rest only add arguments.
+    firsts = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
+    assert [f["index"] for f in firsts] == [0, 1] and all(f["function"]["arguments"] == "" for f in firsts)
+
+
+def test_text_that_only_looks_like_a_call_stays_content():
+    text = "Use <tool_call> tags like <tool_call>not json</tool_call> here. a < b"
+    deltas, parser = run(text, random_chunks(1, 30), tools=plan())
+    assert merge_deltas(deltas) == {"content": text} and not parser.called
+
+
+def test_named_streams_arguments_and_required_parses_the_list():
+    deltas, _ = run('{"city": "Oslo"}', [3, 3, 3], tools=plan(tool_choice={"type": "function",
+                                                                            "function": {"name": "get_weather"}}))
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(deltas) > 2  # arguments arrive piece by piece
+    assert json.loads(merge_deltas(deltas)["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    deltas, _ = run('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', [5] * 20,
+                    tools=plan(tool_choice="required"))
+    assert merge_deltas(deltas)["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_legacy_functions_use_function_call():
+    p = plan_tools(ChatCompletionRequest.model_validate(
+        {"messages": MSG, "functions": [TOOLS[0]["function"]], "function_call": {"name": "get_weather"}}),
+        other_constraint=False)
+    deltas, parser = run('{"city": "Oslo"}', [4, 4], tools=p)
+    assert merge_deltas(deltas) == {"content": None, "function_call": {"name": "get_weather",
+                                                                       "arguments": '{"city": "Oslo"}'}}
+    assert parser.finish_reason("stop") == "function_call"
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("starts_inside", [False, True])
+def test_think_split_whatever_the_chunking(seed, starts_inside):
+    text = ("" if starts_inside else "<think>") + "\nTwo and two.\n</think>\n\nFour."
+    deltas, _ = run(text, random_chunks(seed, 20), reasoning=True, starts_in_reasoning=starts_inside)
+    assert merge_deltas(deltas) == {"content": "Four.", "reasoning_content": "\nTwo and two.\n"}
+
+
+def test_no_think_tags_is_all_content_and_unclosed_is_all_reasoning():
+    deltas, _ = run("<thinking is fun", [2, 2, 2], reasoning=True)
+    assert merge_deltas(deltas) == {"content": "<thinking is fun"}
+    deltas, _ = run("<think>cut off by max_tok", [3] * 10, reasoning=True)
+    assert merge_deltas(deltas) == {"content": "", "reasoning_content": "cut off by max_tok"}
+
+
+def test_reasoning_held_until_done_without_stream_reasoning():
+    deltas, _ = run("<think>a b c d</think>e", [1] * 30, reasoning=True, stream_reasoning=False)
+    assert [d for d in deltas if "reasoning_content" in d] == [{"reasoning_content": "a b c d"}]
