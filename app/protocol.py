@@ -53,10 +53,7 @@ from model_parallel.sampling_params import SamplingParams
 UNSUPPORTED: dict[str, str] = {
     "lora_path": "LoRA adapters are not available yet",
     "custom_logit_processor": "custom logit processors are not run (arbitrary code from clients)",
-    "return_hidden_states": "hidden states are not returned yet",
     "return_routed_experts": "this is a dense model: it has no experts to report",
-    "suffix": "this model has no fill-in-the-middle tokens",
-    "best_of": "best_of > n is not available yet",
     "max_dynamic_patch": "this text-only model has no vision patches",
     "min_dynamic_patch": "this text-only model has no vision patches",
     "store": "conversation storage is not available yet",
@@ -78,7 +75,6 @@ UNSUPPORTED: dict[str, str] = {
 # Values of a table entry that ask for nothing new (besides None and the field's default).
 _HARMLESS: dict[str, Callable[[Any, SamplingFields], bool]] = {
     "modalities": lambda v, req: v == ["text"],
-    "best_of": lambda v, req: v == (req.n or 1),
 }
 
 # Accepted and ignored, as OpenAI does (store=false too: it is the default).
@@ -199,6 +195,7 @@ def to_sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: i
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
+            return_hidden_states=bool(req.return_hidden_states),
         )
     except ValueError as exc:  # SamplingParams re-checks its own invariants
         raise bad_request(str(exc)) from None

@@ -87,11 +87,13 @@ class ChatResponseMessage(OpenAIObject):
 
 
 class ChatChoice(OpenAIObject):
+    _omit_none = frozenset({"hidden_states"})
     index: int
     message: ChatResponseMessage = Field(default_factory=ChatResponseMessage)
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None  # SGLang: the stop string or token id that ended the choice
+    hidden_states: list[list[float]] | None = None  # SGLang return_hidden_states: one per output token
 
 
 class ChatCompletionResponse(OpenAIObject):
@@ -114,12 +116,13 @@ class DeltaMessage(OpenAIObject):
 
 
 class ChatChunkChoice(OpenAIObject):
-    _omit_none = frozenset({"matched_stop"})
+    _omit_none = frozenset({"matched_stop", "hidden_states"})
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    hidden_states: list[list[float]] | None = None
 
 
 class ChatCompletionChunk(OpenAIObject):
@@ -137,11 +140,13 @@ class ChatCompletionChunk(OpenAIObject):
 
 
 class CompletionChoice(OpenAIObject):
+    _omit_none = frozenset({"hidden_states"})
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
+    hidden_states: list[list[float]] | None = None
 
 
 class CompletionResponse(OpenAIObject):
@@ -155,7 +160,7 @@ class CompletionResponse(OpenAIObject):
 
 
 class CompletionChunkChoice(CompletionChoice):
-    _omit_none = frozenset({"matched_stop"})
+    _omit_none = frozenset({"matched_stop", "hidden_states"})
 
 
 class CompletionChunk(OpenAIObject):

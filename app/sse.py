@@ -49,6 +49,7 @@ class GenerationDelta:
     completion_tokens: int  # cumulative for this choice
     prompt_logprobs: list[dict | None] | None = None  # first delta only, echo + logprobs; first entry None
     prompt_text: str | None = None  # first delta only, completions echo
+    hidden_states: list[list[float]] | None = None  # return_hidden_states: one vector per new token
 
 
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
@@ -163,6 +164,8 @@ async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str
                                       "finish_reason": d.finish_reason}
             if d.finish_reason is not None:
                 choice["matched_stop"] = d.matched_stop
+            if d.hidden_states:
+                choice["hidden_states"] = d.hidden_states
             yield sse_event(base | {"choices": [choice]} | extra)
     except Exception as exc:
         for event in _error_events(exc):
@@ -181,8 +184,10 @@ def _parsed_choices(parser: ChatOutputParser, d: GenerationDelta) -> list[dict[s
     lp = {"content": d.logprobs} if d.logprobs else None
     out = [{"index": d.index, "delta": piece, "logprobs": lp if k == 0 else None, "finish_reason": None}
            for k, piece in enumerate(pieces)]
-    if lp is not None and not out:
+    if (lp is not None or d.hidden_states) and not out:
         out.append({"index": d.index, "delta": {}, "logprobs": lp, "finish_reason": None})
+    if d.hidden_states:
+        out[0]["hidden_states"] = d.hidden_states
     if d.finish_reason is not None:
         out.append({"index": d.index, "delta": {}, "logprobs": None,
                     "finish_reason": parser.finish_reason(d.finish_reason), "matched_stop": d.matched_stop})
@@ -214,6 +219,8 @@ async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_i
                                       "logprobs": lp.to_dict() if lp else None, "finish_reason": d.finish_reason}
             if d.finish_reason is not None:
                 choice["matched_stop"] = d.matched_stop
+            if d.hidden_states:
+                choice["hidden_states"] = d.hidden_states
             extra = {"usage": usage.to_dict()} if continuous_usage_stats else {}
             yield sse_event(base | {"choices": [choice]} | extra)
     except Exception as exc:
@@ -232,8 +239,11 @@ async def collect_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: st
     texts: dict[int, list[str]] = {}
     logprobs: dict[int, list[dict]] = {}
     finish: dict[int, tuple[str | None, str | int | None]] = {}
+    hidden: dict[int, list[list[float]]] = {}
     async for d in deltas:
         usage.add(d)
+        if d.hidden_states:
+            hidden.setdefault(d.index, []).extend(d.hidden_states)
         texts.setdefault(d.index, []).append(d.text)
         if d.logprobs:
             logprobs.setdefault(d.index, []).extend(d.logprobs)
@@ -250,8 +260,8 @@ async def collect_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: st
             reason = parser.finish_reason(reason)
         else:
             message = ChatResponseMessage(content="".join(texts[i]))
-        choices.append(ChatChoice(index=i, message=message, logprobs=lp,
-                                  finish_reason=reason, matched_stop=matched))  # type: ignore[arg-type]
+        choices.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=reason,  # type: ignore[arg-type]
+                                  matched_stop=matched, hidden_states=hidden.get(i)))
     return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage.to_model())
 
@@ -264,8 +274,11 @@ async def collect_completion(deltas: AsyncIterator[GenerationDelta], *, request_
     lps: dict[int, LegacyLogprobs] = {}
     lengths: dict[int, int] = {}
     finish: dict[int, tuple[str | None, str | int | None]] = {}
+    hidden: dict[int, list[list[float]]] = {}
     async for d in deltas:
         usage.add(d)
+        if d.hidden_states:
+            hidden.setdefault(d.index, []).extend(d.hidden_states)
         if d.index not in texts:
             texts[d.index], lps[d.index], lengths[d.index] = [], LegacyLogprobs(), 0
             if d.prompt_text is not None:
@@ -283,6 +296,6 @@ async def collect_completion(deltas: AsyncIterator[GenerationDelta], *, request_
         reason, matched = finish.get(i, (None, None))
         lp = CompletionLogprobs.model_validate(lps[i].to_dict()) if lps[i] else None
         choices.append(CompletionChoice(index=i, text="".join(texts[i]), logprobs=lp, finish_reason=reason,
-                                        matched_stop=matched))  # type: ignore[arg-type]
+                                        matched_stop=matched, hidden_states=hidden.get(i)))  # type: ignore[arg-type]
     return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                               usage=usage.to_model())

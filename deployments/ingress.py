@@ -213,8 +213,16 @@ class Ingress:
         info = await self.info()
         prompts: list[list[int]] = []
         texts: list[str] = []
+        if req.suffix is not None and not (await self.tokenizer_info())["has_fim_tokens"]:
+            raise APIError(400, "this model has no fill-in-the-middle tokens, so `suffix` cannot be used",
+                           param="suffix")
         for p in P.completion_prompts(req):
-            if isinstance(p, str):
+            if req.suffix is not None:
+                if not isinstance(p, str):
+                    raise APIError(400, "suffix needs text prompts, not token ids", param="suffix")
+                prompts.append(await self.tokenizer.encode_fim.remote(p, req.suffix))
+                texts.append(p)
+            elif isinstance(p, str):
                 prompts.append(await self.tokenizer.encode.remote(p))
                 texts.append(p)
             else:
@@ -229,8 +237,12 @@ class Ingress:
             key=lambda s: s.max_tokens,
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
+        best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
+        if best_of is not None and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best choices are known only at the end)",
+                           param="best_of")
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
-                               echo_texts=texts if req.echo else None, guided=guided_spec(req))
+                               echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of)
         return await self.run(greq, stream_completion, collect_completion, req)
 
     async def tokenizer_info(self) -> dict:

@@ -40,6 +40,7 @@ class GenerateRequest:
     echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
     lora: str | None = None
     guided: GuidedSpec | None = None  # grammar constraint (structured output, forced tool calls)
+    best_of: int | None = None  # completions: sample best_of per prompt, return the n most likely
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
@@ -143,6 +144,7 @@ class LLMServer:
                     prompt_tokens=o.num_prompt_tokens,
                     cached_tokens=o.num_cached_tokens,
                     completion_tokens=completion_tokens,
+                    hidden_states=o.hidden_states,
                 )
                 if first:
                     first = False
@@ -169,6 +171,9 @@ class LLMServer:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]:
         """Yields batches of deltas (whatever all choices produced since the last yield)."""
+        if req.best_of is not None and req.best_of > req.n:
+            yield await self._best_of(req)
+            return
         queue: asyncio.Queue = asyncio.Queue()
         total = len(req.prompts) * req.n
         grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
@@ -198,6 +203,35 @@ class LLMServer:
         finally:
             for t in tasks:  # client gone or error: cancel every choice, which aborts it in the engine
                 t.cancel()
+
+    async def _best_of(self, req: GenerateRequest) -> list[GenerationDelta]:
+        """best_of candidates per prompt, ranked by cumulative logprob; the top n come back as choices 0..n-1.
+
+        Usage counts every candidate (they were all generated): the dropped ones' tokens are added to
+        each prompt's first kept choice.
+        """
+        logprobs = req.params.logprobs
+        wide = replace(req, n=req.best_of, best_of=None,
+                       params=replace(req.params, logprobs=0 if logprobs is None else logprobs))
+        per_choice: dict[int, list[GenerationDelta]] = {}
+        async for batch in self.generate(wide):
+            for d in batch:
+                per_choice.setdefault(d.index, []).append(d)
+        assert req.best_of is not None
+        out: list[GenerationDelta] = []
+        for p in range(len(req.prompts)):
+            candidates = [per_choice.get(p * req.best_of + j, []) for j in range(req.best_of)]
+            scores = [sum(e["logprob"] for d in c for e in d.logprobs or []) for c in candidates]
+            order = sorted(range(req.best_of), key=lambda j: scores[j], reverse=True)
+            dropped = sum(candidates[j][-1].completion_tokens for j in order[req.n:] if candidates[j])
+            for rank, j in enumerate(order[: req.n]):
+                for d in candidates[j]:
+                    d.index = p * req.n + rank
+                    d.completion_tokens += dropped if rank == 0 else 0
+                    if logprobs is None:
+                        d.logprobs = None
+                    out.append(d)
+        return out
 
     def __del__(self) -> None:
         try:

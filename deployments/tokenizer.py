@@ -373,6 +373,13 @@ class TokenizerService:
         # The template already wrote BOS and the turn markers: add no special tokens of our own.
         return text, self.encode(text, add_special_tokens=False)
 
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        """A fill-in-the-middle prompt (prefix-suffix-middle order): the model writes what goes between."""
+        if self.fim_tokens is None:
+            raise ValueError("this model has no fill-in-the-middle tokens, so `suffix` cannot be used")
+        pre, suf, mid = self.fim_tokens
+        return self.encode(f"{pre}{prefix}{suf}{suffix}{mid}", add_special_tokens=False)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -183,7 +183,10 @@ class LLMEngine:
             if seq.matcher is not None and not seq.matcher.accept_token(token):
                 log.warning("request %s: token %d rejected by its grammar", seq.request_id, token)
             self._check_stop(seq, token)
-            outputs.append(self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps))
+            out = self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps)
+            if seq.request_id in result.hidden_states:
+                out.hidden_states = [result.hidden_states[seq.request_id]]
+            outputs.append(out)
             if seq.is_finished:
                 self.seqs.pop(seq.request_id, None)
                 self._finished_ids.append(seq.request_id)
@@ -241,6 +244,8 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     if b.logprobs:
         a.logprobs = (a.logprobs or []) + b.logprobs
     a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
+    if b.hidden_states:
+        a.hidden_states = (a.hidden_states or []) + b.hidden_states
     a.finished, a.finish_reason, a.stop_token_id = b.finished, b.finish_reason, b.stop_token_id
     a.num_cached_tokens = b.num_cached_tokens
     return a

@@ -45,6 +45,7 @@ class StepOutput:
     logprobs: dict[str, TokenLogprob]
     # Logprobs of the prompt tokens that this chunk's rows predict.
     prompt_logprobs: dict[str, list[TokenLogprob]]
+    hidden_states: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -165,6 +166,8 @@ class ModelRunner:
                     lp = logprobs[i]
                     lp.top = lp.top[: s.params.logprobs]
                     out.logprobs[s.request_id] = lp
+                if s.params and s.params.return_hidden_states:
+                    out.hidden_states[s.request_id] = hidden[rows[sample_rows[i]]].float().tolist()
         for s in step.seqs:
             if s.request_id in prompt_rows and s.params is not None:
                 first, count = prompt_rows[s.request_id]

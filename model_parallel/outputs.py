@@ -27,3 +27,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # Only on the first output of a request that asked for prompt_logprobs; first entry is None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Final-layer hidden state (after the last norm) behind each new token, when asked for.
+    hidden_states: list[list[float]] | None = None

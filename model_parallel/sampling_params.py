@@ -45,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

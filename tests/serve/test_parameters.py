@@ -85,3 +85,69 @@ def test_continue_final_message(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=4,
                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
     assert "Paris" in r.choices[0].message.content
+
+
+def test_return_hidden_states_match_transformers(client, model_name, server, auth, hf_model, hf_tokenizer):
+    import torch
+
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=5,
+                                  extra_body={"return_hidden_states": True})
+    hidden = r.choices[0].model_extra["hidden_states"]
+    assert len(hidden) == r.usage.completion_tokens == 5 and len(hidden[0]) == hf_model.config.hidden_size
+    prompt_ids = httpx.post(f"{server}/tokenize", json={"prompt": prompt}, headers=auth).json()["tokens"]
+    with torch.no_grad():
+        full = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=5, do_sample=False)[0]
+        assert hf_tokenizer.decode(full[len(prompt_ids):]) == r.choices[0].text  # same greedy tokens
+        ref = hf_model(full[None, :-1], output_hidden_states=True).hidden_states[-1][0]  # after the final norm
+    # Row k is the state that predicted output token k: the last prompt token, then each output token.
+    assert torch.allclose(torch.tensor(hidden), ref[len(prompt_ids) - 1:], atol=2e-3, rtol=1e-3)
+    chat = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3,
+                                          extra_body={"return_hidden_states": True})
+    assert len(chat.choices[0].model_extra["hidden_states"]) == 3
+    plain = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3)
+    assert "hidden_states" not in (plain.choices[0].model_extra or {})
+
+
+def test_best_of_returns_the_most_likely_candidates(client, model_name, server, auth):
+    kw = dict(model=model_name, prompt="Once upon a time", temperature=1.0, max_tokens=8, seed=123)
+    every = client.completions.create(n=4, logprobs=0, **kw)
+    score = {c.index: sum(c.logprobs.token_logprobs) for c in every.choices}
+    ranked = sorted(score, key=score.get, reverse=True)
+    texts = {c.index: c.text for c in every.choices}
+    assert len(set(texts.values())) > 1  # the candidates differ, so picking matters
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == [texts[ranked[0]], texts[ranked[1]]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # usage counts all candidates
+    r = httpx.post(f"{server}/v1/completions", headers=auth, json={
+        "model": model_name, "prompt": "x", "best_of": 3, "stream": True, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
+def test_suffix_needs_fill_in_the_middle_tokens(server, auth, model_name):
+    r = httpx.post(f"{server}/v1/completions", headers=auth, json={
+        "model": model_name, "prompt": "def add(a, b):", "suffix": "\n", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert "fill-in-the-middle" in r.json()["error"]["message"]
+
+
+def test_special_tokens_in_output(client, model_name):
+    # +100 on <|im_end|> (id 2) with ignore_eos: the output is that special token three times.
+    kw = dict(model=model_name, prompt="Hi", max_tokens=3, temperature=0, logit_bias={"2": 100})
+    skipped = client.completions.create(extra_body={"ignore_eos": True}, **kw)
+    assert skipped.choices[0].text == "" and skipped.usage.completion_tokens == 3
+    kept = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False,
+                                                 "spaces_between_special_tokens": False}, **kw)
+    assert kept.choices[0].text == "<|im_end|>" * 3
+    spaced = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False}, **kw)
+    assert spaced.choices[0].text == " ".join(["<|im_end|>"] * 3)
+
+
+def test_chat_template_override(client, model_name, server, auth):
+    content = "Just these words."
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": content}],
+                                       max_tokens=2, extra_body={"chat_template": "{{ messages[0]['content'] }}"})
+    n = len(httpx.post(f"{server}/tokenize", json={"prompt": content, "add_special_tokens": False},
+                       headers=auth).json()["tokens"])
+    assert r.usage.prompt_tokens == n  # the override rendered the bare content, no ChatML around it

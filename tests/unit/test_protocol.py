@@ -148,8 +148,8 @@ def test_extra_body_sent_literally_is_merged():
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED_SAMPLES: dict[str, Any] = {
     "lora_path": "/adapters/a",
-    "custom_logit_processor": "x", "return_hidden_states": True, "return_routed_experts": True,
-    "suffix": "end", "best_of": 3, "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
+    "custom_logit_processor": "x", "return_routed_experts": True,
+    "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
     "store_reasoning": True, "conversation": {"id": "c1"}, "deep_research": True, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
@@ -158,7 +158,8 @@ WORKING_SAMPLES: dict[str, Any] = {  # structured output, tools and reasoning: p
     "response_format": {"type": "json_object"}, "regex": "a+", "ebnf": "root ::= 'a'",
     "json_schema": '{"type": "object"}', "guided_choice": ["a", "b"], "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "none",
-    "separate_reasoning": True, "stream_reasoning": False,
+    "separate_reasoning": True, "stream_reasoning": False, "return_hidden_states": True, "best_of": 3,
+    "suffix": "end",  # the 400 for a model without fill-in-the-middle tokens comes from the ingress
 }
 PARTS: dict[str, dict[str, Any]] = {
     "image_url": {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},

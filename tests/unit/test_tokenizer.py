@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
+from deployments.tokenizer import IncrementalDetokenizer, TokenizerService, load_tokenizer
 from model_parallel.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
 TEXT = "Hello wörld 🎉 — naïve café, 東京タワー. The capital of France is Paris. END"
@@ -198,3 +198,18 @@ def test_resolve_model_path(gguf_path, tmp_path):
         resolve_model_path(os.path.dirname(gguf_path))
     with pytest.raises(FileNotFoundError):
         resolve_model_path("HuggingFaceTB/SmolLM2-360M-Instruct")
+
+
+def test_fill_in_the_middle_prompt(svc, gguf_path, tmp_path):
+    with pytest.raises(ValueError, match="fill-in-the-middle"):
+        svc.encode_fim("def f(", "):")
+    # The same tokenizer with StarCoder-style FIM tokens added, saved as a Hugging Face directory.
+    tok = load_tokenizer(gguf_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]})
+    tok.save_pretrained(tmp_path)
+    fim = TokenizerService(str(tmp_path))
+    assert fim.has_fim_tokens and fim.info()["fim_tokens"] == ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+    ids = fim.encode_fim("def add(a, b):\n    return ", "\n")
+    vocab = fim.tokenizer.get_vocab()
+    assert ids[0] == vocab["<fim_prefix>"] and ids[-1] == vocab["<fim_middle>"] and vocab["<fim_suffix>"] in ids
+    assert fim.decode(ids, skip_special_tokens=False) == "<fim_prefix>def add(a, b):\n    return <fim_suffix>\n<fim_middle>"
