@@ -181,9 +181,33 @@ def _make_decoder(
 ) -> Callable[[list[int]], str]:
     backend = _fast_backend(tokenizer)
     if backend is not None:
-        # Straight to Rust: ~3x less overhead than tokenizer.decode on this hot path. Fast tokenizers
-        # ignore spaces_between_special_tokens and we never clean up tokenization spaces.
-        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+        # Straight to Rust: ~3x less overhead than tokenizer.decode on this hot path. We never clean up
+        # tokenization spaces.
+        plain = functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return plain
+        # Rust's decode has no spaces_between_special_tokens; do what the slow tokenizers (and vLLM) do:
+        # added tokens and the text runs between them are joined with single spaces.
+        added = frozenset(tokenizer.added_tokens_decoder)
+
+        def spaced(ids: list[int]) -> str:
+            if added.isdisjoint(ids):
+                return plain(ids)
+            parts: list[str] = []
+            run: list[int] = []
+            for i in ids:
+                if i in added:
+                    if run:
+                        parts.append(plain(run))
+                        run = []
+                    parts.append(plain([i]))
+                else:
+                    run.append(i)
+            if run:
+                parts.append(plain(run))
+            return " ".join(parts)
+
+        return spaced
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False,
                              spaces_between_special_tokens=spaces_between_special_tokens)
 

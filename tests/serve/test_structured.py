@@ -100,19 +100,18 @@ def test_invalid_constraints_are_400s(server, auth, model_name, body, param, wor
     assert ok.status_code == 200
 
 
-def test_constrained_and_unconstrained_batched_together(aclient, client, model_name):
+async def test_constrained_and_unconstrained_batched_together(server, auth, client, model_name):
+    from openai import AsyncOpenAI
+
     free = [{"role": "user", "content": "Write one sentence about the sea."}]
     alone = client.chat.completions.create(model=model_name, messages=free, temperature=0, max_tokens=40)
-
-    async def both():
-        return await asyncio.gather(
+    async with AsyncOpenAI(base_url=f"{server}/v1", api_key=auth["Authorization"][7:], max_retries=0, timeout=120) as aclient:
+        *constrained, unconstrained = await asyncio.gather(
             *[aclient.chat.completions.create(model=model_name, messages=PERSON, temperature=0.8, seed=i,
                                               max_tokens=120, response_format=_schema_format())
               for i in range(4)],
             aclient.chat.completions.create(model=model_name, messages=free, temperature=0, max_tokens=40),
         )
-
-    *constrained, unconstrained = asyncio.run(both())
     for r in constrained:
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     assert unconstrained.choices[0].message.content == alone.choices[0].message.content
