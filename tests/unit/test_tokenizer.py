@@ -122,7 +122,9 @@ def test_special_tokens_skipped_or_kept(svc):
     ids = svc.encode("Hi<|im_end|>", add_special_tokens=False)
     assert feed(IncrementalDetokenizer(svc.tokenizer, []), ids)[0] == "Hi"
     kept = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False)
-    assert feed(kept, ids)[0] + kept.flush() == "Hi<|im_end|>"
+    assert feed(kept, ids)[0] + kept.flush() == "Hi <|im_end|>"  # spaces_between_special_tokens (default)
+    tight = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert feed(tight, ids)[0] + tight.flush() == "Hi<|im_end|>"
 
 
 def test_stop_string_spanning_tokens_is_caught_and_never_leaked(svc):
