@@ -71,9 +71,6 @@ UNSUPPORTED: dict[str, str] = {
     "best_of": "best_of > n is not available yet",
     "max_dynamic_patch": "this text-only model has no vision patches",
     "min_dynamic_patch": "this text-only model has no vision patches",
-    "store": "conversation storage is not available yet",
-    "store_reasoning": "conversation storage is not available yet",
-    "conversation": "conversation storage is not available yet",
     "separate_reasoning": "reasoning parsing is not available yet",
     "stream_reasoning": "reasoning parsing is not available yet",
     "deep_research": "deep research is not offered by this server",
@@ -100,8 +97,8 @@ _HARMLESS: dict[str, Callable[[Any, SamplingFields], bool]] = {
     "best_of": lambda v, req: v == (req.n or 1),
 }
 
-# Accepted and ignored, as OpenAI does (store=false too: it is the default).
-IGNORED = ("user", "metadata", "service_tier", "safety_identifier", "verbosity", "prompt_cache_key",
+# Accepted and ignored, as OpenAI does (store, store_reasoning, conversation, metadata: conversation storage).
+IGNORED = ("user", "service_tier", "safety_identifier", "verbosity", "prompt_cache_key",
            "parallel_tool_calls", "request_id", "rid")
 
 

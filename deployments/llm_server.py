@@ -38,6 +38,7 @@ class GenerateRequest:
     n: int = 1
     echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
     lora: str | None = None
+    trace_id: str = ""  # the HTTP request's X-Request-Id: prefixes engine ids, so aborts and logs carry it
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
@@ -103,7 +104,7 @@ class LLMServer:
         )
         completion_tokens = 0
         first = True
-        rid = f"{req.request_id}-{index}"
+        rid = f"{req.trace_id}:{req.request_id}-{index}" if req.trace_id else f"{req.request_id}-{index}"
         try:
             async for o in self.engine.generate(rid, prompt, params):
                 completion_tokens += len(o.new_token_ids)

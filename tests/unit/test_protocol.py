@@ -147,8 +147,7 @@ REFUSED_SAMPLES: dict[str, Any] = {
     "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "required",
     "functions": [{"name": "f"}], "function_call": {"name": "f"}, "lora_path": "/adapters/a",
     "custom_logit_processor": "x", "return_hidden_states": True, "return_routed_experts": True,
-    "suffix": "end", "best_of": 3, "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
-    "store_reasoning": True, "conversation": {"id": "c1"}, "separate_reasoning": True,
+    "suffix": "end", "best_of": 3, "max_dynamic_patch": 4, "min_dynamic_patch": 1, "separate_reasoning": True,
     "stream_reasoning": True, "deep_research": True, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
@@ -202,7 +201,7 @@ def test_best_of_equal_to_n_is_accepted():
 
 
 def test_ignored_parameters_are_accepted():
-    values = {"user": "u", "metadata": {"k": "v"}, "service_tier": "flex", "safety_identifier": "h",
+    values = {"user": "u", "service_tier": "flex", "safety_identifier": "h",
               "verbosity": "low", "prompt_cache_key": "k", "parallel_tool_calls": False, "request_id": "r",
               "rid": "r"}
     assert set(values) == set(IGNORED)
@@ -263,6 +262,8 @@ SAMPLE: dict[str, dict[str, Any]] = {  # a valid, non-default value for every se
     "service_tier": {"service_tier": "priority"}, "user": {"user": "u"}, "verbosity": {"verbosity": "high"},
     "extra_body": {"extra_body": {"top_k": 50, "repetition_penalty": 1.05}}, "prompt": {"prompt": ["a", "b"]},
     "echo": {"echo": True}, "functions": {"functions": [{"name": "f", "parameters": {}}]},
+    "store": {"store": True}, "store_reasoning": {"store": True, "store_reasoning": True},
+    "conversation": {"conversation": {"id": "conv_1"}},
 } | {name: {name: value} for name, value in REFUSED_SAMPLES.items()} | {"logprobs_completion": {"logprobs": 2}}
 
 
