@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from app.errors import bad_request
 from app.messages import Strict
@@ -55,7 +55,7 @@ class ItemsCreate(Strict):
     items: list[dict[str, Any]] = Field(min_length=1, max_length=20)
 
 
-class ItemsQuery(Strict):
+class ItemsQuery(BaseModel):  # query strings: unknown keys (the SDK's `include`) are ignored, as OpenAI does
     limit: int = Field(20, ge=1, le=100)
     order: Literal["asc", "desc"] = "desc"
     after: str | None = None

@@ -48,6 +48,10 @@ def error_response(err: APIError, request: Request | None = None) -> JSONRespons
     return JSONResponse(body, status_code=err.status_code)
 
 
+def conversation_not_found(cid: str) -> APIError:
+    return not_found(f"Conversation with id '{cid}' not found.", param="conversation", code="conversation_not_found")
+
+
 @app.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return error_response(exc, request)
@@ -378,6 +382,3 @@ class Ingress:
                             code="completion_not_found")
         return JSONResponse(body)
 
-
-def conversation_not_found(cid: str) -> APIError:
-    return not_found(f"Conversation with id '{cid}' not found.", param="conversation", code="conversation_not_found")
