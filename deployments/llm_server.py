@@ -136,6 +136,9 @@ class LLMServer:
                 out.put_nowait(delta)
                 if matched is not None:
                     break  # leaving the generator aborts the sequence in the engine
+        except asyncio.CancelledError:  # client gone: leaving the generator aborted it in the engine
+            log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
+            raise
         except ValueError as exc:  # the engine refused the request (length, capacity)
             out.put_nowait(APIError(400, str(exc), param="max_tokens"))
         except Exception as exc:

@@ -317,7 +317,6 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # consumer went away (client disconnect): free the slot and its blocks
-                log.info("aborting %s: its consumer went away", request_id)
                 self._commands.append(("abort", request_id))
                 self._wake.set()
 

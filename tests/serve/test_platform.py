@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,6 +18,19 @@ Q2 = "What is my name?"
 def chat(client, model, content, **extra):
     return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                           temperature=0, max_tokens=12, extra_body=extra or None)
+
+
+def wait_for_log(needle: str, timeout_s: float = 20.0) -> bool:
+    """Whether a Serve replica log of this Ray session contains `needle` (logs are flushed per record)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if any(needle in f.read_text(errors="replace") for f in logs.glob("replica_llm_llm_*.log")):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def texts(client, cid, order="asc"):
@@ -120,11 +134,13 @@ def test_failed_or_abandoned_generation_stores_nothing(client, model_name, serve
                                        max_tokens=10**6, extra_body={"store": True, "conversation": conv.id})
     body = {"model": model_name, "messages": [{"role": "user", "content": "Tell me a very long story."}],
             "max_tokens": 400, "ignore_eos": True, "stream": True, "store": True, "conversation": conv.id}
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth) as r:
+    trace = f"trace-abort-{time.time_ns()}"
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth | {"X-Request-Id": trace}) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break  # the client goes away mid-generation
-    time.sleep(1.0)
+    # The engine's abort carries the client's request id: the model replica logs `aborted <id>:chatcmpl-...-0`.
+    assert wait_for_log(f"aborted {trace}:chatcmpl-"), "no abort line with the request id in the llm replica's log"
     assert texts(client, conv.id) == []
 
 
