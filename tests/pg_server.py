@@ -40,7 +40,7 @@ def _as_user() -> list[str]:
             pwd.getpwnam(name)
         except KeyError:
             continue
-        return ["runuser", "-u", name, "--"]
+        return [shutil.which("runuser") or "/usr/sbin/runuser", "-u", name, "--"]
     raise RuntimeError("running as root and neither a `postgres` nor a `nobody` user exists")
 
 
