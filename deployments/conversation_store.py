@@ -51,7 +51,11 @@ class ConversationStore:
                 os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         elif url.startswith(("postgresql://", "postgres://")):
             self.dialect = "postgresql"
-            import psycopg  # noqa: F401  (fail at start-up when the driver is missing)
+            try:  # fail at start-up, not on the first request, when the driver is missing
+                import psycopg  # noqa: F401
+            except ImportError as exc:
+                raise RuntimeError("storage_url is PostgreSQL: install the driver with "
+                                   "`pip install -e '.[postgres]'` (psycopg 3)") from exc
         else:
             raise ValueError(f"storage_url must start with sqlite:/// or postgresql://, got {url!r}")
         with self._tx() as cur:
