@@ -191,6 +191,7 @@ class Ingress:
         self.check_model(req.model)
         P.check_supported(req)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        last_input = messages[-1]  # what `store` keeps (before any history is merged in)
         cid = C.conversation_id(req.conversation)
         if cid is not None:
             messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
@@ -207,7 +208,7 @@ class Ingress:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1,
                                trace_id=request_id_of(request))
-        tap = self.storing(owner, req, cid, rid, messages[-1]) if req.store else None
+        tap = self.storing(owner, req, cid, rid, last_input) if req.store else None
         return await self.run(greq, stream_chat, collect_chat, req, tap=tap)
 
     @app.post("/v1/completions")
