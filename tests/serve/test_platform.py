@@ -183,3 +183,46 @@ def test_conversation_request_errors(client, model_name, server, auth):
     page = client.conversations.items.list(conv.id, limit=2, order="asc")
     assert page.has_more and [i.content[0].text for i in page.data] == ["m0", "m1"]
     assert [i.content[0].text for i in page.get_next_page().data] == ["m2"]
+
+
+def test_postgresql_storage_through_serve(server, postgres_url, auth, model_name):
+    """A second application whose ingress stores in a real PostgreSQL server (multi-node storage)."""
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    key = auth["Authorization"].removeprefix("Bearer ")
+    app = build_app({"api_keys": [key, "other-key"], "storage_url": postgres_url, "engine": {
+        "model": {"dtype": "float32", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 64 << 20}}})
+    serve.run(app, name="pg", route_prefix="/pg", blocking=False)
+    try:
+        pg = openai.OpenAI(base_url=f"{server}/pg/v1", api_key=key, max_retries=0, timeout=120)
+        deadline = time.time() + 240
+        while True:
+            try:
+                conv = pg.conversations.create(metadata={"db": "postgres"})
+                break
+            except (openai.APIStatusError, openai.APIConnectionError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
+        first = chat(pg, model_name, Q1, store=True, conversation=conv.id, metadata={"run": "pg"})
+        assert texts(pg, conv.id) == [("user", Q1), ("assistant", first.choices[0].message.content)]
+        assert pg.chat.completions.retrieve(first.id).metadata == {"run": "pg"}
+        assert chat(pg, model_name, Q2, conversation=conv.id).usage.prompt_tokens > \
+            chat(pg, model_name, Q2).usage.prompt_tokens
+        other = openai.OpenAI(base_url=f"{server}/pg/v1", api_key="other-key", max_retries=0, timeout=120)
+        with pytest.raises(openai.NotFoundError):
+            other.conversations.items.list(conv.id)
+        with psycopg_connect(postgres_url) as conn:  # really in PostgreSQL
+            n = conn.execute("SELECT count(*) FROM conversation_items WHERE conversation_id = %s", (conv.id,))
+            assert n.fetchone()[0] == 2
+        assert pg.conversations.delete(conv.id).deleted
+    finally:
+        serve.delete("pg")
+
+
+def psycopg_connect(url: str):
+    import psycopg
+
+    return psycopg.connect(url)
