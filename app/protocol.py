@@ -56,9 +56,6 @@ UNSUPPORTED: dict[str, str] = {
     "return_routed_experts": "this is a dense model: it has no experts to report",
     "max_dynamic_patch": "this text-only model has no vision patches",
     "min_dynamic_patch": "this text-only model has no vision patches",
-    "store": "conversation storage is not available yet",
-    "store_reasoning": "conversation storage is not available yet",
-    "conversation": "conversation storage is not available yet",
     "deep_research": "deep research is not offered by this server",
     "modalities": "this text-only model only answers with text",
     "audio": "audio output is not supported by this text-only model",
@@ -77,9 +74,8 @@ _HARMLESS: dict[str, Callable[[Any, SamplingFields], bool]] = {
     "modalities": lambda v, req: v == ["text"],
 }
 
-# Accepted and ignored, as OpenAI does (store=false too: it is the default).
-IGNORED = ("user", "metadata", "service_tier", "safety_identifier", "verbosity", "prompt_cache_key",
-           "request_id", "rid")
+# Accepted and ignored, as OpenAI does.
+IGNORED = ("user", "service_tier", "safety_identifier", "verbosity", "prompt_cache_key", "request_id", "rid")
 
 
 def check_supported(req: SamplingFields) -> None:

@@ -6,20 +6,35 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.auth import parse_key
 from model_parallel.config import EngineConfig
+
+
+def default_storage_url() -> str:
+    """SQLite under the user's state dir: survives restarts, shared by every ingress replica on the node."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return "sqlite:///" + os.path.join(state, "rayllm-tp", "conversations.db")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Bearer keys accepted on /v1 routes; empty = no auth (local use). Also read from API_KEYS (comma-separated).
+    # Entries are plain keys or `sha256:<hex>` digests of them (so the config need not hold the secret).
     api_keys: tuple[str, ...] = ()
+    # Conversations and stored completions: `sqlite:///<path>` (one node) or `postgresql://...` (several).
+    # Also read from STORAGE_URL when cluster.yaml leaves it unset.
+    storage_url: str = field(default_factory=default_storage_url)
     # Logical CPUs the model replica's own actor reserves (its TP ranks reserve one bundle each).
     replica_num_cpus: float = 1.0
     # Minimum seconds between streamed messages of one request (0 = one message per engine step).
     stream_interval_s: float = 0.0
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        for key in self.api_keys:  # fail at start-up, not on the first request
+            parse_key(key)
 
     @property
     def served_model_name(self) -> str:
@@ -31,6 +46,9 @@ class ServerConfig:
         engine = EngineConfig.from_dict(args.pop("engine", {}) or {})
         keys = tuple(args.pop("api_keys", None) or ())
         env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())
+        url = args.pop("storage_url", None) or os.environ.get("STORAGE_URL")
+        if url:
+            args["storage_url"] = url
         cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
         if cfg.reasoning_parser not in ("auto", "think", "none"):
             raise ValueError(f"reasoning_parser must be auto, think or none, got {cfg.reasoning_parser!r}")

@@ -2,8 +2,8 @@
 
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
+import asyncio
 import functools
-import hmac
 import logging
 import time
 import uuid
@@ -14,14 +14,25 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
 
+from app import conversations as C
 from app import protocol as P
-from app.chat_output import ChatOutputParser
-from app.errors import APIError, from_validation_error
-from app.sse import GenerationDelta, collect_chat, collect_completion, stream_chat, stream_completion
+from app.chat_output import ChatOutputParser, merge_deltas
+from app.errors import APIError, from_validation_error, not_found
+from app.sse import (
+    GenerationDelta,
+    UsageCounter,
+    collect_chat,
+    collect_completion,
+    stream_chat,
+    stream_completion,
+)
 from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
+from deployments.auth import KeyRing
 from deployments.config import ServerConfig
+from deployments.conversation_store import ConversationStore
 from deployments.llm_server import GenerateRequest
 
 log = logging.getLogger("ray.serve")
@@ -29,21 +40,39 @@ log = logging.getLogger("ray.serve")
 app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status_code)
+def request_id_of(request: Request) -> str:
+    """Serve's proxy forwards the client's X-Request-Id, or one it generated, and echoes it on the response."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def error_response(err: APIError, request: Request | None = None) -> JSONResponse:
+    body = err.to_dict()
+    if request is not None:  # beside OpenAI's `error` object, as hosted platforms do (seed 002)
+        body["request_id"] = request_id_of(request)
+    return JSONResponse(body, status_code=err.status_code)
+
+
+def conversation_not_found(cid: str) -> APIError:
+    return not_found(f"Conversation with id '{cid}' not found.", param="conversation", code="conversation_not_found")
 
 
 @app.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc, request)
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Unknown routes and methods: OpenAI's body rather than Starlette's {"detail": ...}.
+    return error_response(APIError(exc.status_code, str(exc.detail)), request)
 
 
 @app.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     if isinstance(exc, APIError):  # Ray wraps remote exceptions in a subclass of the original
-        return error_response(exc)
-    log.exception("unhandled error")
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+        return error_response(exc, request)
+    log.exception("unhandled error (request %s)", request_id_of(request))
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"), request)
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -73,20 +102,17 @@ class Ingress:
         self.model_name = config.served_model_name
         self.created = int(time.time())
         self._info: dict | None = None
+        self.keys = KeyRing.from_entries(config.api_keys)
+        self.store = ConversationStore(config.storage_url)
 
     async def info(self) -> dict:
         if self._info is None:
             self._info = await self.llm.model_info.remote()
         return self._info
 
-    def check_auth(self, request: Request) -> None:
-        if not self.config.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in self.config.api_keys):
-            raise APIError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>').",
-                           type="authentication_error", code="invalid_api_key")
+    def check_auth(self, request: Request) -> str:
+        """The caller's owner id (a digest of its key; "" with auth off), or a 401."""
+        return self.keys.owner(request.headers.get("authorization"))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -100,7 +126,8 @@ class Ingress:
             raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
                            param="messages") from None
 
-    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields, **extra):
+    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields, tap=None, **extra):
+        """`tap` wraps the delta stream (conversation storage); it sees every delta before the client."""
         stream = bool(req.stream)
         kw = dict(request_id=greq.request_id, model=self.model_name, created=int(time.time()), n=greq.n, **extra)
         if stream:
@@ -108,7 +135,7 @@ class Ingress:
             kw |= dict(include_usage=bool(opts and opts.include_usage),
                        continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
         gen = self.llm.options(stream=True).generate.remote(greq)
-        deltas = flatten(gen)
+        deltas = flatten(gen) if tap is None else tap(flatten(gen))
         if not stream:
             try:
                 return JSONResponse((await collect_fn(deltas, **kw)).model_dump())
@@ -162,7 +189,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        self.check_auth(request)
+        owner = self.check_auth(request)
         req = await parse(request, P.ChatCompletionRequest)
         self.check_model(req.model)
         P.check_supported(req)
@@ -171,6 +198,10 @@ class Ingress:
         if plan is not None and plan.guided is not None:
             guided = plan.guided
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        last_input = messages[-1]  # what `store` keeps (before any history is merged in)
+        cid = C.conversation_id(req.conversation)
+        if cid is not None:
+            messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
         text, ids = await self.render(
             messages,
             add_generation_prompt=req.add_generation_prompt,
@@ -182,9 +213,11 @@ class Ingress:
         info = await self.info()
         params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=info["max_model_len"])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided)
+        greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
+                               trace_id=request_id_of(request))
         parser_factory = await self.output_parser(req, plan, text)
-        return await self.run(greq, stream_chat, collect_chat, req, parser_factory=parser_factory)
+        tap = self.storing(owner, req, cid, rid, last_input, parser_factory) if req.store else None
+        return await self.run(greq, stream_chat, collect_chat, req, tap=tap, parser_factory=parser_factory)
 
     async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
         """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""
@@ -242,7 +275,8 @@ class Ingress:
             raise APIError(400, "best_of > n cannot be streamed (the best choices are known only at the end)",
                            param="best_of")
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
-                               echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of)
+                               echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of,
+                               trace_id=request_id_of(request))
         return await self.run(greq, stream_completion, collect_completion, req)
 
     async def tokenizer_info(self) -> dict:
@@ -275,3 +309,124 @@ class Ingress:
         req = await parse(request, P.DetokenizeRequest)
         self.check_model(req.model)
         return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
+
+    # ---- conversations and stored completions (storage: deployments.conversation_store) ----------------
+
+    async def conversation_history(self, owner: str, cid: str) -> list[dict]:
+        items = await asyncio.to_thread(self.store.history, owner, cid)
+        if items is None:  # missing, or another key's: the same answer, so nothing leaks
+            raise conversation_not_found(cid)
+        return items
+
+    def storing(self, owner: str, req: P.ChatCompletionRequest, cid: str | None, rid: str, last_input: dict,
+                parser_factory=None):
+        """A delta tap that stores the completion (and the turn, in the conversation) once generation ends.
+
+        The write happens after the last delta and before the response ends (the stream's [DONE] or the
+        JSON body), in one transaction: a failed or aborted generation stores nothing, and a client that
+        saw the end of its response can rely on it being stored.
+        """
+        store, model = self.store, self.model_name
+
+        async def tap(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
+            usage = UsageCounter(req.n or 1)
+            texts: dict[int, list[str]] = {}
+            finish: dict[int, str | None] = {}
+            async for d in deltas:
+                usage.add(d)
+                texts.setdefault(d.index, []).append(d.text)
+                if d.finish_reason is not None:
+                    finish[d.index] = d.finish_reason
+                yield d
+            if any(finish.get(i) in (None, "abort") for i in texts):
+                return  # not a whole generation: nothing is stored
+            choices = []
+            for i in sorted(texts):
+                message: dict = {"role": "assistant", "content": "".join(texts[i])}
+                reason = finish[i]
+                if parser_factory is not None:  # the same split as the response: thoughts, answer, tool calls
+                    parser = parser_factory()
+                    message |= merge_deltas(parser.feed(message["content"], final=True))
+                    reason = parser.finish_reason(reason)
+                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+            first = choices[0]["message"]
+            think = first.pop("reasoning_content", None)
+            body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                    "choices": choices, "usage": usage.to_dict()}
+            if req.store_reasoning and think is not None:
+                first["reasoning_content"] = think
+            items = C.turn_items(last_input, first["content"] or "", think if req.store_reasoning else None) \
+                if cid else None
+            try:
+                await asyncio.to_thread(store.save_completion, owner, body, req.metadata, cid, items)
+            except KeyError:
+                raise conversation_not_found(cid or "") from None
+
+        return tap
+
+    async def parse_query(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        try:
+            return model.model_validate(dict(request.query_params))
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    @app.post("/v1/conversations")
+    async def create_conversation(self, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        body = await request.body()
+        req = await parse(request, C.ConversationCreate) if body.strip() else C.ConversationCreate()
+        items = [C.client_item(it, i) for i, it in enumerate(req.items or [])]
+        return JSONResponse(await asyncio.to_thread(self.store.create, owner, req.metadata, items))
+
+    @app.get("/v1/conversations/{cid}")
+    async def get_conversation(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        conv = await asyncio.to_thread(self.store.get, owner, cid)
+        if conv is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(conv)
+
+    @app.post("/v1/conversations/{cid}")
+    async def update_conversation(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        req = await parse(request, C.ConversationUpdate)
+        conv = await asyncio.to_thread(self.store.update, owner, cid, req.metadata)
+        if conv is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(conv)
+
+    @app.delete("/v1/conversations/{cid}")
+    async def delete_conversation(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        if not await asyncio.to_thread(self.store.delete, owner, cid):
+            raise conversation_not_found(cid)
+        return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
+
+    @app.get("/v1/conversations/{cid}/items")
+    async def list_items(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        q = await self.parse_query(request, C.ItemsQuery)
+        page = await asyncio.to_thread(self.store.items, owner, cid, limit=q.limit, order=q.order, after=q.after)
+        if page is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(C.items_page(*page))
+
+    @app.post("/v1/conversations/{cid}/items")
+    async def add_items(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        req = await parse(request, C.ItemsCreate)
+        items = [C.client_item(it, i) for i, it in enumerate(req.items)]
+        added = await asyncio.to_thread(self.store.add_items, owner, cid, items)
+        if added is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(C.items_page(added, False))
+
+    @app.get("/v1/chat/completions/{completion_id}")
+    async def get_stored_completion(self, completion_id: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        body = await asyncio.to_thread(self.store.get_completion, owner, completion_id)
+        if body is None:
+            raise not_found(f"No stored completion found with id '{completion_id}'.", param="completion_id",
+                            code="completion_not_found")
+        return JSONResponse(body)
+

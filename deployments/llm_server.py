@@ -41,6 +41,7 @@ class GenerateRequest:
     lora: str | None = None
     guided: GuidedSpec | None = None  # grammar constraint (structured output, forced tool calls)
     best_of: int | None = None  # completions: sample best_of per prompt, return the n most likely
+    trace_id: str = ""  # the HTTP request's X-Request-Id: prefixes engine ids, so aborts and logs carry it
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
@@ -122,7 +123,7 @@ class LLMServer:
         )
         completion_tokens = 0
         first = True
-        rid = f"{req.request_id}-{index}"
+        rid = f"{req.trace_id}:{req.request_id}-{index}" if req.trace_id else f"{req.request_id}-{index}"
         try:
             async for o in self.engine.generate(rid, prompt, params, grammar=grammar):
                 completion_tokens += len(o.new_token_ids)
@@ -155,6 +156,9 @@ class LLMServer:
                 out.put_nowait(delta)
                 if matched is not None:
                     break  # leaving the generator aborts the sequence in the engine
+        except asyncio.CancelledError:  # client gone: leaving the generator aborted it in the engine
+            log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
+            raise
         except ValueError as exc:  # the engine refused the request (length, capacity)
             out.put_nowait(APIError(400, str(exc), param="max_tokens"))
         except Exception as exc:

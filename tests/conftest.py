@@ -53,3 +53,16 @@ def chat_prompts(hf_tokenizer) -> list[list[int]]:
         text = hf_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
         out.append(hf_tokenizer(text, add_special_tokens=False).input_ids)
     return out
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A throwaway PostgreSQL server (tests/pg_server.py); skipped, with the reason, when none is installed."""
+    from pg_server import find_bin_dir, postgres_server
+
+    if find_bin_dir() is None:
+        reason = "PostgreSQL is not installed (no initdb on PATH or in /usr/lib/postgresql/*/bin); .ci/run installs it"
+        print(f"\nSKIP postgres: {reason}")
+        pytest.skip(reason)
+    with postgres_server() as url:
+        yield url

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import socket
 import time
 
@@ -9,6 +11,8 @@ import httpx
 import pytest
 
 API_KEY = "test-key-123"
+# A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.
+API_KEY_2 = "test-key-456"
 
 
 def _free_port() -> int:
@@ -18,20 +22,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server():
+def server(tmp_path_factory):
     import ray
     from ray import serve
 
     from deployments.builder import build_app
 
     port = _free_port()
+    # Conversations go to a throwaway SQLite file (every app these tests build, through STORAGE_URL).
+    os.environ["STORAGE_URL"] = f"sqlite:///{tmp_path_factory.mktemp('state')}/conversations.db"
     # More logical CPUs than cores: the ingress and tokenizer reserve none, TP ranks one each.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # fp32 so that greedy outputs do not depend on batch composition (bf16 GEMMs round per batch shape).
     app = build_app({
-        "api_keys": [API_KEY],
+        "api_keys": [API_KEY, "sha256:" + hashlib.sha256(API_KEY_2.encode()).hexdigest()],
         "stream_interval_s": 0.05,  # the coalescing path that cluster.yaml enables
         "engine": {"model": {"dtype": "float32", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},
@@ -59,6 +65,14 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def client2(server):
+    """The second tenant, whose key the server knows only by its sha256 digest."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=API_KEY_2, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

@@ -149,8 +149,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 REFUSED_SAMPLES: dict[str, Any] = {
     "lora_path": "/adapters/a",
     "custom_logit_processor": "x", "return_routed_experts": True,
-    "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
-    "store_reasoning": True, "conversation": {"id": "c1"}, "deep_research": True, "modalities": ["text", "audio"],
+    "max_dynamic_patch": 4, "min_dynamic_patch": 1, "deep_research": True, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
     "web_search_options": {},
 }
@@ -210,7 +209,7 @@ def test_best_of_equal_to_n_is_accepted():
 
 
 def test_ignored_parameters_are_accepted():
-    values = {"user": "u", "metadata": {"k": "v"}, "service_tier": "flex", "safety_identifier": "h",
+    values = {"user": "u", "service_tier": "flex", "safety_identifier": "h",
               "verbosity": "low", "prompt_cache_key": "k", "request_id": "r",
               "rid": "r"}
     assert set(values) == set(IGNORED)
@@ -272,6 +271,8 @@ SAMPLE: dict[str, dict[str, Any]] = {  # a valid, non-default value for every se
     "extra_body": {"extra_body": {"top_k": 50, "repetition_penalty": 1.05}}, "prompt": {"prompt": ["a", "b"]},
     "echo": {"echo": True}, "functions": {"functions": [{"name": "f", "parameters": {}}]},
     "function_call": {"function_call": "none"},
+    "store": {"store": True}, "store_reasoning": {"store": True, "store_reasoning": True},
+    "conversation": {"conversation": {"id": "conv_1"}},
 } | {name: {name: value} for name, value in (REFUSED_SAMPLES | WORKING_SAMPLES).items()} | {
     "logprobs_completion": {"logprobs": 2}}
 

@@ -1,0 +1,189 @@
+"""The conversation store on SQLite (a file, WAL) and on a real PostgreSQL server; API keys; item conversion."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from app import conversations as C
+from app.errors import APIError
+from deployments.auth import KeyRing
+from deployments.config import ServerConfig
+from deployments.conversation_store import ConversationStore
+
+ALICE, BOB = "a" * 64, "b" * 64
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/state/conv.db"
+    pg = request.getfixturevalue("postgres_url")
+    with __import__("psycopg").connect(pg, autocommit=True) as conn:  # each test gets an empty schema
+        conn.execute("DROP TABLE IF EXISTS conversations, conversation_items, completions")
+    return pg
+
+
+def turn(q: str, a: str, reasoning: str | None = None) -> list[dict]:
+    return C.turn_items({"role": "user", "content": q}, a, reasoning)
+
+
+def completion(cid: str, text: str) -> dict:
+    return {"id": cid, "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+
+
+def test_create_get_update_delete_and_isolation(url):
+    store = ConversationStore(url)
+    conv = store.create(ALICE, {"topic": "x"}, [C.client_item({"role": "user", "content": "hi"}, 0)])
+    assert conv["id"].startswith("conv_") and conv["object"] == "conversation" and conv["metadata"] == {"topic": "x"}
+    assert store.get(ALICE, conv["id"]) == conv
+    # Bob sees nothing of Alice's: every read and write answers as for a missing conversation.
+    assert store.get(BOB, conv["id"]) is None
+    assert store.items(BOB, conv["id"]) is None and store.history(BOB, conv["id"]) is None
+    assert store.update(BOB, conv["id"], {"k": "v"}) is None
+    assert store.add_items(BOB, conv["id"], turn("q", "a")) is None
+    assert store.delete(BOB, conv["id"]) is False
+    with pytest.raises(KeyError):
+        store.save_completion(BOB, completion("chatcmpl-b", "x"), None, conv["id"], turn("q", "a"))
+    assert store.get_completion(BOB, "chatcmpl-b") is None
+    assert [i["content"][0]["text"] for i in store.history(ALICE, conv["id"])] == ["hi"]
+
+    assert store.update(ALICE, conv["id"], {"k": "v"})["metadata"] == {"k": "v"}
+    assert store.delete(ALICE, conv["id"]) is True
+    assert store.get(ALICE, conv["id"]) is None and store.delete(ALICE, conv["id"]) is False
+    assert store.get("", "conv_missing") is None
+
+
+def test_items_paging_and_order(url):
+    store = ConversationStore(url)
+    cid = store.create(ALICE)["id"]
+    for i in range(5):
+        store.add_items(ALICE, cid, [C.message_item("user", f"m{i}")])
+    texts = lambda items: [i["content"][0]["text"] for i in items]  # noqa: E731
+    page, more = store.items(ALICE, cid, limit=2, order="asc")
+    assert texts(page) == ["m0", "m1"] and more
+    page, more = store.items(ALICE, cid, limit=10, order="asc", after=page[-1]["id"])
+    assert texts(page) == ["m2", "m3", "m4"] and not more
+    page, more = store.items(ALICE, cid, limit=3)  # newest first by default, as OpenAI
+    assert texts(page) == ["m4", "m3", "m2"] and more
+    assert len({i["id"] for i in store.history(ALICE, cid)}) == 5
+
+
+def test_turn_is_one_transaction_and_completion_keeps_metadata(url):
+    store = ConversationStore(url)
+    cid = store.create(ALICE)["id"]
+    store.save_completion(ALICE, completion("chatcmpl-1", "Paris"), {"run": "1"}, cid,
+                          turn("Capital?", "Paris", reasoning="France's capital..."))
+    items = store.history(ALICE, cid)
+    assert [i["type"] for i in items] == ["message", "reasoning", "message"]
+    assert items[0]["role"] == "user" and items[2]["content"][0] == {
+        "type": "output_text", "text": "Paris", "annotations": [], "logprobs": []}
+    assert C.history_messages(items) == [{"role": "user", "content": "Capital?"},
+                                         {"role": "assistant", "content": "Paris"}]
+    got = store.get_completion(ALICE, "chatcmpl-1")
+    assert got["metadata"] == {"run": "1"} and got["choices"][0]["message"]["content"] == "Paris"
+    assert store.get_completion(BOB, "chatcmpl-1") is None
+
+    # A write that fails half-way (the second item cannot be serialised) leaves nothing behind.
+    bad = turn("q2", "a2") + [{"type": "message", "content": object()}]
+    with pytest.raises(TypeError):
+        store.save_completion(ALICE, completion("chatcmpl-2", "a2"), None, cid, bad)
+    assert len(store.history(ALICE, cid)) == 3 and store.get_completion(ALICE, "chatcmpl-2") is None
+
+
+def test_sqlite_is_wal_and_survives_a_killed_writer(tmp_path):
+    url = f"sqlite:///{tmp_path}/conv.db"
+    ConversationStore(url)
+    assert sqlite3.connect(tmp_path / "conv.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    # A process that stores, then dies without any clean-up: what it was told is stored, is.
+    code = ("import os; from deployments.conversation_store import ConversationStore as S; "
+            f"s = S({url!r}); c = s.create('o'); print(c['id'], flush=True); os._exit(9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 9
+    assert ConversationStore(url).get("o", out.stdout.strip()) is not None
+
+
+def _writer(url: str, owner: str, n: int) -> None:
+    store = ConversationStore(url)
+    for i in range(n):
+        cid = store.create(owner)["id"]
+        store.save_completion(owner, completion(f"chatcmpl-{owner}-{i}", "x"), None, cid, turn("q", "a"))
+
+
+def test_sqlite_several_processes_share_one_file(tmp_path):
+    """Several ingress replicas on one node: concurrent writers to one WAL file lose nothing."""
+    url = f"sqlite:///{tmp_path}/conv.db"
+    ConversationStore(url)
+    procs = [mp.get_context("spawn").Process(target=_writer, args=(url, f"o{k}", 15)) for k in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    store = ConversationStore(url)
+    assert all(store.get_completion(f"o{k}", f"chatcmpl-o{k}-{i}") for k in range(3) for i in range(15))
+
+
+def test_storage_url_must_be_sqlite_or_postgresql():
+    with pytest.raises(ValueError, match="sqlite:///"):
+        ConversationStore("mysql://x")
+
+
+# ---- API keys -------------------------------------------------------------------------------------
+
+
+def test_keyring_off_plain_and_hashed_keys():
+    assert KeyRing.from_entries(()).owner(None) == ""  # auth off: everyone is the local owner
+    digest = hashlib.sha256(b"secret-2").hexdigest()
+    ring = KeyRing.from_entries(["secret-1", f"sha256:{digest.upper()}"])
+    assert ring.owner("Bearer secret-2") == digest  # the hashed entry's owner id is the key's digest
+    assert ring.owner("bearer secret-1") == hashlib.sha256(b"secret-1").hexdigest()
+    for header in (None, "", "Bearer", "Bearer ", "Bearer secret-3", "Basic secret-1", f"Bearer sha256:{digest}"):
+        with pytest.raises(APIError) as e:
+            ring.owner(header)
+        assert e.value.status_code == 401 and e.value.type == "authentication_error"
+        assert e.value.code == "invalid_api_key"
+
+
+def test_malformed_hashed_key_fails_at_start_up(monkeypatch):
+    with pytest.raises(ValueError, match="sha256:<64 hex digits>"):
+        ServerConfig(api_keys=("sha256:abc",))
+    monkeypatch.setenv("API_KEYS", "k1, sha256:" + "0" * 64)
+    monkeypatch.setenv("STORAGE_URL", "postgresql://db/x")
+    cfg = ServerConfig.from_args({"api_keys": ["k0"]})
+    assert cfg.api_keys == ("k0", "k1", "sha256:" + "0" * 64) and cfg.storage_url == "postgresql://db/x"
+    monkeypatch.delenv("STORAGE_URL")
+    assert ServerConfig.from_args({}).storage_url.endswith("/rayllm-tp/conversations.db")
+
+
+# ---- protocol: conversation ids, items, history ---------------------------------------------------
+
+
+def test_conversation_param_and_history_placement():
+    assert C.conversation_id("conv_1") == C.conversation_id({"id": "conv_1"}) == "conv_1"
+    assert C.conversation_id(None) is None
+    for bad in ({}, {"id": 3}, ""):
+        with pytest.raises(APIError) as e:
+            C.conversation_id(bad)
+        assert e.value.param == "conversation"
+    history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q2"}]
+    assert [m["content"] for m in C.with_history(history, msgs)] == ["s", "q1", "a1", "q2"]
+
+
+def test_client_items_are_text_messages():
+    item = C.client_item({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}, 0)
+    assert item == {"type": "message", "role": "user", "status": "completed",
+                    "content": [{"type": "input_text", "text": "hi"}]}
+    for bad, param in (({"role": "robot", "content": "x"}, "items.0.role"),
+                       ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "items.0.content"),
+                       ({"type": "function_call", "role": "user", "content": "x"}, "items.0")):
+        with pytest.raises(APIError) as e:
+            C.client_item(bad, 0)
+        assert e.value.status_code == 400 and e.value.param == param
