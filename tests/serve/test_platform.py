@@ -226,3 +226,25 @@ def psycopg_connect(url: str):
     import psycopg
 
     return psycopg.connect(url)
+
+
+def test_store_reasoning_keeps_the_thought(client, model_name, server, auth):
+    # The thinking fixture of test_tools: the model's real output is <think>...</think> answer.
+    from test_tools import THINK_TEMPLATE, THINKING
+
+    def turn(store_reasoning: bool):
+        conv = client.conversations.create()
+        r = client.chat.completions.create(
+            model=model_name, messages=THINKING, temperature=0, max_tokens=60,
+            extra_body={"chat_template": THINK_TEMPLATE, "store": True, "conversation": conv.id,
+                        "store_reasoning": store_reasoning})
+        items = httpx.get(f"{server}/v1/conversations/{conv.id}/items", params={"order": "asc"},
+                          headers=auth).json()["data"]
+        return r.choices[0].message, items
+
+    msg, items = turn(True)
+    assert msg.reasoning_content and [i["type"] for i in items] == ["message", "reasoning", "message"]
+    assert items[1]["content"][0]["text"] == msg.reasoning_content
+    assert items[2]["content"][0]["text"] == msg.content  # the answer alone, without the thought
+    _, items = turn(False)
+    assert [i["type"] for i in items] == ["message", "message"]
