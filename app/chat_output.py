@@ -8,10 +8,9 @@ a tag (`<think>`, `</think>`, `<tool_call>`) is held back until it is decided.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
-from app.tools import HERMES_CLOSE, HERMES_OPEN, ToolPlan, new_call_id
+from app.tools import ParsedCall, ToolPlan, new_call_id
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -61,14 +60,8 @@ class ThinkSplitter:
         return reasoning, content
 
 
-@dataclass
-class _Call:
-    name: str
-    arguments: str
-
-
 class ToolExtractor:
-    """Turns content text into tool calls as the plan says; yields ("content", text) / ("call", _Call) events."""
+    """Turns content text into tool calls as the plan says: ("content", text) / ("call", ParsedCall) events."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -95,46 +88,37 @@ class ToolExtractor:
                 calls = json.loads(self.buf)
             except json.JSONDecodeError:
                 return [("content", self.buf)]  # cut by max_tokens: hand back what there is
-            return [("call", _Call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))) for c in calls]
-        return self._hermes(text, final)
+            return [("call", ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))) for c in calls]
+        return self._tagged(text, final)
 
-    def _hermes(self, text: str, final: bool) -> list[tuple[str, Any]]:
+    def _tagged(self, text: str, final: bool) -> list[tuple[str, Any]]:
+        """The model's own format: text, then calls between the format's open (and close) tags."""
+        fmt = self.plan.format
         self.buf += text
         events: list[tuple[str, Any]] = []
         while self.buf:
             if not self.inside:
-                start = self.buf.find(HERMES_OPEN)
+                start = self.buf.find(fmt.open)
                 if start < 0:
-                    keep = 0 if final else _partial_suffix(self.buf, HERMES_OPEN)
+                    keep = 0 if final else _partial_suffix(self.buf, fmt.open)
                     if len(self.buf) > keep:
                         events.append(("content", self.buf[: len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
                 if start:
                     events.append(("content", self.buf[:start]))
-                self.buf, self.inside = self.buf[start + len(HERMES_OPEN):], True
-            end = self.buf.find(HERMES_CLOSE)
+                self.buf, self.inside = self.buf[start + len(fmt.open):], True
+            end = self.buf.find(fmt.close) if fmt.close is not None else -1
             if end < 0 and not final:
                 break
             body = self.buf if end < 0 else self.buf[:end]
-            call = _parse_hermes(body)
-            if call is None:  # not a call after all: keep the text as the model wrote it
-                events.append(("content", HERMES_OPEN + body + ("" if end < 0 else HERMES_CLOSE)))
+            calls = fmt.parse(body)
+            if calls is None:  # not a call after all: keep the text as the model wrote it
+                events.append(("content", fmt.open + body + ("" if end < 0 else fmt.close or "")))
             else:
-                events.append(("call", call))
-            self.buf, self.inside = ("" if end < 0 else self.buf[end + len(HERMES_CLOSE):]), False
+                events.extend(("call", c) for c in calls)
+            self.buf, self.inside = ("" if end < 0 else self.buf[end + len(fmt.close or ""):]), False
         return events
-
-
-def _parse_hermes(body: str) -> _Call | None:
-    try:
-        obj = json.loads(body.strip())
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return _Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 class ChatOutputParser:

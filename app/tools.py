@@ -26,6 +26,60 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 # Hermes-style calls (SmolLM2, Qwen2.5, Hermes): <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# Mistral-style calls: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] to the end of the output.
+MISTRAL_OPEN = "[TOOL_CALLS]"
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model family writes tool calls: the text that opens a call, what closes it (None: the rest
+    of the output), and a grammar that keeps a call's arguments valid once the model opens one."""
+
+    name: str
+    open: str
+    close: str | None
+
+    def parse(self, body: str) -> list[ParsedCall] | None:
+        """The calls in a body (one JSON object, or a list of them); None if it is not a call."""
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError:
+            return None
+        items = obj if isinstance(obj, list) else [obj]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            args = item.get("arguments", item.get("parameters", {}))
+            calls.append(ParsedCall(item["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+    def structural_tag(self, functions: tuple[Function, ...]) -> str:
+        """Free text, but once the model opens a call it must name a function and give valid arguments."""
+        if self.close is None:  # one list of calls to the end
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(f) for f in functions]}}
+            tags = [{"begin": self.open, "content": {"type": "json_schema", "json_schema": schema}, "end": ""}]
+        else:
+            tags = [{"begin": f'{self.open}\n{{"name": "{f.name}", "arguments": ',
+                     "content": {"type": "json_schema", "json_schema": f.parameters},
+                     "end": f"}}\n{self.close}"} for f in functions]
+        return json.dumps({"type": "structural_tag",
+                           "format": {"type": "triggered_tags", "triggers": [self.open], "tags": tags}})
+
+
+TOOL_FORMATS = {"hermes": ToolFormat("hermes", HERMES_OPEN, HERMES_CLOSE),
+                "mistral": ToolFormat("mistral", MISTRAL_OPEN, None)}
+
+
+def detect_tool_format(chat_template: str | None) -> str:
+    """The format family a chat template writes; Hermes when it names none (and for templates without tools)."""
+    return "mistral" if chat_template and MISTRAL_OPEN in chat_template else "hermes"
 
 
 @dataclass(frozen=True)
@@ -50,6 +104,7 @@ class ToolPlan:
     legacy: bool = False  # functions / function_call: answer with message.function_call
     guided: GuidedSpec | None = None
     template_tools: list[dict[str, Any]] = field(default_factory=list)  # what the chat template is given
+    format: ToolFormat = TOOL_FORMATS["hermes"]  # how `auto` output is parsed
 
 
 def new_call_id() -> str:
@@ -104,17 +159,12 @@ def _call_schema(f: Function) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def hermes_structural_tag(functions: tuple[Function, ...]) -> str:
-    """Free text, but once the model opens <tool_call> it must name a function and give valid arguments."""
-    tags = [{"begin": f'{HERMES_OPEN}\n{{"name": "{f.name}", "arguments": ',
-             "content": {"type": "json_schema", "json_schema": f.parameters},
-             "end": f"}}\n{HERMES_CLOSE}"} for f in functions]
-    return json.dumps({"type": "structural_tag",
-                       "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags}})
+def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool, tool_format: str = "hermes") -> ToolPlan | None:
+    """None when the request offers no tools. other_constraint: response_format & co. are set too.
 
-
-def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool) -> ToolPlan | None:
-    """None when the request offers no tools. other_constraint: response_format & co. are set too."""
+    tool_format: the model's call format family (TOOL_FORMATS), for parsing `auto` output.
+    """
+    fmt = TOOL_FORMATS[tool_format]
     functions, legacy = _functions(req)
     mode, named = _choice(req, legacy)
     if not functions:
@@ -142,8 +192,8 @@ def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool) -> ToolPla
             schema["maxItems"] = 1
         return ToolPlan("required", functions, None, parallel, legacy,
                         GuidedSpec("json_schema", json.dumps(schema), "tool_choice"), template_tools)
-    spec = None if other_constraint else GuidedSpec("structural_tag", hermes_structural_tag(functions), "tools")
-    return ToolPlan("auto", functions, None, parallel, legacy, spec, template_tools)
+    spec = None if other_constraint else GuidedSpec("structural_tag", fmt.structural_tag(functions), "tools")
+    return ToolPlan("auto", functions, None, parallel, legacy, spec, template_tools, fmt)
 
 
 # ---- prompting a template that does not know tools --------------------------------------------------

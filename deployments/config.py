@@ -31,6 +31,8 @@ class ServerConfig:
     stream_interval_s: float = 0.0
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: str = "auto"
+    # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".
+    tool_parser: str = "auto"
 
     def __post_init__(self) -> None:
         for key in self.api_keys:  # fail at start-up, not on the first request
@@ -52,4 +54,6 @@ class ServerConfig:
         cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
         if cfg.reasoning_parser not in ("auto", "think", "none"):
             raise ValueError(f"reasoning_parser must be auto, think or none, got {cfg.reasoning_parser!r}")
+        if cfg.tool_parser not in ("auto", "hermes", "mistral"):
+            raise ValueError(f"tool_parser must be auto, hermes or mistral, got {cfg.tool_parser!r}")
         return cfg

@@ -194,7 +194,10 @@ class Ingress:
         self.check_model(req.model)
         P.check_supported(req)
         guided = guided_spec(req)
-        plan = plan_tools(req, other_constraint=guided is not None)
+        tool_format = self.config.tool_parser
+        if tool_format == "auto":
+            tool_format = (await self.tokenizer_info())["tool_format"]
+        plan = plan_tools(req, other_constraint=guided is not None, tool_format=tool_format)
         if plan is not None and plan.guided is not None:
             guided = plan.guided
         messages = [m.model_dump(exclude_none=True) for m in req.messages]

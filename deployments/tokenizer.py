@@ -16,7 +16,7 @@ from typing import Any
 from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from app.tools import inline_tools, template_knows_tools
+from app.tools import detect_tool_format, inline_tools, template_knows_tools
 
 # Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
 # exists; this window makes typical (short) matches stop cleanly. Longer matches still stop
@@ -380,7 +380,8 @@ class TokenizerService:
                 "bos_token_id": self.bos_token_id, "has_fim_tokens": self.has_fim_tokens,
                 "fim_tokens": self.fim_tokens,
                 # A template that writes <think> belongs to a reasoning model: parse its thoughts out.
-                "reasoning": "<think>" in template}
+                "reasoning": "<think>" in template,
+                "tool_format": detect_tool_format(template)}
 
     def render_chat(
         self,

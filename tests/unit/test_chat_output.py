@@ -99,3 +99,39 @@ def test_no_think_tags_is_all_content_and_unclosed_is_all_reasoning():
 def test_reasoning_held_until_done_without_stream_reasoning():
     deltas, _ = run("<think>a b c d</think>e", [1] * 30, reasoning=True, stream_reasoning=False)
     assert [d for d in deltas if "reasoning_content" in d] == [{"reasoning_content": "a b c d"}]
+
+
+def test_mistral_format_calls_run_to_the_end():
+    p = plan_tools(ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS}), other_constraint=False,
+                   tool_format="mistral")
+    text = 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, ' \
+           '{"name": "get_weather", "arguments": {"city": "Bergen"}}]'
+    for seed in range(3):
+        deltas, parser = run(text, random_chunks(seed, 40), tools=p)
+        msg = merge_deltas(deltas)
+        assert msg["content"] == "Sure." and parser.finish_reason("stop") == "tool_calls"
+        assert [json.loads(c["function"]["arguments"])["city"] for c in msg["tool_calls"]] == ["Oslo", "Bergen"]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_auto_structural_tags_compile_and_constrain(svc_tokenizer, fmt):
+    from model_parallel.guided import GrammarCompiler, new_matcher
+
+    p = plan_tools(ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS}), other_constraint=False,
+                   tool_format=fmt)
+    tok = svc_tokenizer
+    compiler = GrammarCompiler(tok, len(tok), [0, 2])
+    good = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+            "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'}[fmt]
+    bad = good.replace("city", "town")
+    for text, ok in ((good, True), (bad, False)):
+        matcher = new_matcher(compiler.compile(p.guided))
+        accepted = all(matcher.accept_token(t) for t in tok.encode("Let me look. " + text, add_special_tokens=False))
+        assert accepted == ok
+
+
+@pytest.fixture(scope="module")
+def svc_tokenizer(gguf_path):
+    from deployments.tokenizer import load_tokenizer
+
+    return load_tokenizer(gguf_path)
