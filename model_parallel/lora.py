@@ -294,7 +294,10 @@ class LoRAManager:
         if len(groups) > 1:
             lo, hi = min(groups), max(groups)
             longest = max(len(rows) for rows in groups.values())
-            seg = longest + (1 if offset == sum(len(r) for r in groups.values()) else 0)  # >= 1 zero row
+            lora_tokens = sum(len(r) for r in groups.values())
+            seg = longest
+            if (hi - lo + 1) * seg == lora_tokens and lora_tokens < offset:
+                seg += 1  # base tokens read their (zero) delta from a padding row: make sure one exists
             padded = (hi - lo + 1) * seg
             # One padded bmm costs a few ops per layer instead of four per adapter; worth it unless the
             # padding would dwarf the real rows (a long prefill beside short decodes).
@@ -306,8 +309,9 @@ class LoRAManager:
                     gather[base : base + len(rows)] = rows
                     for j, row in enumerate(rows):
                         scatter[row] = base + j
-                pad_pos = next(i for i, g in enumerate(gather) if g == offset)
-                scatter = [pad_pos if p < 0 else p for p in scatter]
+                if lora_tokens < offset:
+                    pad_pos = gather.index(offset)
+                    scatter = [pad_pos if p < 0 else p for p in scatter]
                 batch.plan = BmmPlan(lo, hi, seg, torch.tensor(gather, device=dev), torch.tensor(scatter, device=dev))
 
 
