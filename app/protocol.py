@@ -63,7 +63,6 @@ UNSUPPORTED: dict[str, str] = {
     "tool_choice": "tool calling is not available yet",
     "functions": "function calling is not available yet",
     "function_call": "function calling is not available yet",
-    "lora_path": "LoRA adapters are not available yet",
     "custom_logit_processor": "custom logit processors are not run (arbitrary code from clients)",
     "return_hidden_states": "hidden states are not returned yet",
     "return_routed_experts": "this is a dense model: it has no experts to report",

@@ -145,7 +145,7 @@ REFUSED_SAMPLES: dict[str, Any] = {
     "response_format": {"type": "json_object"}, "regex": "a+", "ebnf": "root ::= 'a'",
     "json_schema": '{"type": "object"}', "guided_choice": ["a", "b"], "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "required",
-    "functions": [{"name": "f"}], "function_call": {"name": "f"}, "lora_path": "/adapters/a",
+    "functions": [{"name": "f"}], "function_call": {"name": "f"},
     "custom_logit_processor": "x", "return_hidden_states": True, "return_routed_experts": True,
     "suffix": "end", "best_of": 3, "max_dynamic_patch": 4, "min_dynamic_patch": 1, "store": True,
     "store_reasoning": True, "conversation": {"id": "c1"}, "separate_reasoning": True,
