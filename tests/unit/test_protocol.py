@@ -263,6 +263,7 @@ SAMPLE: dict[str, dict[str, Any]] = {  # a valid, non-default value for every se
     "service_tier": {"service_tier": "priority"}, "user": {"user": "u"}, "verbosity": {"verbosity": "high"},
     "extra_body": {"extra_body": {"top_k": 50, "repetition_penalty": 1.05}}, "prompt": {"prompt": ["a", "b"]},
     "echo": {"echo": True}, "functions": {"functions": [{"name": "f", "parameters": {}}]},
+    "lora_path": {"lora_path": "/adapters/a"},  # accepted by the protocol; the ingress resolves the adapter
 } | {name: {name: value} for name, value in REFUSED_SAMPLES.items()} | {"logprobs_completion": {"logprobs": 2}}
 
 
