@@ -1,6 +1,7 @@
 """Multi-LoRA throughput: a 32-request batch spread over 0, 1, 4 and 8 distinct adapters, beside the base model.
 
     python benchmarks/lora_bench.py [--requests 32] [--new-tokens 64] [--rank 16] [--adapters 0,1,4,8] [--rounds 2]
+                                    [--targets q_proj,v_proj] [--threads 1]
 
 Adapters are random PEFT files (every q/k/v/o/gate/up/down projection, rank --rank) written to a temp dir.
 "base" is an engine with LoRA disabled; the other points share one engine with lora.max_loras=8, where
@@ -25,6 +26,7 @@ from model_parallel.config import (  # noqa: E402
     EngineConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from model_parallel.engine import LLMEngine  # noqa: E402
@@ -54,7 +56,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", default="0,1,4,8")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (cluster.yaml's cpu_threads_per_rank)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                    help="modules the random adapters train (PEFT's default for Llama is q_proj,v_proj)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -66,6 +71,7 @@ def main() -> None:
     def config(lora: LoRAConfig) -> EngineConfig:
         # No prefix caching: every round must compute its prompts again.
         return EngineConfig(model=ModelConfig(model=path, dtype=args.dtype),
+                            parallel=ParallelConfig(cpu_threads_per_rank=args.threads),
                             cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=False),
                             scheduler=SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=2048),
                             lora=lora)
@@ -75,7 +81,8 @@ def main() -> None:
     arch = read_arch(path)
     with tempfile.TemporaryDirectory() as tmp:
         for slot in range(1, max(counts) + 1):
-            adapter = random_peft_adapter(os.path.join(tmp, f"a{slot}"), arch, rank=args.rank, seed=slot)
+            adapter = random_peft_adapter(os.path.join(tmp, f"a{slot}"), arch, rank=args.rank, seed=slot,
+                                          targets=tuple(args.targets.split(",")))
             multi.executor.load_lora(slot, slot, adapter)  # adapter id = slot here
     for engine in (base, multi):
         run(engine, batch[:2], [0, 0], 4)  # warm-up
@@ -89,7 +96,7 @@ def main() -> None:
     for key, tok_s in best.items():
         print(json.dumps({
             "bench": "lora", "dtype": args.dtype, "requests": args.requests, "new_tokens": args.new_tokens,
-            "rank": args.rank, "adapters": None if key == "base" else int(key), "tok_s": round(tok_s, 1),
+            "rank": args.rank, "targets": args.targets, "adapters": None if key == "base" else int(key), "tok_s": round(tok_s, 1),
             "vs_base": round(tok_s / best["base"], 3),
         }), flush=True)
     base.shutdown()

@@ -159,6 +159,7 @@ class LoRABatch:
         self.groups: list[tuple[int, int, torch.Tensor | None]] = []
         self.plan: BmmPlan | None = None  # set when one padded bmm beats a loop over the groups
         self.max_rank = 0
+        self.slots: frozenset[int] = frozenset()
 
 
 class LoRALinear:
@@ -173,52 +174,65 @@ class LoRALinear:
         self.out_pieces = out_pieces
         self.in_slice = in_slice
         self.batch = batch
-        out_local = sum(size for _, _, size in out_pieces)
         width = n_sub * config.max_lora_rank
         slots = config.max_loras + 1
         # On CPU the deltas are computed in fp32: skinny bf16 GEMMs are 3-5x slower there than fp32 ones
         # (measured, [4, 576] x [576, 48]), and the buffers are small next to the model.
         compute = torch.float32 if device.type == "cpu" else dtype
+        # A of all sub-projections together (one shrink matmul); B per sub-projection, so that the
+        # expand reads no zeros (a fused B would be block-diagonal: 2/3 zeros for q/k/v).
         self.a = torch.zeros(slots, width, in_features, dtype=compute, device=device)
-        self.b = torch.zeros(slots, out_local, width, dtype=compute, device=device)
+        self.b = [torch.zeros(slots, size, config.max_lora_rank, dtype=compute, device=device)
+                  for _, _, size in out_pieces]
+        # Slots whose adapter targets this layer: an adapter of q/v only (PEFT's default) costs nothing
+        # in o/gate/up/down.
+        self.used: set[int] = set()
 
     def clear(self, slot: int) -> None:
+        self.used.discard(slot)
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
 
     def set(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """a [r, in_full], b [out_full, r] (already scaled): keep this rank's shard, interleaved by sub."""
         if self.in_slice is not None:
             a = a[:, self.in_slice[0] : self.in_slice[0] + self.in_slice[1]]
-        offset, start, size = self.out_pieces[sub]
+        _, start, size = self.out_pieces[sub]
         r = a.shape[0]
-        cols = slice(sub, r * self.n_sub, self.n_sub)  # rank j of sub i lives at j * n_sub + i
-        self.a[slot, cols] = a.to(self.a.dtype)
-        self.b[slot, offset : offset + size, cols] = b[start : start + size].to(self.b.dtype)
+        self.a[slot, sub : r * self.n_sub : self.n_sub] = a.to(self.a.dtype)  # rank j of sub i: row j*n_sub+i
+        self.b[sub][slot, :, :r] = b[start : start + size].to(self.a.dtype)
+        self.used.add(slot)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += B_s A_s x for each slot s in the batch (in place; out is the layer's fresh output)."""
         batch = self.batch
-        if not batch.groups:
+        if not batch.groups or self.used.isdisjoint(batch.slots):
             return out
         xc = x.to(self.a.dtype)
+        n = self.n_sub
         plan = batch.plan
         if plan is not None:  # a fixed handful of ops, however many adapters are in the step
-            width = batch.max_rank * self.n_sub
-            k = plan.hi - plan.lo + 1
+            rank = batch.max_rank
+            lo, hi, k = plan.lo, plan.hi + 1, plan.hi - plan.lo + 1
             xg = torch.nn.functional.pad(xc, (0, 0, 0, 1)).index_select(0, plan.gather).view(k, plan.seg, -1)
-            mid = torch.bmm(xg, self.a[plan.lo : plan.hi + 1, :width].transpose(1, 2))
-            delta = torch.bmm(mid, self.b[plan.lo : plan.hi + 1, :, :width].transpose(1, 2))
-            out += delta.view(k * plan.seg, -1).index_select(0, plan.scatter).to(out.dtype)
+            mid = torch.bmm(xg, self.a[lo:hi, : rank * n].transpose(1, 2))
+            for i, (offset, _, size) in enumerate(self.out_pieces):
+                delta = torch.bmm(mid[..., i::n] if n > 1 else mid, self.b[i][lo:hi, :, :rank].transpose(1, 2))
+                # In-place add casts fp32 to the model dtype as it goes: no separate conversion op.
+                out[:, offset : offset + size] += delta.view(-1, size).index_select(0, plan.scatter)
             return out
         for slot, rank, rows in batch.groups:
-            width = rank * self.n_sub  # padding past the adapter's own rank is skipped
-            a = self.a[slot, :width]
-            b = self.b[slot, :, :width]
-            if rows is None:
-                out += ((xc @ a.t()) @ b.t()).to(out.dtype)
-            else:
-                out.index_add_(0, rows, ((xc.index_select(0, rows) @ a.t()) @ b.t()).to(out.dtype))
+            if slot not in self.used:
+                continue
+            xs = xc if rows is None else xc.index_select(0, rows)
+            mid = xs @ self.a[slot, : rank * n].t()  # padding past the adapter's own rank is skipped
+            for i, (offset, _, size) in enumerate(self.out_pieces):
+                delta = (mid[:, i::n] if n > 1 else mid) @ self.b[i][slot, :, :rank].t()
+                if rows is None:
+                    out[:, offset : offset + size] += delta
+                else:
+                    out[:, offset : offset + size].index_add_(0, rows, delta.to(out.dtype))
         return out
 
 
@@ -290,6 +304,7 @@ class LoRAManager:
             for slot, rows in groups.items()
         ]
         batch.max_rank = max((self.slot_rank[slot] for slot in groups), default=0)
+        batch.slots = frozenset(groups)
         batch.plan = None
         if len(groups) > 1:
             lo, hi = min(groups), max(groups)
