@@ -111,7 +111,7 @@ class Ingress:
 
     async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields):
         stream = bool(req.stream)
-        kw = dict(request_id=greq.request_id, model=self.model_name, created=int(time.time()), n=greq.n)
+        kw = dict(request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()), n=greq.n)
         if stream:
             opts = req.stream_options
             kw |= dict(include_usage=bool(opts and opts.include_usage),

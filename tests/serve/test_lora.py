@@ -94,6 +94,9 @@ def test_load_use_unload_through_http(lclient, lora_server, adapters, model_name
     fresh_text = chat(lclient, f"{model_name}:fresh")
     assert fresh_text not in (base_text, pre_text)
     assert chat(lclient, "fresh") == fresh_text  # vLLM's addressing: the adapter's own name
+    reply = lclient.completions.create(model=f"{model_name}:fresh", prompt="The capital of France is",
+                                       max_tokens=4, temperature=0)
+    assert reply.model == f"{model_name}:fresh" and reply.usage.completion_tokens == 4
     # lora_path on the request loads the same files on demand (under its path's name): same tokens.
     assert chat(lclient, model_name, extra_body={"lora_path": adapters["fresh"]}) == fresh_text
 
