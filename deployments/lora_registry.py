@@ -72,23 +72,30 @@ class LoRARegistry:
                 return entry.slot
         return None
 
-    def _load_into(self, name: str, path: str, slot: int) -> AdapterEntry:
-        """Validate here (clear errors), then every TP rank reads its own shard of the file."""
+    def _validate(self, name: str, path: str) -> int:
+        """Read and check the files here first (clear errors, and nothing is evicted for a bad adapter)."""
         try:
-            rank = read_peft_adapter(path, self.engine.arch, self.config.max_lora_rank).rank
-            lora_id = self._next_id
-            self._next_id += 1
-            self.engine.executor.load_lora(slot, lora_id, path)
+            return read_peft_adapter(path, self.engine.arch, self.config.max_lora_rank).rank
         except LoRAError as exc:
+            raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
+
+    def _write(self, name: str, path: str, slot: int, rank: int) -> AdapterEntry:
+        """Every TP rank reads its own shard of the files into `slot`."""
+        lora_id = self._next_id
+        self._next_id += 1
+        try:
+            self.engine.executor.load_lora(slot, lora_id, path)
+        except LoRAError as exc:  # the files changed since _validate
             raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
         return AdapterEntry(name, path, lora_id, slot, rank)
 
     def load_now(self, name: str, path: str) -> AdapterEntry:
         """Synchronous load at replica start (adapters named in cluster.yaml); errors fail the replica."""
+        rank = self._validate(name, path)
         slot = self._take_slot()
         if slot is None:
             raise ValueError(f"no free LoRA slot for {name!r} (lora.max_loras={self.config.max_loras})")
-        entry = self._load_into(name, path, slot)
+        entry = self._write(name, path, slot, rank)
         self.entries[name] = entry
         return entry
 
@@ -105,6 +112,7 @@ class LoRARegistry:
                 entry.unloading = False
                 self.entries.move_to_end(name)
                 return entry
+            rank = await asyncio.to_thread(self._validate, name, path)
             if entry is not None:  # same name, new files
                 if entry.active:
                     raise APIError(409, f"LoRA adapter {name!r} is in use with other files; retry later",
@@ -116,7 +124,7 @@ class LoRARegistry:
             if slot is None:
                 raise APIError(503, f"all {self.config.max_loras} LoRA adapter slots are in use by running "
                                "requests; retry later", type="server_error", code="lora_slots_busy")
-            new = await asyncio.to_thread(self._load_into, name, path, slot)
+            new = await asyncio.to_thread(self._write, name, path, slot, rank)
             self.entries[name] = new
             log.info("LoRA adapter %r (rank %d) loaded into slot %d from %s", name, new.rank, slot, path)
             return new

@@ -179,3 +179,41 @@ def test_bad_adapters_are_refused_with_clear_errors(gguf_path, tmp_path):
     for message, path in cases.items():
         with pytest.raises(LoRAError, match=message):
             read_peft_adapter(path, arch, max_rank=16)
+
+
+async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
+    """Two slots: idle adapters are evicted least-recently-used first, busy ones never."""
+    from types import SimpleNamespace
+
+    from app.errors import APIError
+    from deployments.lora_registry import LoRARegistry
+
+    base = tiny_llama(tmp_path)
+    arch = read_arch(base)
+    paths = {n: random_peft_adapter(str(tmp_path / n), arch, rank=4, seed=i) for i, n in enumerate("abcd")}
+    config = EngineConfig(model=ModelConfig(model=base, dtype="float32"), cache=CacheConfig(kv_cache_bytes=8 << 20),
+                          lora=LoRAConfig(max_loras=2, max_lora_rank=4))
+    executor = make_executor(config, base, arch)
+    evicted: list[str] = []
+    registry = LoRARegistry(config.lora, SimpleNamespace(arch=arch, executor=executor), on_evict=evicted.append)
+    try:
+        ids = [1, 2, 3]
+        a = await registry.acquire("a", paths["a"])  # busy
+        await registry.load("b", paths["b"])
+        await registry.load("c", paths["c"])  # evicts b (idle), not a (busy)
+        assert registry.names() == ["a", "c"] and evicted == ["b"]
+        c = await registry.acquire("c", paths["c"])
+        with pytest.raises(APIError) as err:  # both slots busy
+            await registry.load("d", paths["d"])
+        assert err.value.status_code == 503
+        assert registry.unload("a") and registry.names() == ["c"]  # deferred: a still runs
+        assert executor.score(ids, a.lora_id) is not None
+        registry.release(a)  # last request of a: its slot is freed now
+        d = await registry.load("d", paths["d"])
+        assert d.slot == a.slot and d.lora_id not in (a.lora_id, c.lora_id)
+        with pytest.raises(APIError) as err:
+            await registry.load("e", str(tmp_path / "missing"))
+        assert err.value.status_code == 400 and err.value.to_dict()["error"]["code"] == "invalid_lora_adapter"
+        assert registry.names() == ["c", "d"]
+    finally:
+        executor.shutdown()
