@@ -3,9 +3,10 @@
 Every tensor-parallel linear of the decoder (fused qkv, o, fused gate/up, down) gets a `LoRALinear`
 holding `[num_slots + 1, ...]` stacked A and B buffers; slot 0 stays zero (the base model). Each
 step the model runner tells the shared `LoRABatch` which token rows use which slot; each layer then
-adds `B_s (A_s x)` for the rows of every slot in the batch (group-by-slot gathered matmuls, as
-Punica/S-LoRA do) -- no weight merging and no splitting of the batch per adapter. A step with only
-base-model tokens costs one attribute check per layer.
+adds `B_s (A_s x)` for the rows of every slot in the batch -- the rows gathered per slot into one
+padded batched matmul over the stacked weights (as Punica/S-LoRA gather per adapter), or one matmul
+when a single adapter covers the step -- with no weight merging and no splitting of the batch per
+adapter. A step with only base-model tokens costs one check per layer.
 
 Sharding follows the layer: a column-parallel layer keeps A whole and owns the rows of B that match
 its own output slice (per KV-head group for q/k/v, per half for gate/up); a row-parallel layer owns
@@ -14,7 +15,8 @@ layer's all_reduce, so the partial products are summed once, with the base outpu
 
 Layout: the fused layers stack their sub-projections' ranks interleaved (row j*n_sub + i of A is rank
 j of sub-projection i), so an adapter of rank r uses the leading r*n_sub rows of its slot, whatever
-the padding to max_lora_rank.
+the padding to max_lora_rank; B uses the same columns, block-diagonal (sub-projection i's output rows
+read only its own rank columns).
 """
 
 from __future__ import annotations
