@@ -51,7 +51,6 @@ from model_parallel.sampling_params import SamplingParams
 
 # Request field (or chat content-part type) -> why this server refuses it. Features delete their rows.
 UNSUPPORTED: dict[str, str] = {
-    "lora_path": "LoRA adapters are not available yet",
     "custom_logit_processor": "custom logit processors are not run (arbitrary code from clients)",
     "return_routed_experts": "this is a dense model: it has no experts to report",
     "max_dynamic_patch": "this text-only model has no vision patches",

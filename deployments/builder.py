@@ -36,10 +36,11 @@ def build_app(args: dict[str, Any]) -> Application:
     return build_app_with(ServerConfig.from_args(args))
 
 
-def build_app_with(config: ServerConfig, engine_cls=None) -> Application:
-    """The same, from a config object; `engine_cls` lets routing tests inject a small fake engine."""
+def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str, Any] | None = None) -> Application:
+    """The same, from a config object; `engine_cls` lets routing tests inject a small fake engine, and
+    `llm_options` adds Serve options to the model deployment (tests: num_replicas)."""
     model_path = resolve_model_path(config.engine.model.model)
-    llm_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": config.replica_num_cpus}}
+    llm_options = {"ray_actor_options": {"num_cpus": config.replica_num_cpus}} | (llm_options or {})
     bundles = placement_bundles(config)
     if bundles:
         llm_options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}

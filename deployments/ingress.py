@@ -20,6 +20,7 @@ from app import conversations as C
 from app import protocol as P
 from app.chat_output import ChatOutputParser, merge_deltas
 from app.errors import APIError, from_validation_error, not_found
+from app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from app.sse import (
     GenerationDelta,
     UsageCounter,
@@ -92,6 +93,15 @@ async def flatten(gen) -> AsyncIterator[GenerationDelta]:
             yield delta
 
 
+async def note_replica(deltas: AsyncIterator[GenerationDelta], seen: dict[str, str]):
+    """Records the serving replica's id (set on a request's first delta) as the x-replica-id header."""
+    async for d in deltas:
+        rid = getattr(d, "replica_id", None)
+        if rid and not seen:
+            seen["x-replica-id"] = rid
+        yield d
+
+
 @serve.deployment(name="ingress", max_ongoing_requests=1000)
 @serve.ingress(app)
 class Ingress:
@@ -104,6 +114,8 @@ class Ingress:
         self._info: dict | None = None
         self.keys = KeyRing.from_entries(config.api_keys)
         self.store = ConversationStore(config.storage_url)
+        # LoRA adapters this server answers to: name -> PEFT directory (cluster.yaml, then the load route).
+        self.adapters: dict[str, str] = dict(config.engine.lora.adapters)
 
     async def info(self) -> dict:
         if self._info is None:
@@ -129,16 +141,21 @@ class Ingress:
     async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields, tap=None, **extra):
         """`tap` wraps the delta stream (conversation storage); it sees every delta before the client."""
         stream = bool(req.stream)
-        kw = dict(request_id=greq.request_id, model=self.model_name, created=int(time.time()), n=greq.n, **extra)
+        kw = dict(request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()), n=greq.n,
+                  **extra)
         if stream:
             opts = req.stream_options
             kw |= dict(include_usage=bool(opts and opts.include_usage),
                        continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
-        gen = self.llm.options(stream=True).generate.remote(greq)
-        deltas = flatten(gen) if tap is None else tap(flatten(gen))
+        gen = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
+        seen: dict[str, str] = {}
+        deltas = note_replica(flatten(gen), seen)
+        if tap is not None:
+            deltas = tap(deltas)
         if not stream:
             try:
-                return JSONResponse((await collect_fn(deltas, **kw)).model_dump())
+                body = (await collect_fn(deltas, **kw)).model_dump()
+                return JSONResponse(body, headers=seen)
             finally:
                 gen.cancel()
         # Wait for the first batch before answering, so early refusals are plain HTTP errors.
@@ -161,7 +178,7 @@ class Ingress:
                 gen.cancel()
 
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | seen)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -174,11 +191,15 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        return JSONResponse({"object": "list", "data": [await self.model_card()]})
+        cards = [await self.model_card()] + [self.adapter_card(n) for n in self.adapters]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self.check_auth(request)
+        name = self.adapter_name(model_id)
+        if name is not None and name in self.adapters:
+            return JSONResponse(self.adapter_card(name))
         self.check_model(model_id)
         return JSONResponse(await self.model_card())
 
@@ -187,11 +208,82 @@ class Ingress:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
                 "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"]}
 
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+
+    def llm_for(self, adapter: str | None) -> DeploymentHandle:
+        """Adapter requests carry Serve's multiplexed model id, so they go to replicas holding the
+        adapter; base-model requests carry none and spread over every replica."""
+        return self.llm if adapter is None else self.llm.options(multiplexed_model_id=adapter)
+
+    def adapter_name(self, model: str) -> str | None:
+        """`base:adapter` -> adapter; a bare name other than the base's -> itself; the base -> None."""
+        prefix = f"{self.model_name}:"
+        if model.startswith(prefix):
+            return model[len(prefix):]
+        return None if model == self.model_name else model
+
+    def adapter_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
+                "root": self.adapters[name], "parent": self.model_name}
+
+    def resolve_lora(self, req) -> tuple[str | None, str | None]:
+        """(adapter name, its path) for a request, or (None, None) for the base model; 404 if unknown."""
+        name = self.adapter_name(req.model) if req.model is not None else None
+        if name is not None and name not in self.adapters:
+            raise APIError(404, f"The model `{req.model}` does not exist.", type="not_found_error",
+                           param="model", code="model_not_found")
+        lora_path = req.lora_path
+        if isinstance(lora_path, list):  # SGLang's per-prompt form: one adapter per request here
+            distinct = set(lora_path)
+            if len(distinct) > 1:
+                raise APIError(400, "lora_path: all prompts of one request must use the same adapter",
+                               param="lora_path")
+            lora_path = distinct.pop() if distinct else None
+        if lora_path is None:
+            return (name, self.adapters[name]) if name is not None else (None, None)
+        if name is None:  # a registered adapter's name, or a directory loaded on demand (named by its path)
+            return lora_path, self.adapters.get(lora_path, lora_path)
+        if lora_path not in (name, self.adapters[name]):
+            raise APIError(400, f"model names adapter {name!r} but lora_path asks for {lora_path!r}",
+                           param="lora_path")
+        return name, self.adapters[name]
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route and body: {"lora_name", "lora_path"}; the adapter is loaded (and checked) on one
+        replica now, and on other replicas when requests reach them."""
+        self.check_auth(request)
+        req = await parse(request, LoadLoRAAdapterRequest)
+        name = req.lora_name
+        if not name or ":" in name or name == self.model_name:
+            raise APIError(400, f"invalid adapter name {name!r}", param="lora_name")
+        if name in self.adapters:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                           code="lora_adapter_exists")
+        card = await self.llm_for(name).load_lora_adapter.remote(name, req.lora_path)
+        self.adapters[name] = req.lora_path
+        headers = {"x-replica-id": card["replica_id"]} if card.get("replica_id") else None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain",
+                        headers=headers)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        self.check_auth(request)
+        req = await parse(request, UnloadLoRAAdapterRequest)
+        name = req.lora_name
+        if name not in self.adapters:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", type="not_found_error",
+                           param="lora_name", code="lora_adapter_not_found")
+        del self.adapters[name]  # from here on requests for it get 404
+        # The replica that holds it frees its slot (others free theirs by LRU).
+        await self.llm_for(name).unload_lora_adapter.remote(name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, P.ChatCompletionRequest)
-        self.check_model(req.model)
+        lora = self.resolve_lora(req)
         P.check_supported(req)
         guided = guided_spec(req)
         tool_format = self.config.tool_parser
@@ -217,6 +309,7 @@ class Ingress:
         params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=info["max_model_len"])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
+                               lora=lora[0], lora_path=lora[1],
                                trace_id=request_id_of(request))
         parser_factory = await self.output_parser(req, plan, text)
         tap = self.storing(owner, req, cid, rid, last_input, parser_factory) if req.store else None
@@ -244,7 +337,7 @@ class Ingress:
     async def completions(self, request: Request):
         self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
-        self.check_model(req.model)
+        lora = self.resolve_lora(req)
         P.check_supported(req)
         info = await self.info()
         prompts: list[list[int]] = []
@@ -279,6 +372,7 @@ class Ingress:
                            param="best_of")
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
                                echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of,
+                               lora=lora[0], lora_path=lora[1],
                                trace_id=request_id_of(request))
         return await self.run(greq, stream_completion, collect_completion, req)
 

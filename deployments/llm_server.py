@@ -17,6 +17,7 @@ from ray import serve
 from app.errors import APIError
 from app.protocol import StopOptions
 from app.sse import GenerationDelta
+from deployments.lora_registry import AdapterEntry, LoRARegistry
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
 from model_parallel.config import EngineConfig
 from model_parallel.guided import GrammarCompiler
@@ -38,10 +39,26 @@ class GenerateRequest:
     stop: StopOptions
     n: int = 1
     echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
-    lora: str | None = None
+    lora: str | None = None  # adapter name (also the Serve multiplexed model id); None = base model
+    lora_path: str | None = None  # its PEFT directory, loaded on this replica on first use
     guided: GuidedSpec | None = None  # grammar constraint (structured output, forced tool calls)
     best_of: int | None = None  # completions: sample best_of per prompt, return the n most likely
     trace_id: str = ""  # the HTTP request's X-Request-Id: prefixes engine ids, so aborts and logs carry it
+
+
+def replica_id() -> str | None:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside a Serve replica
+        return None
+
+
+def tag_replica(batch: list) -> None:
+    """Debug: the first delta of a request carries the serving replica's id (the ingress returns it as
+    the `x-replica-id` response header), so tests can see where Serve routed a request."""
+    rid = replica_id()
+    if rid is not None and batch and isinstance(batch[0], GenerationDelta):
+        batch[0].replica_id = rid  # type: ignore[attr-defined]
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
@@ -76,6 +93,7 @@ class LLMServer:
         self.engine = AsyncLLMEngine(engine_cls(engine_config, eos_token_ids=list(self.tokenizer.eos_token_ids)))
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
+        self.loras = self._start_loras(engine_config)
 
     def _compile(self, spec: GuidedSpec):
         if self._grammars is None:
@@ -105,7 +123,7 @@ class LLMServer:
         await asyncio.to_thread(self.engine.engine.executor.check_health)
 
     async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue,
-                      grammar=None) -> None:
+                      grammar=None, lora_id: int = 0) -> None:
         """Run one choice to its end, pushing GenerationDelta objects into the shared queue."""
         params = req.params
         choice = index % req.n
@@ -125,7 +143,7 @@ class LLMServer:
         first = True
         rid = f"{req.trace_id}:{req.request_id}-{index}" if req.trace_id else f"{req.request_id}-{index}"
         try:
-            async for o in self.engine.generate(rid, prompt, params, grammar=grammar):
+            async for o in self.engine.generate(rid, prompt, params, lora_id, grammar=grammar):
                 completion_tokens += len(o.new_token_ids)
                 text, matched = detok.add(o.new_token_ids) if o.new_token_ids else ("", None)
                 finish, matched_stop = o.finish_reason, None
@@ -178,11 +196,14 @@ class LLMServer:
         if req.best_of is not None and req.best_of > req.n:
             yield await self._best_of(req)
             return
+        grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
+        adapter = await self._acquire_lora(req)
+        lora_id = adapter.lora_id if adapter is not None else 0
         queue: asyncio.Queue = asyncio.Queue()
         total = len(req.prompts) * req.n
-        grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
         tasks = [
-            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar)) for i in range(total)
+            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar, lora_id))
+            for i in range(total)
         ]
         finished = 0
         loop = asyncio.get_running_loop()
@@ -202,11 +223,73 @@ class LLMServer:
                     if isinstance(item, BaseException):
                         raise item
                 finished += sum(1 for d in batch if d.finish_reason is not None)
+                if last_yield is None:
+                    tag_replica(batch)
                 last_yield = loop.time()
                 yield batch
         finally:
             for t in tasks:  # client gone or error: cancel every choice, which aborts it in the engine
                 t.cancel()
+            if adapter is not None:
+                self.loras.release(adapter)  # type: ignore[union-attr]
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+
+    def _start_loras(self, config: EngineConfig) -> LoRARegistry | None:
+        if not config.lora.enabled:
+            return None
+        registry = LoRARegistry(config.lora, self.engine.engine, on_evict=self._forget_multiplexed)
+        for name, path in config.lora.adapters:  # cluster.yaml's adapters: loaded (and checked) at start
+            registry.load_now(name, path)
+        return registry
+
+    def _registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise APIError(400, "LoRA adapters are disabled on this server (set engine.lora.max_loras)",
+                           param="model", code="lora_disabled")
+        return self.loras
+
+    @serve.multiplexed(max_num_models_per_replica=-1)
+    async def _multiplexed_adapter(self, model_id: str) -> str:
+        """Serve's multiplexing cache: it reports which adapters this replica holds, so the router
+        sends requests for an adapter here. Capacity and LRU eviction are the registry's (its size
+        comes from the config, which a class-level decorator cannot read); evictions are mirrored
+        back with _forget_multiplexed."""
+        return model_id
+
+    def _forget_multiplexed(self, name: str) -> None:
+        # Best effort through Serve's private cache object; if its layout changes, routing hints for
+        # an evicted adapter merely go stale (the replica then loads it again on request).
+        wrapper = getattr(self, "__serve_multiplex_wrapper", None)
+        models = getattr(wrapper, "models", None)
+        if isinstance(models, dict) and models.pop(name, None) is not None:
+            wrapper._push_multiplexed_replica_info = True  # type: ignore[union-attr]
+
+    async def _acquire_lora(self, req: GenerateRequest) -> AdapterEntry | None:
+        if req.lora is None:
+            return None
+        registry = self._registry()
+        if serve.get_multiplexed_model_id() == req.lora:
+            await self._multiplexed_adapter(req.lora)
+        assert req.lora_path is not None
+        return await registry.acquire(req.lora, req.lora_path)
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Load on this replica (the ingress routes the call with multiplexed_model_id=name)."""
+        entry = await self._registry().load(name, path)
+        if serve.get_multiplexed_model_id() == name:
+            await self._multiplexed_adapter(name)
+        return entry.card() | {"replica_id": replica_id()}
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        found = self._registry().unload(name)
+        self._forget_multiplexed(name)
+        return found
+
+    def lora_adapters(self) -> dict:
+        """This replica's resident adapters (debugging, tests)."""
+        entries = list(self.loras.entries.values()) if self.loras is not None else []
+        return {"replica_id": replica_id(), "adapters": [e.card() for e in entries]}
 
     async def _best_of(self, req: GenerateRequest) -> list[GenerationDelta]:
         """best_of candidates per prompt, ranked by cumulative logprob; the top n come back as choices 0..n-1.

@@ -86,17 +86,49 @@ class ParallelConfig:
             raise ValueError("attention_backend must be auto, sdpa or xformers")
 
 
+MAX_LORA_RANK = 64  # stacked adapter buffers are padded to max_lora_rank; the issue caps ranks at 64
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapter slots per replica; max_loras 0 keeps LoRA off (no buffers, no per-step work)."""
+
+    max_loras: int = 0  # adapters resident at once (slot 0, the base model, is extra)
+    max_lora_rank: int = 16  # every slot is padded to this rank: memory grows with it
+    # name -> PEFT adapter directory, loaded when a replica starts (kept as sorted pairs: frozen + hashable).
+    adapters: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.adapters, dict):
+            object.__setattr__(self, "adapters", tuple(sorted(self.adapters.items())))
+        if self.max_loras < 0:
+            raise ValueError("lora.max_loras must be >= 0")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora.max_lora_rank must be in [1, {MAX_LORA_RANK}]")
+        if self.adapters and len(self.adapters) > self.max_loras:
+            raise ValueError(f"{len(self.adapters)} adapters configured but lora.max_loras is {self.max_loras}")
+        for name, _ in self.adapters:
+            if not name or ":" in name or "/" in name:
+                raise ValueError(f"adapter name {name!r} must be non-empty, without ':' or '/'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         """Build from the nested mapping found in cluster.yaml (unknown keys are an error)."""
-        known = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+        known = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                 "lora": LoRAConfig}
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown engine config sections: {sorted(unknown)}")

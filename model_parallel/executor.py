@@ -26,8 +26,14 @@ class LocalExecutor:
         assert out is not None
         return out
 
-    def score(self, token_ids: list[int]):
-        return self.worker.score(token_ids)
+    def score(self, token_ids: list[int], lora_id: int = 0):
+        return self.worker.score(token_ids, lora_id)
+
+    def load_lora(self, slot: int, lora_id: int, path: str) -> int:
+        return self.worker.load_lora(slot, lora_id, path)
+
+    def unload_lora(self, slot: int) -> None:
+        self.worker.unload_lora(slot)
 
     def check_health(self) -> None:
         return None
@@ -88,8 +94,16 @@ class RayExecutor:
         assert results[0] is not None
         return results[0]
 
-    def score(self, token_ids: list[int]):
-        return self.ray.get([w.score.remote(token_ids) for w in self.workers])[0]
+    def score(self, token_ids: list[int], lora_id: int = 0):
+        return self.ray.get([w.score.remote(token_ids, lora_id) for w in self.workers])[0]
+
+    def load_lora(self, slot: int, lora_id: int, path: str) -> int:
+        """Every rank loads its own shard. The slot is unused by running sequences, so ranks may load it
+        between different steps without disagreeing on any step's result."""
+        return self.ray.get([w.load_lora.remote(slot, lora_id, path) for w in self.workers])[0]
+
+    def unload_lora(self, slot: int) -> None:
+        self.ray.get([w.unload_lora.remote(slot) for w in self.workers])
 
     def check_health(self) -> None:
         self.ray.get([w.ping.remote() for w in self.workers], timeout=30)

@@ -49,8 +49,10 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, is_driver: bool):
+    def __init__(self, model, kv_caches, block_size: int, vocab_size: int, device: torch.device, is_driver: bool,
+                 lora=None):
         self.model = model
+        self.lora = lora  # a model_parallel.lora.LoRAManager when adapters are enabled
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -82,6 +84,8 @@ class ModelRunner:
         ctx_lens: list[int] = []
         dev = self.device
         bs = self.block_size
+        if self.lora is not None:  # each token's adapter slot, for the LoRA deltas inside the linears
+            self.lora.set_batch([s.lora_slot for s in step.seqs], [len(s.token_ids) for s in step.seqs])
         for s in step.seqs:
             n = len(s.token_ids)
             q_start = len(ids)

@@ -122,6 +122,7 @@ class QKVParallelLinear(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         self.weight = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, hidden), requires_grad=False)
         self.packed: PackedWeight | None = None
+        self.lora = None  # a model_parallel.lora.LoRALinear when adapters are enabled
         _set_weight_loader(self.weight, self.weight_loader)
         self.bias = None
         if bias:
@@ -140,6 +141,8 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = linear(x, self.weight, self.bias, self.packed)
+        if self.lora is not None:
+            qkv = self.lora.apply(x, qkv)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -153,6 +156,7 @@ class MergedColumnParallelLinear(nn.Module):
         total = sum(size for _, size in self.pieces)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
         self.packed: PackedWeight | None = None
+        self.lora = None  # a model_parallel.lora.LoRALinear when adapters are enabled
         _set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -165,7 +169,8 @@ class MergedColumnParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed)
+        out = linear(x, self.weight, None, self.packed)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class RowParallelLinear(nn.Module):
@@ -177,13 +182,17 @@ class RowParallelLinear(nn.Module):
         self.in_start = in_start
         self.weight = nn.Parameter(torch.empty(out_features, in_size), requires_grad=False)
         self.packed: PackedWeight | None = None
+        self.lora = None  # a model_parallel.lora.LoRALinear when adapters are enabled
         _set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         default_weight_loader(param, loaded.narrow(1, self.in_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+        out = linear(x, self.weight, None, self.packed)
+        if self.lora is not None:  # before the all_reduce: the LoRA partial sums are reduced with the base's
+            out = self.lora.apply(x, out)
+        return self.tp.all_reduce(out)
 
 
 class VocabParallelEmbedding(nn.Module):

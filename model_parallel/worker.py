@@ -17,6 +17,7 @@ from model_parallel.attention import make_attention_backend
 from model_parallel.config import EngineConfig, LlamaArch
 from model_parallel.llama import LlamaForCausalLM
 from model_parallel.loader import load_weights
+from model_parallel.lora import LoRAManager
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
 from model_parallel.parallel import TPGroup, pack_small_batch_weights
 
@@ -66,6 +67,7 @@ class Worker:
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None
+        self.lora = LoRAManager(self.model, config.lora, self.dtype, device) if config.lora.enabled else None
 
     def kv_bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn.qkv_proj
@@ -94,15 +96,28 @@ class Worker:
             self.device,
         )
         self.runner = ModelRunner(
-            self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device, self.rank == 0
+            self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device, self.rank == 0,
+            lora=self.lora,
         )
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"
         return self.runner.execute(step)
 
+    def load_lora(self, slot: int, lora_id: int, path: str) -> int:
+        """Put a PEFT adapter into `slot` for sequences tagged `lora_id`; returns its rank."""
+        if self.lora is None:
+            raise ValueError("LoRA is disabled (lora.max_loras is 0)")
+        with torch.inference_mode():
+            return self.lora.load(slot, lora_id, path)
+
+    def unload_lora(self, slot: int) -> None:
+        if self.lora is not None:
+            with torch.inference_mode():
+                self.lora.unload(slot)
+
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor | None:
+    def score(self, token_ids: list[int], lora_id: int = 0) -> torch.Tensor | None:
         """Full-vocabulary logits at every position of one prompt (rank 0; None elsewhere).
 
         For reference checks on an idle worker: it writes the prompt's KV into the first blocks.
@@ -110,7 +125,7 @@ class Worker:
         assert self.runner is not None, "init_cache first"
         bs = self.config.cache.block_size
         blocks = list(range(-(-len(token_ids) // bs)))
-        step = StepInput([SeqStep("score", list(token_ids), 0, blocks, sample=False)])
+        step = StepInput([SeqStep("score", list(token_ids), 0, blocks, sample=False, lora_slot=lora_id)])
         ids, positions, meta = self.runner.prepare(step)
         hidden = self.model(ids, positions, self.runner.kv_caches, meta)
         logits = self.model.compute_logits(hidden).float()

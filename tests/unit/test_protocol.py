@@ -147,7 +147,6 @@ def test_extra_body_sent_literally_is_merged():
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED_SAMPLES: dict[str, Any] = {
-    "lora_path": "/adapters/a",
     "custom_logit_processor": "x", "return_routed_experts": True,
     "max_dynamic_patch": 4, "min_dynamic_patch": 1, "deep_research": True, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
@@ -273,6 +272,7 @@ SAMPLE: dict[str, dict[str, Any]] = {  # a valid, non-default value for every se
     "function_call": {"function_call": "none"},
     "store": {"store": True}, "store_reasoning": {"store": True, "store_reasoning": True},
     "conversation": {"conversation": {"id": "conv_1"}},
+    "lora_path": {"lora_path": "/adapters/a"},  # accepted by the protocol; the ingress resolves the adapter
 } | {name: {name: value} for name, value in (REFUSED_SAMPLES | WORKING_SAMPLES).items()} | {
     "logprobs_completion": {"logprobs": 2}}
 

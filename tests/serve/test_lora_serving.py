@@ -1,0 +1,154 @@
+"""LoRA adapters through Ray Serve: the HTTP routes with the openai client, and multiplexed routing
+with two model replicas (the x-replica-id response header names the replica that served a request)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import API_KEY
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
+    from model_parallel.config import LlamaArch
+    from model_parallel.loader import read_arch
+    from model_parallel.lora import random_peft_adapter
+
+    arch = read_arch(gguf_path)
+    root = tmp_path_factory.mktemp("adapters")
+    tiny = LlamaArch(hidden_size=96, intermediate_size=128, num_layers=2, num_heads=6, num_kv_heads=3, head_dim=16,
+                     vocab_size=300, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                     tie_word_embeddings=False)
+    paths = {name: random_peft_adapter(str(root / name), arch, rank=8, seed=seed)
+             for name, seed in (("pre", 11), ("fresh", 12), ("sticky", 13))}
+    paths["big"] = random_peft_adapter(str(root / "big"), arch, rank=16, seed=14, targets=("q_proj",))
+    paths["other_base"] = random_peft_adapter(str(root / "other"), tiny, rank=4, seed=15)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def lora_server(server, adapters) -> str:
+    """A second app on the session's Serve instance: two model replicas with two adapter slots each."""
+    from ray import serve
+
+    from deployments.builder import build_app_with
+    from deployments.config import ServerConfig
+
+    config = ServerConfig.from_args({
+        "api_keys": [API_KEY],
+        "engine": {"model": {"dtype": "float32", "max_model_len": 1024},
+                   "cache": {"kv_cache_bytes": 48 << 20},
+                   "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+                   "lora": {"max_loras": 2, "max_lora_rank": 8, "adapters": {"pre": adapters["pre"]}}},
+    })
+    serve.run(build_app_with(config, llm_options={"num_replicas": 2}), name="lora", route_prefix="/lora",
+              blocking=False)
+    base = f"{server}/lora"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        raise RuntimeError("the LoRA app did not become healthy")
+    yield base
+    serve.delete("lora")
+
+
+@pytest.fixture(scope="module")
+def lclient(lora_server):
+    return openai.OpenAI(base_url=f"{lora_server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def post(base: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}/v1/{route}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+def chat(client, model: str, **kw) -> str:
+    r = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=12, **kw)
+    return r.choices[0].message.content
+
+
+def test_load_use_unload_through_http(lclient, lora_server, adapters, model_name):
+    cards = {m.id: m for m in lclient.models.list().data}
+    assert set(cards) == {model_name, "pre"}
+    assert cards["pre"].parent == model_name and cards[model_name].parent is None
+
+    base_text = chat(lclient, model_name)
+    assert "Paris" in base_text
+    pre_text = chat(lclient, f"{model_name}:pre")  # adapter from cluster config, loaded at start
+    assert pre_text != base_text
+
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "fresh", "lora_path": adapters["fresh"]})
+    assert r.status_code == 200, r.text
+    assert "fresh" in {m.id for m in lclient.models.list().data}
+    fresh_text = chat(lclient, f"{model_name}:fresh")
+    assert fresh_text not in (base_text, pre_text)
+    assert chat(lclient, "fresh") == fresh_text  # vLLM's addressing: the adapter's own name
+    reply = lclient.completions.create(model=f"{model_name}:fresh", prompt="The capital of France is",
+                                       max_tokens=4, temperature=0)
+    assert reply.model == f"{model_name}:fresh" and reply.usage.completion_tokens == 4
+    # lora_path on the request loads the same files on demand (under its path's name): same tokens.
+    assert chat(lclient, model_name, extra_body={"lora_path": adapters["fresh"]}) == fresh_text
+
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "fresh", "lora_path": adapters["fresh"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "lora_adapter_exists"
+    assert post(lora_server, "unload_lora_adapter", {"lora_name": "fresh"}).status_code == 200
+    with pytest.raises(openai.NotFoundError) as err:
+        chat(lclient, f"{model_name}:fresh")
+    assert err.value.body["code"] == "model_not_found"
+    r = post(lora_server, "unload_lora_adapter", {"lora_name": "fresh"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_adapter_not_found"
+    with pytest.raises(openai.NotFoundError):
+        chat(lclient, f"{model_name}:never-loaded")
+    assert chat(lclient, model_name) == base_text
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"), ("bin", "adapter_model.safetensors"), ("big", "max_lora_rank"),
+    ("other_base", "another model"),
+])
+def test_bad_adapters_are_400_and_the_server_keeps_serving(lclient, lora_server, adapters, tmp_path, case,
+                                                           message, model_name):
+    path = adapters.get(case, str(tmp_path / "nowhere"))
+    if case == "bin":
+        import torch
+
+        path = str(tmp_path / "bin")
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+        torch.save({}, tmp_path / "bin" / "adapter_model.bin")
+    r = post(lora_server, "load_lora_adapter", {"lora_name": f"bad-{case}", "lora_path": path})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["code"] == "invalid_lora_adapter"
+    assert f"bad-{case}" not in {m.id for m in lclient.models.list().data}
+    with pytest.raises(openai.BadRequestError):  # the same files named on a request
+        chat(lclient, model_name, extra_body={"lora_path": path})
+    assert "Paris" in chat(lclient, model_name)
+
+
+def test_adapter_requests_stick_to_the_replica_that_loaded_it(lclient, lora_server, adapters, model_name):
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "sticky", "lora_path": adapters["sticky"]})
+    assert r.status_code == 200, r.text
+    holder = r.headers["x-replica-id"]
+    time.sleep(1.0)  # the replica reports its adapters to the Serve controller on a short period
+
+    def served_by(model: str, **kw) -> str:
+        raw = lclient.chat.completions.with_raw_response.create(model=model, messages=QUESTION, temperature=0,
+                                                                max_tokens=2, **kw)
+        return raw.headers["x-replica-id"]
+
+    assert [served_by(f"{model_name}:sticky") for _ in range(8)] == [holder] * 8
+    assert [served_by("sticky", stream=True) for _ in range(2)] == [holder] * 2
+    # Base-model requests carry no multiplexed id: they spread over both replicas.
+    assert len({served_by(model_name) for _ in range(16)}) == 2
