@@ -184,7 +184,8 @@ async def flatten(gen) -> AsyncIterator[GenerationDelta]:
             yield delta
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=1000)
+# graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
+@serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle):

@@ -257,4 +257,6 @@ class LLMServer:
             pass
 
 
-LLMDeployment = serve.deployment(name="llm", max_ongoing_requests=256, health_check_period_s=10)(LLMServer)
+# Defaults as in cluster.yaml: a bounded caller-side queue (503 beyond it), and a drain period for open streams.
+LLMDeployment = serve.deployment(name="llm", max_ongoing_requests=256, max_queued_requests=512,
+                                 health_check_period_s=10, graceful_shutdown_timeout_s=60)(LLMServer)
