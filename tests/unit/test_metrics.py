@@ -74,3 +74,18 @@ def test_bounds_are_validated():
         ServerConfig(request_timeout_s=0)
     cfg = ServerConfig.from_args({"max_prompt_tokens": 10, "llm_deployment_options": {"max_queued_requests": 4}})
     assert cfg.max_prompt_tokens == 10 and cfg.llm_deployment_options == {"max_queued_requests": 4}
+
+
+def test_grafana_dashboard_uses_only_metrics_we_export():
+    import json
+    import re
+    from pathlib import Path
+
+    from deployments.metrics import SPECS
+
+    dash = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"vllm:[a-z0-9_]+", e)}
+    exported = {n + ("_total" if kind == "counter" else "") for n, (kind, *_) in SPECS.items()}
+    assert used and used <= exported, used - exported
+    assert exported <= used  # every exported metric has a panel
