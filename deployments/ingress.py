@@ -56,10 +56,19 @@ def error_response(err: APIError, request: Request | None = None,
     return JSONResponse(body, status_code=err.status_code, headers=headers)
 
 
-def backpressure_error(status: int = 503) -> APIError:
-    return APIError(status, "The server is overloaded: too many requests are queued for the model. "
-                    "Retry after the time given in the Retry-After header.",
-                    type="server_error" if status >= 500 else None, code="server_overloaded")
+class Overloaded(APIError):
+    """The model deployment's queue is full (Serve's BackPressureError): 503 with Retry-After."""
+
+    def __init__(self, status: int, retry_after_s: float) -> None:
+        super().__init__(status, "The server is overloaded: too many requests are queued for the model. "
+                         "Retry after the time given in the Retry-After header.",
+                         type="server_error" if status >= 500 else None, code="server_overloaded")
+        self.headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+
+
+def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
+    # Serve's backpressure_config (status, retry_after_s) wins when the deployment sets one.
+    return Overloaded(getattr(exc, "_status_code", None) or 503, getattr(exc, "_retry_after_s", None) or retry_after_s)
 
 
 def replica_failed(exc: BaseException) -> APIError:
@@ -73,8 +82,12 @@ def request_timeout(timeout_s: float) -> APIError:
                     type="server_error", code="request_timeout")
 
 
-async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float) -> AsyncIterator:
-    """The request's deltas, with its timeout enforced and a dead replica turned into an OpenAI error."""
+async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, retry_after_s: float) -> AsyncIterator:
+    """The request's deltas, with its timeout enforced, and a full queue or a dead replica as OpenAI errors.
+
+    Back-pressure is caught here rather than by an exception handler: Serve installs its own handler
+    for BackPressureError on the ingress app (a plain-text 503), replacing any of ours.
+    """
     it = aiter(deltas)
     while True:
         try:
@@ -86,6 +99,8 @@ async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float) -> 
             return
         except TimeoutError:
             raise request_timeout(timeout_s or 0) from None
+        except BackPressureError as exc:
+            raise overloaded(exc, retry_after_s) from None
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
             raise replica_failed(exc) from None
         yield d
@@ -136,21 +151,13 @@ def conversation_not_found(cid: str) -> APIError:
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc, request)
+    return error_response(exc, request, getattr(exc, "headers", None))
 
 
 @app.exception_handler(HTTPException)
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     # Unknown routes and methods: OpenAI's body rather than Starlette's {"detail": ...}.
     return error_response(APIError(exc.status_code, str(exc.detail)), request)
-
-
-@app.exception_handler(BackPressureError)
-async def _backpressure(request: Request, exc: BackPressureError) -> JSONResponse:
-    # max_queued_requests reached at this caller: refuse now (never a hang), with a hint when to retry.
-    status = getattr(exc, "_status_code", 503) or 503
-    retry = getattr(exc, "_retry_after_s", None) or getattr(request.app.state, "retry_after_s", 1.0)
-    return error_response(backpressure_error(status), request, headers={"Retry-After": str(max(1, round(retry)))})
 
 
 @app.exception_handler(Exception)
@@ -199,7 +206,6 @@ class Ingress:
         self.store = ConversationStore(config.storage_url)
         self.metrics = server_metrics()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
-        app.state.retry_after_s = config.retry_after_s
 
     async def info(self) -> dict:
         if self._info is None:
@@ -232,7 +238,7 @@ class Ingress:
                        continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
         t0 = time.monotonic()
         gen = self.llm.options(stream=True).generate.remote(greq)
-        metered = self.metrics.meter(guarded(flatten(gen), self.config.request_timeout_s, t0),
+        metered = self.metrics.meter(guarded(flatten(gen), self.config.request_timeout_s, t0, self.config.retry_after_s),
                                      getattr(req, "model", None) or self.model_name, t0, greq.n)
         deltas = metered if tap is None else tap(metered)
         if not stream:
