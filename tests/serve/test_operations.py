@@ -314,50 +314,90 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
     assert results and all(s == 200 and reason == "length" for s, reason in results), results
 
 
+class OpenStream(threading.Thread):
+    """A streamed chat completion read on a thread; `started` is set at its first event."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.max_tokens = url, max_tokens
+        self.started = threading.Event()
+        self.status: int | None = None
+        self.lines: list[str] = []
+
+    def run(self) -> None:
+        body = chat_body(self.max_tokens, stream=True, stream_options={"include_usage": True})
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=180) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.started.set()
+        finally:
+            self.started.set()
+
+    def check_complete(self) -> None:
+        assert self.status == 200 and self.lines[-1] == "data: [DONE]", self.lines[-3:]
+        events = [json.loads(ln[6:]) for ln in self.lines[:-1]]
+        assert not any("error" in e for e in events), events[-2:]
+        assert events[-1]["usage"]["completion_tokens"] == self.max_tokens
+
+
+def _llm_states(app: str) -> dict:
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    return dict(status.deployments["llm"].replica_states) if status and "llm" in status.deployments else {}
+
+
 def test_in_flight_stream_finishes_while_app_is_redeployed(server, scaled):
-    """Graceful drain: a redeploy replaces every replica, and the open stream still ends normally."""
+    """Graceful drain on a rolling update: the old replicas stop only once the open stream has ended."""
     from ray import serve
 
     from deployments.builder import build_app
 
     app = "ops-scale"
     old = _llm_replica_actors(app)
-    out: dict = {}
-    first = threading.Event()
-
-    def reader() -> None:
-        with httpx.stream("POST", f"{scaled}/v1/chat/completions", timeout=180,
-                          json=chat_body(300, stream=True, stream_options={"include_usage": True})) as r:
-            out["status"] = r.status_code
-            lines = []
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    first.set()
-            out["lines"] = lines
-        first.set()
-
-    t = threading.Thread(target=reader)
-    t.start()
-    assert first.wait(120)
+    stream = OpenStream(scaled, 300)
+    stream.start()
+    assert stream.started.wait(120)
     # A changed argument: a new version of the ingress and model deployments (a rolling update).
     changed = build_app({"replica_num_cpus": 0.5, "engine": SMALL_ENGINE} | SCALE | {"stream_interval_s": 0.02})
-    serve.run(changed, name=app, route_prefix=f"/{app}", blocking=False)
-    drained_while_streaming = False  # the old model replica was told to stop while the stream was open
-    while t.is_alive():
-        states = serve.status().applications[app].deployments["llm"].replica_states
-        drained_while_streaming |= bool(states.get("STOPPING")) and "lines" not in out
-        time.sleep(0.2)
-    t.join()
-    assert drained_while_streaming
-    lines = out["lines"]
-    assert out["status"] == 200 and lines[-1] == "data: [DONE]"
-    events = [json.loads(ln[6:]) for ln in lines[:-1]]
-    assert not any("error" in e for e in events)
-    assert events[-1]["usage"]["completion_tokens"] == 300
+    redeploy = threading.Thread(target=serve.run, args=(changed,), daemon=True,
+                                kwargs={"name": app, "route_prefix": f"/{app}", "blocking": False})
+    redeploy.start()
+    drained_while_streaming = False  # the old model replica was stopping while the stream was open
+    while stream.is_alive():
+        drained_while_streaming |= bool(_llm_states(app).get("STOPPING")) and stream.is_alive()
+        time.sleep(0.1)
+    stream.check_complete()
+    redeploy.join(240)
     deadline = time.time() + 120
     while _llm_replica_actors(app) & old:  # the old replica goes once drained
         assert time.time() < deadline, "old replica still running"
         time.sleep(0.5)
+    assert drained_while_streaming
     r = httpx.post(f"{scaled}/v1/chat/completions", json=chat_body(4), timeout=60)
     assert r.status_code == 200
+
+
+def test_in_flight_stream_finishes_while_app_is_shut_down(scaled):
+    """Graceful drain on shutdown: deleting the app lets the open stream finish before its replicas go."""
+    from ray import serve
+
+    app = "ops-scale"
+    stream = OpenStream(scaled, 200)
+    stream.start()
+    assert stream.started.wait(120)
+    serve.delete(app, _blocking=False)
+    deleting_while_streaming = False  # the app was being deleted (its replicas draining) with the stream open
+    while stream.is_alive():
+        status = serve.status().applications.get(app)
+        deleting_while_streaming |= status is not None and status.status == "DELETING" and stream.is_alive()
+        time.sleep(0.1)
+    stream.check_complete()
+    assert deleting_while_streaming
+    deadline = time.time() + 120
+    while app in serve.status().applications:
+        assert time.time() < deadline, "app not deleted after its stream ended"
+        time.sleep(0.5)
