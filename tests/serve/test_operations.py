@@ -248,9 +248,46 @@ def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(server, app
     actors = _rank_actors("ops-ray")
     assert actors and victim not in actors
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+
+
+def _recovered(base: str, deadline_s: float = 240) -> httpx.Response:
+    deadline = time.time() + deadline_s
+    while True:
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(4), timeout=60)
+        if r.status_code == 200:
+            return r
+        assert r.status_code == 503, r.text  # never anything but a clear "retry"
+        assert time.time() < deadline, "the replica was not replaced"
+        time.sleep(2)
+
+
+def test_dead_model_replica_fails_stream_clearly_then_recovers(server):
+    """The replica process itself dies mid-stream (not just a rank actor)."""
+    import ray
     from ray import serve
 
-    serve.delete("ops-ray")  # frees its CPUs for the autoscaling test
+    base = f"{server}/ops-ray"
+    replicas = [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("SERVE_REPLICA::ops-ray#llm#")]
+    assert len(replicas) == 1
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=chat_body(400, stream=True),
+                          timeout=120) as r:
+            assert r.status_code == 200
+            lines = []
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 3:
+                    ray.kill(ray.get_actor(*replicas[0]), no_restart=True)
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][6:])["error"]
+        assert err["code"] == "model_replica_failed" and "retry" in err["message"]
+        assert _recovered(base).json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    finally:
+        serve.delete("ops-ray")  # frees its CPUs for the autoscaling test
 
 
 # ---- autoscaling and graceful drain -------------------------------------------------------------------------
@@ -358,7 +395,7 @@ def test_in_flight_stream_finishes_while_app_is_redeployed(server, scaled):
 
     app = "ops-scale"
     old = _llm_replica_actors(app)
-    stream = OpenStream(scaled, 300)
+    stream = OpenStream(scaled, 100)
     stream.start()
     assert stream.started.wait(120)
     # A changed argument: a new version of the ingress and model deployments (a rolling update).
@@ -386,7 +423,7 @@ def test_in_flight_stream_finishes_while_app_is_shut_down(scaled):
     from ray import serve
 
     app = "ops-scale"
-    stream = OpenStream(scaled, 200)
+    stream = OpenStream(scaled, 100)
     stream.start()
     assert stream.started.wait(120)
     serve.delete(app, _blocking=False)
