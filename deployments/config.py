@@ -32,7 +32,8 @@ class ServerConfig:
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: str = "auto"
     # ---- production limits (issue 8); 0 / None = no limit beyond the model's own ------------------------
-    # Seconds a request may take from arrival to its last token; beyond it: 504 (or an error event mid-stream).
+    # Seconds from dispatch to the model (after tokenizing) to the last token; beyond it a 504, or an
+    # error event and [DONE] once a stream has begun (the generation is aborted).
     request_timeout_s: float | None = None
     max_prompt_tokens: int = 0  # prompt tokens per prompt (400 beyond)
     max_total_tokens: int = 0  # prompt + max_tokens per prompt (400 beyond; also caps the default max_tokens)
