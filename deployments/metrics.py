@@ -1,7 +1,7 @@
 """Prometheus metrics with vLLM's names, so vLLM dashboards work unchanged.
 
 Each metric is recorded twice: through `ray.util.metrics` (exported by Ray's metrics agent when the
-cluster runs one, with Ray's `ray_` prefix) and into a process-local `prometheus_client` registry that
+cluster runs one, as `ray_vllm_...`: Ray adds `ray_` and takes no `:`) and into a process-local `prometheus_client` registry that
 the ingress serves as `GET /metrics` (works without Ray's exporter, e.g. in tests).
 
 Per-request histograms and counters are recorded in the ingress (it sees every delta of every request);
@@ -60,6 +60,12 @@ ENGINE_GAUGES = {  # metric name -> key of LLMServer.stats()
 }
 
 
+def ray_metric_name(name: str) -> str:
+    """Ray is dropping `:` from metric names (a FutureWarning now): `vllm:x` -> `vllm_x`, which Ray's exporter
+    then shows as `ray_vllm_x` (as vLLM's own Ray metrics do)."""
+    return name.replace(":", "_")
+
+
 class _RayMetrics:
     """The same metrics through ray.util.metrics; absent (no-ops) outside a Ray worker."""
 
@@ -73,13 +79,14 @@ class _RayMetrics:
                 return
             for name, (kind, doc, extra, buckets) in SPECS.items():
                 keys = LABELS + extra
+                ray_name = ray_metric_name(name)
                 if kind == "histogram":
-                    self.m[name] = rm.Histogram(name, doc, boundaries=list(buckets), tag_keys=keys)
+                    self.m[name] = rm.Histogram(ray_name, doc, boundaries=list(buckets), tag_keys=keys)
                 elif kind == "counter":
                     # prometheus_client appends _total to counters; Ray does not: name it as vLLM's exporter shows it.
-                    self.m[name] = rm.Counter(name + "_total", doc, tag_keys=keys)
+                    self.m[name] = rm.Counter(ray_name + "_total", doc, tag_keys=keys)
                 else:
-                    self.m[name] = rm.Gauge(name, doc, tag_keys=keys)
+                    self.m[name] = rm.Gauge(ray_name, doc, tag_keys=keys)
         except Exception:  # metrics must never take the server down
             log.warning("Ray metrics unavailable", exc_info=True)
             self.m = {}

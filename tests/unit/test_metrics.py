@@ -81,7 +81,7 @@ def test_grafana_dashboard_uses_only_metrics_we_export():
     import re
     from pathlib import Path
 
-    from deployments.metrics import SPECS
+    from deployments.metrics import SPECS, ray_metric_name
 
     dash = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -89,3 +89,5 @@ def test_grafana_dashboard_uses_only_metrics_we_export():
     exported = {n + ("_total" if kind == "counter" else "") for n, (kind, *_) in SPECS.items()}
     assert used and used <= exported, used - exported
     assert exported <= used  # every exported metric has a panel
+    for name in used:  # and each panel also reads Ray's exporter, where the names are ray_vllm_...
+        assert any("ray_" + ray_metric_name(name) in e for e in exprs), name
