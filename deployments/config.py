@@ -33,10 +33,29 @@ class ServerConfig:
     reasoning_parser: str = "auto"
     # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".
     tool_parser: str = "auto"
+    # ---- production limits (issue 8); 0 / None = no limit beyond the model's own ------------------------
+    # Seconds from dispatch to the model (after tokenizing) to the last token; beyond it a 504, or an
+    # error event and [DONE] once a stream has begun (the generation is aborted).
+    request_timeout_s: float | None = None
+    max_prompt_tokens: int = 0  # prompt tokens per prompt (400 beyond)
+    max_total_tokens: int = 0  # prompt + max_tokens per prompt (400 beyond; also caps the default max_tokens)
+    max_n: int = 0  # n and best_of (400 beyond)
+    max_request_bytes: int = 0  # HTTP body size (413 beyond)
+    # Seconds a client is told to wait (Retry-After) when the model deployment's queue is full (503).
+    retry_after_s: float = 1.0
+    # Extra Ray Serve options for the model deployment (max_ongoing_requests, max_queued_requests,
+    # autoscaling_config, graceful_shutdown_timeout_s, ...), for apps built in code; in a Serve config
+    # file the `deployments` section is the place for them (it overrides these).
+    llm_deployment_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in self.api_keys:  # fail at start-up, not on the first request
             parse_key(key)
+        for name in ("max_prompt_tokens", "max_total_tokens", "max_n", "max_request_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
 
     @property
     def served_model_name(self) -> str:

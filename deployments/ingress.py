@@ -13,6 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
@@ -35,6 +37,7 @@ from deployments.auth import KeyRing
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.llm_server import GenerateRequest
+from deployments.metrics import CONTENT_TYPE, server_metrics
 
 log = logging.getLogger("ray.serve")
 
@@ -46,11 +49,100 @@ def request_id_of(request: Request) -> str:
     return request.headers.get("x-request-id") or uuid.uuid4().hex
 
 
-def error_response(err: APIError, request: Request | None = None) -> JSONResponse:
+def error_response(err: APIError, request: Request | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     body = err.to_dict()
     if request is not None:  # beside OpenAI's `error` object, as hosted platforms do (seed 002)
         body["request_id"] = request_id_of(request)
-    return JSONResponse(body, status_code=err.status_code)
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
+
+
+class Overloaded(APIError):
+    """The model deployment's queue is full (Serve's BackPressureError): 503 with Retry-After."""
+
+    def __init__(self, status: int, retry_after_s: float) -> None:
+        super().__init__(status, "The server is overloaded: too many requests are queued for the model. "
+                         "Retry after the time given in the Retry-After header.",
+                         type="server_error" if status >= 500 else None, code="server_overloaded")
+        self.headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+
+
+def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
+    # Serve's backpressure_config (status, retry_after_s) wins when the deployment sets one.
+    return Overloaded(getattr(exc, "_status_code", None) or 503, getattr(exc, "_retry_after_s", None) or retry_after_s)
+
+
+def replica_failed(exc: BaseException) -> APIError:
+    """A model replica (or its process) died under a request: a clear, retryable error."""
+    return APIError(503, f"The model replica serving this request failed ({type(exc).__name__}); "
+                    "it is being replaced, retry the request.", type="server_error", code="model_replica_failed")
+
+
+def request_timeout(timeout_s: float) -> APIError:
+    return APIError(504, f"The request did not finish within the server's request timeout ({timeout_s:g} s).",
+                    type="server_error", code="request_timeout")
+
+
+async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, retry_after_s: float) -> AsyncIterator:
+    """The request's deltas, with its timeout enforced, and a full queue or a dead replica as OpenAI errors.
+
+    Back-pressure is caught here rather than by an exception handler: Serve installs its own handler
+    for BackPressureError on the ingress app (a plain-text 503), replacing any of ours.
+    """
+    it = aiter(deltas)
+    while True:
+        try:
+            # asyncio.timeout, not wait_for: no extra task per delta on the hot path.
+            async with asyncio.timeout(None if timeout_s is None else max(t0 + timeout_s - time.monotonic(), 0)):
+                d = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise request_timeout(timeout_s or 0) from None
+        except BackPressureError as exc:
+            raise overloaded(exc, retry_after_s) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            raise replica_failed(exc) from None
+        yield d
+
+
+def check_n(config: ServerConfig, n: int | None, best_of: int | None = None) -> None:
+    if config.max_n and (n or 1) > config.max_n:
+        raise APIError(400, f"n ({n}) exceeds this server's limit of {config.max_n} choices (max_n).",
+                       param="n", code="n_too_large")
+    if config.max_n and best_of is not None and best_of > config.max_n:
+        raise APIError(400, f"best_of ({best_of}) exceeds this server's limit of {config.max_n} (max_n).",
+                       param="best_of", code="best_of_too_large")
+
+
+def check_tokens(config: ServerConfig, req: P.SamplingFields, prompt_len: int, param: str,
+                 max_model_len: int) -> int:
+    """Server-side token bounds for one prompt; returns the context the request is then validated against
+    (max_total_tokens also caps the default max_tokens)."""
+    if config.max_prompt_tokens and prompt_len > config.max_prompt_tokens:
+        raise APIError(400, f"The prompt has {prompt_len} tokens; this server accepts at most "
+                       f"{config.max_prompt_tokens} prompt tokens (max_prompt_tokens).", param=param,
+                       code="prompt_too_long")
+    if config.max_total_tokens:
+        name, max_tokens = P._requested_max_tokens(req)
+        if prompt_len >= config.max_total_tokens:
+            raise APIError(400, f"The prompt has {prompt_len} tokens; this server's limit is "
+                           f"{config.max_total_tokens} tokens per request, prompt and output together "
+                           "(max_total_tokens).", param=param, code="max_total_tokens_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > config.max_total_tokens:
+            raise APIError(400, f"The prompt ({prompt_len} tokens) plus {name} ({max_tokens}) exceeds this "
+                           f"server's limit of {config.max_total_tokens} tokens per request (max_total_tokens).",
+                           param=name, code="max_total_tokens_exceeded")
+    return min(max_model_len, config.max_total_tokens or max_model_len)
+
+
+def body_limit(request: Request) -> int:
+    return getattr(request.app.state, "max_request_bytes", 0)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"The request body ({size} bytes) exceeds this server's limit of {limit} bytes "
+                    "(max_request_bytes).", code="request_too_large")
 
 
 def conversation_not_found(cid: str) -> APIError:
@@ -59,7 +151,7 @@ def conversation_not_found(cid: str) -> APIError:
 
 @app.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc, request)
+    return error_response(exc, request, getattr(exc, "headers", None))
 
 
 @app.exception_handler(HTTPException)
@@ -77,8 +169,14 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    limit = body_limit(request)
+    declared = request.headers.get("content-length")
+    if limit and declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)  # before reading it
     try:
         body = await request.body()
+        if limit and len(body) > limit:
+            raise too_large(len(body), limit)
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors()
@@ -102,7 +200,8 @@ async def note_replica(deltas: AsyncIterator[GenerationDelta], seen: dict[str, s
         yield d
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=1000)
+# graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
+@serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle):
@@ -116,6 +215,8 @@ class Ingress:
         self.store = ConversationStore(config.storage_url)
         # LoRA adapters this server answers to: name -> PEFT directory (cluster.yaml, then the load route).
         self.adapters: dict[str, str] = dict(config.engine.lora.adapters)
+        self.metrics = server_metrics()
+        app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
 
     async def info(self) -> dict:
         if self._info is None:
@@ -147,11 +248,13 @@ class Ingress:
             opts = req.stream_options
             kw |= dict(include_usage=bool(opts and opts.include_usage),
                        continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
+        t0 = time.monotonic()
         gen = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
         seen: dict[str, str] = {}
-        deltas = note_replica(flatten(gen), seen)
-        if tap is not None:
-            deltas = tap(deltas)
+        metered = self.metrics.meter(guarded(note_replica(flatten(gen), seen), self.config.request_timeout_s, t0,
+                                             self.config.retry_after_s),
+                                     getattr(req, "model", None) or self.model_name, t0, greq.n)
+        deltas = metered if tap is None else tap(metered)
         if not stream:
             try:
                 body = (await collect_fn(deltas, **kw)).model_dump()
@@ -182,11 +285,24 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        try:
-            await self.llm.check_health.remote()
+        try:  # bounded: while the only replica is being replaced, the call would otherwise queue
+            await asyncio.wait_for(self.llm.check_health.remote(), timeout=10)
+        except TimeoutError:
+            return error_response(APIError(503, "model unavailable: no healthy replica answered within 10 s",
+                                           type="server_error"))
         except Exception as exc:
             return error_response(APIError(503, f"model unavailable: {exc}", type="server_error"))
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text format (vLLM's names); engine gauges from one model replica per scrape."""
+        try:
+            stats = await asyncio.wait_for(self.llm.stats.remote(), timeout=5)
+            self.metrics.set_engine_stats(stats, self.model_name)
+        except Exception:  # no replica right now: the request metrics are still worth serving
+            log.info("engine stats unavailable for /metrics", exc_info=True)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -284,6 +400,7 @@ class Ingress:
         owner = self.check_auth(request)
         req = await parse(request, P.ChatCompletionRequest)
         lora = self.resolve_lora(req)
+        check_n(self.config, req.n)
         P.check_supported(req)
         guided = guided_spec(req)
         tool_format = self.config.tool_parser
@@ -306,7 +423,8 @@ class Ingress:
             tools=plan.template_tools if plan is not None and plan.mode != "none" else None,
         )
         info = await self.info()
-        params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=info["max_model_len"])
+        context = check_tokens(self.config, req, len(ids), "messages", info["max_model_len"])
+        params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
                                lora=lora[0], lora_path=lora[1],
@@ -338,6 +456,7 @@ class Ingress:
         self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
         lora = self.resolve_lora(req)
+        check_n(self.config, req.n, req.best_of)
         P.check_supported(req)
         info = await self.info()
         prompts: list[list[int]] = []
@@ -362,7 +481,9 @@ class Ingress:
             raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
         # Each prompt is validated against the context on its own; the strictest sets max_tokens.
         params = min(
-            (P.to_sampling_params(req, prompt_len=len(p), max_model_len=info["max_model_len"]) for p in prompts),
+            (P.to_sampling_params(req, prompt_len=len(p),
+                                  max_model_len=check_tokens(self.config, req, len(p), "prompt", info["max_model_len"]))
+             for p in prompts),
             key=lambda s: s.max_tokens,
         )
         rid = f"cmpl-{uuid.uuid4().hex}"

@@ -18,6 +18,7 @@ from app.errors import APIError
 from app.protocol import StopOptions
 from app.sse import GenerationDelta
 from deployments.lora_registry import AdapterEntry, LoRARegistry
+from deployments.metrics import publish_engine_stats
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
 from model_parallel.config import EngineConfig
 from model_parallel.guided import GrammarCompiler
@@ -76,6 +77,17 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict
     ]
 
 
+def engine_failure(exc: Exception) -> Exception:
+    """A dead engine (a TP actor died, a step raised) is a clear, retryable 503; anything else passes as is."""
+    from model_parallel.engine import EngineDeadError  # imported late: this module is imported by the ingress
+
+    if isinstance(exc, EngineDeadError):
+        detail = (str(exc).splitlines() or [""])[0][:300]  # Ray's actor errors run to many lines
+        return APIError(503, f"The model replica failed and is being replaced; retry the request. ({detail})",
+                        type="server_error", code="model_replica_failed")
+    return exc
+
+
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None,
                  stream_interval_s: float = 0.0):
@@ -94,6 +106,7 @@ class LLMServer:
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
         self.loras = self._start_loras(engine_config)
+        publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
 
     def _compile(self, spec: GuidedSpec):
         if self._grammars is None:
@@ -180,7 +193,7 @@ class LLMServer:
         except ValueError as exc:  # the engine refused the request (length, capacity)
             out.put_nowait(APIError(400, str(exc), param="max_tokens"))
         except Exception as exc:
-            out.put_nowait(exc)
+            out.put_nowait(engine_failure(exc))
 
     def _prompt_logprobs(self, o: RequestOutput, first_token: int) -> list[dict | None]:
         """The first prompt token has no logprob: it is reported with its text and a null value."""
@@ -327,4 +340,6 @@ class LLMServer:
             pass
 
 
-LLMDeployment = serve.deployment(name="llm", max_ongoing_requests=256, health_check_period_s=10)(LLMServer)
+# Defaults as in cluster.yaml: a bounded caller-side queue (503 beyond it), and a drain period for open streams.
+LLMDeployment = serve.deployment(name="llm", max_ongoing_requests=256, max_queued_requests=512,
+                                 health_check_period_s=10, graceful_shutdown_timeout_s=60)(LLMServer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import uuid
 
 from model_parallel.config import EngineConfig, LlamaArch
 from model_parallel.model_runner import StepInput, StepOutput
@@ -42,6 +43,18 @@ class LocalExecutor:
         self.worker.shutdown()
 
 
+def actor_name_prefix() -> str:
+    """`rayllm-tp:<app>:<deployment>:<replica>:` inside a Serve replica, so operators (and tests) can find
+    a replica's rank actors with `ray list actors` / `ray.get_actor`; a unique id elsewhere."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return f"rayllm-tp:{ctx.app_name}:{ctx.deployment}:{ctx.replica_id.unique_id}:"
+    except Exception:  # not in a Serve replica
+        return f"rayllm-tp:{uuid.uuid4().hex[:12]}:"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -73,9 +86,12 @@ class RayExecutor:
         ip = ray.util.get_node_ip_address()
         init = f"tcp://{ip}:{_free_port()}"
         actor_cls = ray.remote(Worker)
+        prefix = actor_name_prefix()
+        self.actor_names = [f"{prefix}rank{rank}" for rank in range(tp)]
         self.workers = [
             actor_cls.options(
                 **resources,
+                name=self.actor_names[rank],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=first_bundle + rank
                 ),
