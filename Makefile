@@ -43,6 +43,7 @@ lint: install-test
 	$(BIN)/ruff check .
 
 bench: install-test
+	$(PIP_INSTALL) $(CPU_PINS) -e '.[test,bench]'
 	$(BIN)/python benchmarks/engine_bench.py
 
 clean:
