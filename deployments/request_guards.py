@@ -1,0 +1,125 @@
+"""What the ingress enforces around a request: server limits (bounds, body size), the request timeout,
+and the model deployment's failures (full queue, dead replica) as OpenAI errors; plus the delta-stream
+adapters the ingress chains (flatten, note_replica, guarded)."""
+
+# No `from __future__ import annotations`, like the ingress: these run inside the Serve replica.
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from app import protocol as P
+from app.errors import APIError, not_found
+from app.sse import GenerationDelta
+from deployments.config import ServerConfig
+
+
+class Overloaded(APIError):
+    """The model deployment's queue is full (Serve's BackPressureError): 503 with Retry-After."""
+
+    def __init__(self, status: int, retry_after_s: float) -> None:
+        super().__init__(status, "The server is overloaded: too many requests are queued for the model. "
+                         "Retry after the time given in the Retry-After header.",
+                         type="server_error" if status >= 500 else None, code="server_overloaded")
+        self.headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+
+
+def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
+    # Serve's backpressure_config (status, retry_after_s) wins when the deployment sets one.
+    return Overloaded(getattr(exc, "_status_code", None) or 503, getattr(exc, "_retry_after_s", None) or retry_after_s)
+
+
+def replica_failed(exc: BaseException) -> APIError:
+    """A model replica (or its process) died under a request: a clear, retryable error."""
+    return APIError(503, f"The model replica serving this request failed ({type(exc).__name__}); "
+                    "it is being replaced, retry the request.", type="server_error", code="model_replica_failed")
+
+
+def request_timeout(timeout_s: float) -> APIError:
+    return APIError(504, f"The request did not finish within the server's request timeout ({timeout_s:g} s).",
+                    type="server_error", code="request_timeout")
+
+
+async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, retry_after_s: float) -> AsyncIterator:
+    """The request's deltas, with its timeout enforced, and a full queue or a dead replica as OpenAI errors.
+
+    Back-pressure is caught here rather than by an exception handler: Serve installs its own handler
+    for BackPressureError on the ingress app (a plain-text 503), replacing any of ours.
+    """
+    it = aiter(deltas)
+    while True:
+        try:
+            # asyncio.timeout, not wait_for: no extra task per delta on the hot path.
+            async with asyncio.timeout(None if timeout_s is None else max(t0 + timeout_s - time.monotonic(), 0)):
+                d = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise request_timeout(timeout_s or 0) from None
+        except BackPressureError as exc:
+            raise overloaded(exc, retry_after_s) from None
+        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+            raise replica_failed(exc) from None
+        yield d
+
+
+def check_n(config: ServerConfig, n: int | None, best_of: int | None = None) -> None:
+    if config.max_n and (n or 1) > config.max_n:
+        raise APIError(400, f"n ({n}) exceeds this server's limit of {config.max_n} choices (max_n).",
+                       param="n", code="n_too_large")
+    if config.max_n and best_of is not None and best_of > config.max_n:
+        raise APIError(400, f"best_of ({best_of}) exceeds this server's limit of {config.max_n} (max_n).",
+                       param="best_of", code="best_of_too_large")
+
+
+def check_tokens(config: ServerConfig, req: P.SamplingFields, prompt_len: int, param: str,
+                 max_model_len: int) -> int:
+    """Server-side token bounds for one prompt; returns the context the request is then validated against
+    (max_total_tokens also caps the default max_tokens)."""
+    if config.max_prompt_tokens and prompt_len > config.max_prompt_tokens:
+        raise APIError(400, f"The prompt has {prompt_len} tokens; this server accepts at most "
+                       f"{config.max_prompt_tokens} prompt tokens (max_prompt_tokens).", param=param,
+                       code="prompt_too_long")
+    if config.max_total_tokens:
+        name, max_tokens = P._requested_max_tokens(req)
+        if prompt_len >= config.max_total_tokens:
+            raise APIError(400, f"The prompt has {prompt_len} tokens; this server's limit is "
+                           f"{config.max_total_tokens} tokens per request, prompt and output together "
+                           "(max_total_tokens).", param=param, code="max_total_tokens_exceeded")
+        if max_tokens is not None and prompt_len + max_tokens > config.max_total_tokens:
+            raise APIError(400, f"The prompt ({prompt_len} tokens) plus {name} ({max_tokens}) exceeds this "
+                           f"server's limit of {config.max_total_tokens} tokens per request (max_total_tokens).",
+                           param=name, code="max_total_tokens_exceeded")
+    return min(max_model_len, config.max_total_tokens or max_model_len)
+
+
+def body_limit(request: Request) -> int:
+    return getattr(request.app.state, "max_request_bytes", 0)
+
+
+def too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"The request body ({size} bytes) exceeds this server's limit of {limit} bytes "
+                    "(max_request_bytes).", code="request_too_large")
+
+
+def conversation_not_found(cid: str) -> APIError:
+    return not_found(f"Conversation with id '{cid}' not found.", param="conversation", code="conversation_not_found")
+
+
+async def flatten(gen) -> AsyncIterator[GenerationDelta]:
+    async for batch in gen:
+        for delta in batch:
+            yield delta
+
+
+async def note_replica(deltas: AsyncIterator[GenerationDelta], seen: dict[str, str]):
+    """Records the serving replica's id (set on a request's first delta) as the x-replica-id header."""
+    async for d in deltas:
+        rid = getattr(d, "replica_id", None)
+        if rid and not seen:
+            seen["x-replica-id"] = rid
+        yield d
