@@ -124,17 +124,21 @@ def legacy_logprobs(entries: list[dict | None], text_start: int = 0) -> dict[str
     return out.to_dict()
 
 
-def _error_events(exc: Exception) -> list[str]:
-    """A failure mid-stream becomes an error event, then [DONE]: the 200 and its headers are already sent."""
+def _error_events(exc: Exception, trace_id: str | None = None) -> list[str]:
+    """A failure mid-stream becomes an error event, then [DONE]: the 200 and its headers are already sent.
+
+    trace_id: the HTTP request's X-Request-Id, put beside `error` as in the ingress's error bodies.
+    """
     if not isinstance(exc, APIError):  # anything else is ours: log it, keep the stream well-formed
-        log.error("stream failed", exc_info=exc)
+        log.error("stream failed (request %s)", trace_id, exc_info=exc)
         exc = server_error(f"internal error: {type(exc).__name__}")
-    return [sse_error(exc), SSE_DONE]
+    body = exc.to_dict() | ({"request_id": trace_id} if trace_id else {})
+    return [sse_event(body), SSE_DONE]
 
 
 async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str, created: int,
                       n: int = 1, include_usage: bool = False, continuous_usage_stats: bool = False,
-                      parser_factory: ParserFactory | None = None) -> AsyncIterator[str]:
+                      parser_factory: ParserFactory | None = None, trace_id: str | None = None) -> AsyncIterator[str]:
     """SSE events of /v1/chat/completions: role, content deltas, finish, [usage chunk], [DONE].
 
     parser_factory: one ChatOutputParser per choice, when reasoning or tool calls are parsed out of the text.
@@ -168,7 +172,7 @@ async def stream_chat(deltas: AsyncIterator[GenerationDelta], *, request_id: str
                 choice["hidden_states"] = d.hidden_states
             yield sse_event(base | {"choices": [choice]} | extra)
     except Exception as exc:
-        for event in _error_events(exc):
+        for event in _error_events(exc, trace_id):
             yield event
         return
     if include_usage:
@@ -196,7 +200,7 @@ def _parsed_choices(parser: ChatOutputParser, d: GenerationDelta) -> list[dict[s
 
 async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_id: str, model: str,
                             created: int, n: int = 1, include_usage: bool = False,
-                            continuous_usage_stats: bool = False) -> AsyncIterator[str]:
+                            continuous_usage_stats: bool = False, trace_id: str | None = None) -> AsyncIterator[str]:
     """SSE events of /v1/completions: text deltas (echo: the prompt first), finish, [usage chunk], [DONE]."""
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
     usage = UsageCounter(n)
@@ -224,7 +228,7 @@ async def stream_completion(deltas: AsyncIterator[GenerationDelta], *, request_i
             extra = {"usage": usage.to_dict()} if continuous_usage_stats else {}
             yield sse_event(base | {"choices": [choice]} | extra)
     except Exception as exc:
-        for event in _error_events(exc):
+        for event in _error_events(exc, trace_id):
             yield event
         return
     if include_usage:

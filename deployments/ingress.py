@@ -148,7 +148,8 @@ class Ingress:
         if stream:
             opts = req.stream_options
             kw |= dict(include_usage=bool(opts and opts.include_usage),
-                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats))
+                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
+                       trace_id=greq.trace_id or None)
         t0 = time.monotonic()
         gen = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
         seen: dict[str, str] = {}

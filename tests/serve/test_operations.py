@@ -185,13 +185,14 @@ def test_request_timeout_is_an_openai_error(limited):
                                                       "ignore_eos": True}, timeout=60)
     assert r.status_code == 504 and _error(r)["code"] == "request_timeout"
     assert time.monotonic() - t0 < 20
-    with httpx.stream("POST", f"{limited}/v1/completions", timeout=60,
+    with httpx.stream("POST", f"{limited}/v1/completions", timeout=60, headers={"X-Request-Id": "trace-timeout-1"},
                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 500, "ignore_eos": True,
                             "stream": True}) as r:
         assert r.status_code == 200
         lines = sse_lines(r)
     assert lines[-1] == "data: [DONE]"
-    assert json.loads(lines[-2][6:])["error"]["code"] == "request_timeout"
+    event = json.loads(lines[-2][6:])
+    assert event["error"]["code"] == "request_timeout" and event["request_id"] == "trace-timeout-1"
     # The timed-out requests were aborted: the single slot is free again.
     r = httpx.post(f"{limited}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
