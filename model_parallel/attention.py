@@ -31,7 +31,10 @@ class AttentionMetadata:
     num_decode: int
     block_size: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] each decode sequence's blocks (padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: position < context length
+    decode_mask: torch.Tensor | None  # [B, max_blocks * block_size] bool: position < context length
+    # [Hk * B * max_blocks] rows of the cache viewed as [Hk * num_blocks, block_size, D], head-major:
+    # one index_select gathers every decode sequence's context for all heads.
+    decode_gather_index: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # For varlen backends: per-sequence query and context lengths in flat order, and all context slots.
     q_lens: list[int] = field(default_factory=list)
@@ -40,41 +43,50 @@ class AttentionMetadata:
 
 
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache: [num_blocks, Hk, block_size, D]; slot = block * block_size + offset; values: [T, Hk, D]."""
+    """cache: [Hk, num_blocks, block_size, D]; slot = block * block_size + offset; values: [T, Hk, D]."""
     bs = cache.shape[2]
-    cache[slots // bs, :, slots % bs] = values
+    cache[:, slots // bs, slots % bs] = values.transpose(0, 1)
 
 
 def read_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows [n, Hk, D] of the given slots, in order."""
     bs = cache.shape[2]
-    return cache[slots // bs, :, slots % bs]
+    return cache[:, slots // bs, slots % bs].transpose(0, 1)
+
+
+def decode_gather_index(block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row ids into a head-major cache viewed as [Hk * num_blocks, block_size, D], ordered [Hk, B, nb]."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device).unsqueeze(1) * num_blocks
+    return (heads + block_tables.flatten().unsqueeze(0)).flatten()
 
 
 def decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-    """One query per sequence over its paged context, block by block, as batched matmuls.
+    """One query per sequence over its paged context, as two batched matmuls per KV head and sequence.
 
-    Measured on CPU: SDPA's flash kernel spends ~350 us per call on single-token queries. Here whole
-    blocks are gathered (one contiguous [Hk, block_size, D] slab each) and multiplied in place, with
-    no per-slot indexing and no transposed copy of the context; KV heads stay a batch dimension, so
-    GQA needs no repeated K/V. Positions past a sequence's length are masked.
+    The cache is head-major ([Hk, num_blocks, block_size, D]), so one `index_select` of whole blocks
+    lays each (head, sequence) context out contiguously as [Hk, B, L, D]; KV heads stay a batch
+    dimension, so GQA needs no repeated K/V. Measured on 2 CPU cores (batch 64, 100-token contexts):
+    1.2 ms per layer against 3.4 ms for block-by-block matmuls over advanced-indexed blocks, and
+    8 ms for SDPA. Positions past a sequence's length are masked.
     """
     b, hq, d = q.shape
-    hk = k_cache.shape[1]
-    kb = k_cache[meta.decode_block_tables]  # [B, nb, Hk, bs, D]
-    vb = v_cache[meta.decode_block_tables]
-    nb, bs = kb.shape[1], kb.shape[3]
-    qg = (q.view(b, 1, hk, hq // hk, d) * d**-0.5).expand(b, nb, hk, hq // hk, d)
-    scores = torch.matmul(qg, kb.transpose(-1, -2)).float()  # [B, nb, Hk, G, bs]
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(b, hk, hq // hk, nb * bs)
-    scores.masked_fill_(~meta.decode_mask, float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype).view(b, hk, hq // hk, nb, bs).permute(0, 3, 1, 2, 4)
-    return torch.matmul(probs, vb).sum(1).reshape(b, hq, d)  # [B, nb, Hk, G, D] summed over blocks
+    hk, num_blocks, bs, _ = k_cache.shape
+    index = meta.decode_gather_index
+    assert index is not None and meta.decode_mask is not None
+    ctx = index.numel() // (hk * b) * bs
+    k = k_cache.view(hk * num_blocks, bs, d).index_select(0, index).view(hk, b, ctx, d)
+    v = v_cache.view(hk * num_blocks, bs, d).index_select(0, index).view(hk, b, ctx, d)
+    qg = q.view(b, hk, hq // hk, d).transpose(0, 1) * d**-0.5  # [Hk, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [Hk, B, G, L]
+    scores.masked_fill_(~meta.decode_mask.view(1, b, 1, ctx), float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
 
 
 def context_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[1, Hk, n, D] of one sequence's context, for SDPA."""
-    return read_cache(cache, slots).transpose(0, 1).unsqueeze(0)
+    bs = cache.shape[2]
+    return cache[:, slots // bs, slots % bs].unsqueeze(0)
 
 
 class SDPAAttention:
@@ -89,7 +101,7 @@ class SDPAAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D]; caches: [num_blocks, Hk, block_size, D]. Returns [T, Hq*D]."""
+        """q: [T, Hq, D]; k, v: [T, Hk, D]; caches: [Hk, num_blocks, block_size, D]. Returns [T, Hq*D]."""
         write_cache(k_cache, meta.slot_mapping, k)
         write_cache(v_cache, meta.slot_mapping, v)
         t, hq, d = q.shape

@@ -1,4 +1,4 @@
-"""KV cache sizing and allocation: one tensor per rank, viewed per layer as [blocks, Hk, block_size, D]."""
+"""KV cache sizing and allocation: one tensor per rank, viewed per layer as [Hk, blocks, block_size, D]."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def cuda_budget(utilization: float, device: torch.device) -> int:
 def allocate(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Block-major, head-major inside a block: a block's [block_size, D] rows per head are contiguous,
-    # which decode attention multiplies in place.
-    cache = torch.zeros(num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    # Head-major: each head's blocks are contiguous [block_size, D] rows, so decode attention gathers
+    # every sequence's context for all heads with one index_select (see attention.decode_attention).
+    cache = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_parallel.attention import AttentionMetadata, PrefillChunk
+from model_parallel.attention import AttentionMetadata, PrefillChunk, decode_gather_index
 from model_parallel.guided import bitmask_to_allowed
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampler import SamplingTensors, gather_logprobs, sample
@@ -106,12 +106,14 @@ class ModelRunner:
                     mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
                 slots = None if fresh else self._context_slots(s.block_table, end)
                 prefills.append(PrefillChunk(q_start, n, end, slots, mask))
-        tables_t = mask_t = None
+        tables_t = mask_t = gather_t = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             tables_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
-            mask_t = (torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            mask_t = torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
+            gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
         ctx_slots = None
         if self.needs_context_slots:
             ctx_slots = torch.cat([self._context_slots(s.block_table, c) for s, c in zip(step.seqs, ctx_lens,
@@ -122,6 +124,7 @@ class ModelRunner:
             block_size=bs,
             decode_block_tables=tables_t,
             decode_mask=mask_t,
+            decode_gather_index=gather_t,
             prefills=prefills,
             q_lens=q_lens,
             ctx_lens=ctx_lens,

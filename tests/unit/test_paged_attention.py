@@ -23,9 +23,9 @@ def test_paged_equals_dense_for_prefill_chunks_and_decode():
     torch.manual_seed(0)
     hq, hk, d, bs = 4, 2, 8, 4
     num_blocks = 32
-    k_cache = torch.randn(num_blocks, hk, bs, d)  # garbage in unused slots must not leak in
-    v_cache = torch.randn(num_blocks, hk, bs, d)
-    runner = ModelRunner(model=None, kv_caches=None, block_size=bs, vocab_size=10, device=torch.device("cpu"),
+    k_cache = torch.randn(hk, num_blocks, bs, d)  # garbage in unused slots must not leak in
+    v_cache = torch.randn(hk, num_blocks, bs, d)
+    runner = ModelRunner(model=None, kv_caches=[(k_cache, v_cache)], block_size=bs, vocab_size=10, device=torch.device("cpu"),
                          is_driver=True)
     attn = SDPAAttention()
     lengths = [13, 7, 1]

@@ -57,11 +57,11 @@ def fake_xformers(monkeypatch):
 def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers):
     torch.manual_seed(0)
     hq, hk, d, bs, num_blocks = 6, 2, 8, 4, 32
-    caches = {name: (torch.randn(num_blocks, hk, bs, d), torch.randn(num_blocks, hk, bs, d))
+    caches = {name: (torch.randn(hk, num_blocks, bs, d), torch.randn(hk, num_blocks, bs, d))
               for name in ("sdpa", "xformers")}
     caches["xformers"] = (caches["sdpa"][0].clone(), caches["sdpa"][1].clone())
     backends = {"sdpa": SDPAAttention(), "xformers": XformersAttention()}
-    runners = {name: ModelRunner(model=None, kv_caches=None, block_size=bs, vocab_size=10,
+    runners = {name: ModelRunner(model=None, kv_caches=[caches[name]], block_size=bs, vocab_size=10,
                                  device=torch.device("cpu"), is_driver=True) for name in backends}
     runners["xformers"].needs_context_slots = True  # what the worker sets for a varlen backend
     tables = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
