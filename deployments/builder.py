@@ -45,6 +45,7 @@ def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str,
     if bundles:
         llm_options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
     llm_options |= config.llm_deployment_options  # queue bounds, autoscaling, drain (cluster.yaml overrides)
-    llm = LLMDeployment.options(**llm_options).bind(config.engine, model_path, engine_cls, config.stream_interval_s)
+    llm = LLMDeployment.options(**llm_options).bind(config.engine, model_path, engine_cls, config.stream_interval_s,
+                                                    config.engine_process)
     tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(model_path)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llm)

@@ -29,6 +29,10 @@ class ServerConfig:
     replica_num_cpus: float = 1.0
     # Minimum seconds between streamed messages of one request (0 = one message per engine step).
     stream_interval_s: float = 0.0
+    # Run a single-rank engine in its own process (the replica's asyncio loop and Ray's threads then never
+    # share its GIL); False = a thread of the replica. Tensor-parallel engines drive their rank actors
+    # from a thread either way.
+    engine_process: bool = True
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: str = "auto"
     # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".

@@ -90,7 +90,7 @@ def engine_failure(exc: Exception) -> Exception:
 
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None,
-                 stream_interval_s: float = 0.0):
+                 stream_interval_s: float = 0.0, engine_process: bool = False):
         self.stream_interval_s = stream_interval_s
         import sys
 
@@ -101,8 +101,14 @@ class LLMServer:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
         self.tokenizer = TokenizerService(model_path)
-        engine_cls = engine_cls or LLMEngine
-        self.engine = AsyncLLMEngine(engine_cls(engine_config, eos_token_ids=list(self.tokenizer.eos_token_ids)))
+        eos = list(self.tokenizer.eos_token_ids)
+        parallel = engine_config.parallel
+        if engine_process and engine_cls is None and parallel.tensor_parallel_size == 1 and parallel.executor == "auto":
+            from model_parallel.engine_process import EngineProcess
+
+            self.engine = AsyncLLMEngine(EngineProcess(engine_config, eos_token_ids=eos))
+        else:
+            self.engine = AsyncLLMEngine((engine_cls or LLMEngine)(engine_config, eos_token_ids=eos))
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
         self.loras = self._start_loras(engine_config)

@@ -1,7 +1,8 @@
 """The engine: add_request / abort, and step() = schedule -> execute -> postprocess.
 
 `LLMEngine` is synchronous and single-threaded. `AsyncLLMEngine` runs it on a background thread
-(torch releases the GIL) and hands each request an async iterator of outputs.
+(torch releases the GIL), or drives one in its own process (engine_process.EngineProcess), and hands
+each request an async iterator of outputs.
 """
 
 from __future__ import annotations
@@ -269,10 +270,28 @@ class AsyncLLMEngine:
         return cls(LLMEngine(config, eos_token_ids))
 
     def _start(self) -> None:
-        if self._thread is None:
-            self._loop = asyncio.get_running_loop()
+        started = self._loop is not None
+        self._loop = asyncio.get_running_loop()  # outputs go to the loop of the latest caller
+        if started:
+            return
+        if getattr(self.engine, "is_process", False):  # engine_process.EngineProcess: it steps on its own
+            self.engine.attach(self._deliver, self._on_death)
+        else:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
+
+    def _submit(self, command: tuple) -> None:
+        if getattr(self.engine, "is_process", False):
+            kind, *args = command
+            (self.engine.add_request if kind == "add" else self.engine.abort)(*args)
+        else:
+            self._commands.append(command)
+            self._wake.set()
+
+    def _on_death(self, exc: BaseException) -> None:
+        """The engine process exited or its step failed: fail every open request, report unhealthy."""
+        self.error = exc
+        self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in list(self._queues)])
 
     def _run(self) -> None:
         engine = self.engine
@@ -302,7 +321,8 @@ class AsyncLLMEngine:
 
     def _deliver(self, items: list[tuple[str, object]]) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, items)
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, items)
 
     def _dispatch(self, items: list[tuple[str, object]]) -> None:
         for rid, item in items:
@@ -319,8 +339,7 @@ class AsyncLLMEngine:
         self._start()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._commands.append(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
-        self._wake.set()
+        self._submit(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
         finished = False
         try:
             while not finished:
@@ -335,13 +354,11 @@ class AsyncLLMEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not finished:  # consumer went away (client disconnect): free the slot and its blocks
-                self._commands.append(("abort", request_id))
-                self._wake.set()
+            if not finished and self.error is None:  # consumer went away (client disconnect): free its blocks
+                self._submit(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
-        self._commands.append(("abort", request_id))
-        self._wake.set()
+        self._submit(("abort", request_id))
 
     def shutdown(self) -> None:
         self._stopped = True
