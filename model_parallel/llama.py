@@ -33,13 +33,13 @@ class LlamaAttention(nn.Module):
         self.attn = attn_backend
         self.head_dim = arch.head_dim
 
-    def forward(self, positions, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x)
-        t = x.shape[0]
-        q = q.view(t, -1, self.head_dim)
-        k = k.view(t, -1, self.head_dim)
-        v = v.view(t, -1, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        t, d = x.shape[0], self.head_dim
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, -1, d), rope)  # q and k heads together
+        q, k = qk[:, : q_size // d], qk[:, q_size // d :]
+        v = qkv[:, q_size + kv_size :].view(t, -1, d)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(o)
 
@@ -63,9 +63,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions, x, residual, kv_cache, meta):
+    def forward(self, rope, x, residual, kv_cache, meta):
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -86,6 +86,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend = attn_backend
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
+        self.rotary = rotary  # one module shared by every layer: its tables are looked up once per step
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, attn_backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = ParallelLMHead(
@@ -96,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
         """Returns final hidden states [T, hidden]; logits are computed only for rows that need them."""
         x = self.embed_tokens(input_ids)
         residual = None
+        rope = self.rotary.tables(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv, meta)
+            x, residual = layer(rope, x, residual, kv, meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -139,11 +139,12 @@ class QKVParallelLinear(nn.Module):
             raise ValueError(f"qkv shard {shard_id}: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}")
         dst.copy_(src)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, q_size + 2 * kv_size]: q, k, v side by side (q and k are rotated together)."""
         qkv = linear(x, self.weight, self.bias, self.packed)
         if self.lora is not None:
             qkv = self.lora.apply(x, qkv)
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return qkv
 
 
 class MergedColumnParallelLinear(nn.Module):
