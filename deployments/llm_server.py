@@ -96,10 +96,6 @@ class LLMServer:
 
         from model_parallel.engine import AsyncLLMEngine, LLMEngine
 
-        # The engine thread re-takes the GIL between hundreds of small torch ops per step; with the
-        # default 5 ms switch interval, every hand-off from the asyncio thread stalls it that long.
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-
         self.tokenizer = TokenizerService(model_path)
         eos = list(self.tokenizer.eos_token_ids)
         parallel = engine_config.parallel
@@ -108,6 +104,9 @@ class LLMServer:
 
             self.engine = AsyncLLMEngine(EngineProcess(engine_config, eos_token_ids=eos))
         else:
+            # The engine thread re-takes the GIL between hundreds of small torch ops per step; with the
+            # default 5 ms switch interval, every hand-off from the asyncio thread stalls it that long.
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
             self.engine = AsyncLLMEngine((engine_cls or LLMEngine)(engine_config, eos_token_ids=eos))
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None

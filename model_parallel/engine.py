@@ -257,6 +257,7 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self._in_process = getattr(engine, "is_process", False)  # an EngineProcess steps in its own process
         self._commands: deque[tuple] = deque()
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue] = {}
@@ -274,14 +275,14 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()  # outputs go to the loop of the latest caller
         if started:
             return
-        if getattr(self.engine, "is_process", False):  # engine_process.EngineProcess: it steps on its own
+        if self._in_process:  # engine_process.EngineProcess: it steps on its own
             self.engine.attach(self._deliver, self._on_death)
         else:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
 
     def _submit(self, command: tuple) -> None:
-        if getattr(self.engine, "is_process", False):
+        if self._in_process:
             kind, *args = command
             (self.engine.add_request if kind == "add" else self.engine.abort)(*args)
         else:

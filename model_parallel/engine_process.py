@@ -27,14 +27,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from model_parallel.config import EngineConfig
+from model_parallel.engine import EngineDeadError
 
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
 
 
-class EngineProcessError(RuntimeError):
-    pass
+class EngineProcessError(EngineDeadError):
+    """The child is gone (or never started): the serving layer answers 503 and health fails."""
 
 
 class EngineProcess:
@@ -119,8 +120,11 @@ class EngineProcess:
             self.on_death(error)
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except OSError as exc:  # the child died between two sends (the reader reports it too)
+            raise EngineProcessError(f"engine process exited (code {self._proc.poll()})") from exc
 
     # ---- the LLMEngine interface that AsyncLLMEngine and the model deployment use ----
 
@@ -177,7 +181,7 @@ class EngineProcess:
 
 def _child_main(conn: Connection) -> None:
     """Build the engine from the parent's config, report ready (or the start-up error), then loop."""
-    from model_parallel.engine import LLMEngine
+    from model_parallel.engine import LLMEngine  # the child's heavy import: torch, the model
 
     config, eos_token_ids = conn.recv()
     try:
@@ -204,8 +208,6 @@ class _EngineLoop:
         self.tokenizer_info = None  # xgrammar.TokenizerInfo, sent once before the first grammar
 
     def run(self) -> None:
-        from model_parallel.engine import EngineDeadError
-
         engine, conn = self.engine, self.conn
         while True:
             while conn.poll(0 if engine.has_work() else 1.0):
