@@ -31,6 +31,11 @@ def placement_bundles(config: ServerConfig) -> list[dict[str, float]] | None:
     return [{"CPU": config.replica_num_cpus}] + [rank] * tp
 
 
+def serving_nice(config: ServerConfig) -> int:
+    """Only a CPU engine competes with the serving processes for cores."""
+    return config.serving_nice if resolve_device(config.engine.parallel.device).type == "cpu" else 0
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application-builder entry: exactly one parameter, the `args` mapping from cluster.yaml."""
     return build_app_with(ServerConfig.from_args(args))
@@ -45,7 +50,8 @@ def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str,
     if bundles:
         llm_options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
     llm_options |= config.llm_deployment_options  # queue bounds, autoscaling, drain (cluster.yaml overrides)
+    nice = serving_nice(config)
     llm = LLMDeployment.options(**llm_options).bind(config.engine, model_path, engine_cls, config.stream_interval_s,
-                                                    config.engine_process)
-    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(model_path)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llm)
+                                                    config.engine_process, nice)
+    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(model_path, nice)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llm, nice)

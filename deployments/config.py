@@ -33,6 +33,9 @@ class ServerConfig:
     # share its GIL); False = a thread of the replica. Tensor-parallel engines drive their rank actors
     # from a thread either way.
     engine_process: bool = True
+    # CPU engines: the nice value added to the serving processes (ingress, tokenizer, the model replica
+    # when its engine runs in its own process), so that they yield a shared core to the engine. 0 = off.
+    serving_nice: int = 10
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: str = "auto"
     # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".
@@ -58,6 +61,8 @@ class ServerConfig:
         for name in ("max_prompt_tokens", "max_total_tokens", "max_n", "max_request_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if not 0 <= self.serving_nice <= 19:
+            raise ValueError(f"serving_nice must be in 0..19, got {self.serving_nice}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
 

@@ -34,6 +34,7 @@ from app.tools import ToolPlan, plan_tools
 from deployments.auth import KeyRing
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
+from deployments.cpu_priority import lower_process_priority
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import CONTENT_TYPE, server_metrics
 from deployments.request_guards import (
@@ -105,7 +106,9 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle):
+    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle,
+                 serving_nice: int = 0):
+        lower_process_priority(serving_nice)
         self.config = config
         self.tokenizer = tokenizer
         self.llm = llm

@@ -17,6 +17,7 @@ from ray import serve
 from app.errors import APIError
 from app.protocol import StopOptions
 from app.sse import GenerationDelta
+from deployments.cpu_priority import lower_process_priority
 from deployments.lora_registry import AdapterEntry, LoRARegistry
 from deployments.metrics import publish_engine_stats
 from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
@@ -90,7 +91,7 @@ def engine_failure(exc: Exception) -> Exception:
 
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None,
-                 stream_interval_s: float = 0.0, engine_process: bool = False):
+                 stream_interval_s: float = 0.0, engine_process: bool = False, serving_nice: int = 0):
         self.stream_interval_s = stream_interval_s
         import sys
 
@@ -103,6 +104,7 @@ class LLMServer:
             from model_parallel.engine_process import EngineProcess
 
             self.engine = AsyncLLMEngine(EngineProcess(engine_config, eos_token_ids=eos))
+            lower_process_priority(serving_nice)  # after the start: the engine child keeps normal priority
         else:
             # The engine thread re-takes the GIL between hundreds of small torch ops per step; with the
             # default 5 ms switch interval, every hand-off from the asyncio thread stalls it that long.

@@ -17,6 +17,7 @@ from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.tools import detect_tool_format, inline_tools, template_knows_tools
+from deployments.cpu_priority import lower_process_priority
 
 # Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
 # exists; this window makes typical (short) matches stop cleanly. Longer matches still stop
@@ -437,3 +438,7 @@ class TokenizerService:
 @serve.deployment(name="tokenizer", max_ongoing_requests=1000)
 class TokenizerDeployment(TokenizerService):
     """Rendering and tokenizing on their own CPU replicas, off the model replicas' cores."""
+
+    def __init__(self, model_path: str, serving_nice: int = 0):
+        lower_process_priority(serving_nice)
+        super().__init__(model_path)

@@ -48,3 +48,15 @@ def test_tp_placement_bundles():
     cfg = ServerConfig.from_args({"engine": {"parallel": {"tensor_parallel_size": 2, "device": "cpu"}}})
     assert placement_bundles(cfg) == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
     assert placement_bundles(ServerConfig()) is None
+
+
+def test_serving_nice_is_bounded_and_only_for_cpu_engines():
+    from deployments.builder import serving_nice
+
+    with pytest.raises(ValueError):
+        ServerConfig(serving_nice=20)
+    with pytest.raises(ValueError):
+        ServerConfig(serving_nice=-1)
+    assert serving_nice(ServerConfig.from_args({"serving_nice": 7, "engine": {"parallel": {"device": "cpu"}}})) == 7
+    # A GPU engine does not compete with the serving processes for cores (this checks the config only).
+    assert serving_nice(ServerConfig.from_args({"serving_nice": 7, "engine": {"parallel": {"device": "cuda"}}})) == 0

@@ -1,0 +1,46 @@
+"""lower_process_priority changes every thread's nice value (Linux keeps one per thread)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = """
+import json, os, threading
+from deployments.cpu_priority import lower_process_priority
+
+base = os.getpriority(os.PRIO_PROCESS, 0)
+stop = threading.Event()
+early = threading.Thread(target=stop.wait)
+early.start()  # a thread that exists before the call, as Ray's do in a replica
+changed = lower_process_priority(5)
+late = {}
+t = threading.Thread(target=lambda: late.setdefault("nice", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+t.start(); t.join()
+tasks = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
+stop.set(); early.join()
+print(json.dumps({"base": base, "changed": changed, "tasks": list(tasks.values()), "late": late["nice"]}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are Linux's")
+def test_every_thread_and_later_threads_step_back():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=root, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = min(19, got["base"] + 5)
+    assert got["changed"] >= 2  # the main thread and the early one
+    assert got["tasks"] and all(n == want for n in got["tasks"]), got
+    assert got["late"] == want  # inherited by threads started afterwards
+
+
+def test_zero_changes_nothing():
+    from deployments.cpu_priority import lower_process_priority
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    assert lower_process_priority(0) == 0
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
