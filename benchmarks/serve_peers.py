@@ -146,7 +146,9 @@ def start_ours(timeout: float) -> Started:
     serve = venv_serve if os.path.exists(venv_serve) else "serve"
     # `serve shutdown` is pointed at the dashboard of the cluster `serve run` started (read from its
     # log), never at whatever Ray cluster the default address reaches; SIGINT to `serve run` follows.
+    # As `make serve` does: Ray's workers at nice 0 (its default is 15), like the peer server's process.
     return _start("ours", OURS_URL, [serve, "run", "cluster.yaml"], timeout,
+                  env=os.environ | {"RAY_worker_niceness": "0"},
                   shutdown_cmd=[serve, "shutdown", "-a", "{dashboard}", "-y"])
 
 
