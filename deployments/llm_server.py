@@ -18,9 +18,10 @@ from app.errors import APIError
 from app.protocol import StopOptions
 from app.sse import GenerationDelta
 from deployments.cpu_priority import lower_process_priority
+from deployments.detokenizer import IncrementalDetokenizer
 from deployments.lora_registry import AdapterEntry, LoRARegistry
 from deployments.metrics import publish_engine_stats
-from deployments.tokenizer import IncrementalDetokenizer, TokenizerService
+from deployments.tokenizer import TokenizerService
 from model_parallel.config import EngineConfig
 from model_parallel.guided import GrammarCompiler
 from model_parallel.outputs import RequestOutput, TokenLogprob

@@ -30,7 +30,8 @@ print(json.dumps({"base": base, "changed": changed, "tasks": list(tasks.values()
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are Linux's")
 def test_every_thread_and_later_threads_step_back():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=root, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=root, check=True,
+                         timeout=120, stdin=subprocess.DEVNULL)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     want = min(19, got["base"] + 5)
     assert got["changed"] >= 2  # the main thread and the early one

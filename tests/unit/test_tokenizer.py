@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from deployments.tokenizer import IncrementalDetokenizer, TokenizerService, load_tokenizer
+from deployments.detokenizer import IncrementalDetokenizer
+from deployments.tokenizer import TokenizerService, load_tokenizer
 from model_parallel.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 
 TEXT = "Hello wörld 🎉 — naïve café, 東京タワー. The capital of France is Paris. END"
