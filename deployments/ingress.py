@@ -9,21 +9,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
 
 from app import conversations as C
 from app import protocol as P
-from app.chat_output import ChatOutputParser, merge_deltas
+from app.chat_output import ChatOutputParser
 from app.errors import APIError, from_validation_error, not_found
 from app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from app.sse import (
     GenerationDelta,
-    UsageCounter,
     collect_chat,
     collect_completion,
     stream_chat,
@@ -35,72 +33,20 @@ from deployments.auth import KeyRing
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
+from deployments.http_app import app, error_response, parse, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import CONTENT_TYPE, server_metrics
 from deployments.request_guards import (
-    body_limit,
     check_n,
     check_tokens,
     conversation_not_found,
     flatten,
     guarded,
     note_replica,
-    too_large,
 )
+from deployments.store_tap import storing_tap
 
 log = logging.getLogger("ray.serve")
-
-app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
-
-
-def request_id_of(request: Request) -> str:
-    """Serve's proxy forwards the client's X-Request-Id, or one it generated, and echoes it on the response."""
-    return request.headers.get("x-request-id") or uuid.uuid4().hex
-
-
-def error_response(err: APIError, request: Request | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    body = err.to_dict()
-    if request is not None:  # beside OpenAI's `error` object, as hosted platforms do (seed 002)
-        body["request_id"] = request_id_of(request)
-    return JSONResponse(body, status_code=err.status_code, headers=headers)
-
-
-@app.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return error_response(exc, request, getattr(exc, "headers", None))
-
-
-@app.exception_handler(HTTPException)
-async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    # Unknown routes and methods: OpenAI's body rather than Starlette's {"detail": ...}.
-    return error_response(APIError(exc.status_code, str(exc.detail)), request)
-
-
-@app.exception_handler(Exception)
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, APIError):  # Ray wraps remote exceptions in a subclass of the original
-        return error_response(exc, request)
-    log.exception("unhandled error (request %s)", request_id_of(request))
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"), request)
-
-
-async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    limit = body_limit(request)
-    declared = request.headers.get("content-length")
-    if limit and declared and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)  # before reading it
-    try:
-        body = await request.body()
-        if limit and len(body) > limit:
-            raise too_large(len(body), limit)
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
-        raise from_validation_error(errors) from None
-
 
 # graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
@@ -335,7 +281,9 @@ class Ingress:
                                lora=lora[0], lora_path=lora[1],
                                trace_id=request_id_of(request))
         parser_factory = await self.output_parser(req, plan, text)
-        tap = self.storing(owner, req, cid, rid, last_input, parser_factory) if req.store else None
+        tap = None
+        if req.store:
+            tap = storing_tap(self.store, self.model_name, owner, req, cid, rid, last_input, parser_factory)
         return await self.run(greq, stream_chat, collect_chat, req, tap=tap, parser_factory=parser_factory)
 
     async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
@@ -440,52 +388,6 @@ class Ingress:
         if items is None:  # missing, or another key's: the same answer, so nothing leaks
             raise conversation_not_found(cid)
         return items
-
-    def storing(self, owner: str, req: P.ChatCompletionRequest, cid: str | None, rid: str, last_input: dict,
-                parser_factory=None):
-        """A delta tap that stores the completion (and the turn, in the conversation) once generation ends.
-
-        The write happens after the last delta and before the response ends (the stream's [DONE] or the
-        JSON body), in one transaction: a failed or aborted generation stores nothing, and a client that
-        saw the end of its response can rely on it being stored.
-        """
-        store, model = self.store, self.model_name
-
-        async def tap(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
-            usage = UsageCounter(req.n or 1)
-            texts: dict[int, list[str]] = {}
-            finish: dict[int, str | None] = {}
-            async for d in deltas:
-                usage.add(d)
-                texts.setdefault(d.index, []).append(d.text)
-                if d.finish_reason is not None:
-                    finish[d.index] = d.finish_reason
-                yield d
-            if any(finish.get(i) in (None, "abort") for i in texts):
-                return  # not a whole generation: nothing is stored
-            choices = []
-            for i in sorted(texts):
-                message: dict = {"role": "assistant", "content": "".join(texts[i])}
-                reason = finish[i]
-                if parser_factory is not None:  # the same split as the response: thoughts, answer, tool calls
-                    parser = parser_factory()
-                    message |= merge_deltas(parser.feed(message["content"], final=True))
-                    reason = parser.finish_reason(reason)
-                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
-            first = choices[0]["message"]
-            think = first.pop("reasoning_content", None)
-            body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                    "choices": choices, "usage": usage.to_dict()}
-            if req.store_reasoning and think is not None:
-                first["reasoning_content"] = think
-            items = C.turn_items(last_input, first["content"] or "", think if req.store_reasoning else None) \
-                if cid else None
-            try:
-                await asyncio.to_thread(store.save_completion, owner, body, req.metadata, cid, items)
-            except KeyError:
-                raise conversation_not_found(cid or "") from None
-
-        return tap
 
     async def parse_query(self, request: Request, model: type[BaseModel]) -> BaseModel:
         try:

@@ -1,0 +1,67 @@
+"""The ingress's FastAPI app: OpenAI-shaped error handlers and request-body parsing."""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
+
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from app.errors import APIError, from_validation_error
+from deployments.request_guards import body_limit, too_large
+
+log = logging.getLogger("ray.serve")
+
+app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
+
+
+def request_id_of(request: Request) -> str:
+    """Serve's proxy forwards the client's X-Request-Id, or one it generated, and echoes it on the response."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def error_response(err: APIError, request: Request | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = err.to_dict()
+    if request is not None:  # beside OpenAI's `error` object, as hosted platforms do (seed 002)
+        body["request_id"] = request_id_of(request)
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc, request, getattr(exc, "headers", None))
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Unknown routes and methods: OpenAI's body rather than Starlette's {"detail": ...}.
+    return error_response(APIError(exc.status_code, str(exc.detail)), request)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, APIError):  # Ray wraps remote exceptions in a subclass of the original
+        return error_response(exc, request)
+    log.exception("unhandled error (request %s)", request_id_of(request))
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"), request)
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    limit = body_limit(request)
+    declared = request.headers.get("content-length")
+    if limit and declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)  # before reading it
+    try:
+        body = await request.body()
+        if limit and len(body) > limit:
+            raise too_large(len(body), limit)
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
+        raise from_validation_error(errors) from None
