@@ -1,4 +1,4 @@
-"""Tokenizer and chat template: rendering, tokenizing, and incremental detokenizing with stop strings.
+"""Tokenizer and chat template: rendering and tokenizing (detokenizing lives in deployments.detokenizer).
 
 `TokenizerService` is plain Python (testable without Ray); `TokenizerDeployment` serves it with its
 own CPU replicas. Detokenizing (`deployments.detokenizer`) runs beside the engine in the model deployment.
