@@ -15,13 +15,23 @@ from deployments.cpu_priority import lower_process_priority
 
 base = os.getpriority(os.PRIO_PROCESS, 0)
 stop = threading.Event()
-early = threading.Thread(target=stop.wait)
+early = threading.Thread(target=stop.wait, daemon=True)  # daemon: a failure below must not hang exit
 early.start()  # a thread that exists before the call, as Ray's do in a replica
 changed = lower_process_priority(5)
 late = {}
 t = threading.Thread(target=lambda: late.setdefault("nice", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
 t.start(); t.join()
-tasks = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
+
+
+def nice_of(tid):
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:  # a joined thread can linger in /proc/self/task for a moment
+        return None
+
+
+tasks = {int(tid): nice_of(int(tid)) for tid in os.listdir("/proc/self/task")}
+tasks = {tid: nice for tid, nice in tasks.items() if nice is not None}
 stop.set(); early.join()
 print(json.dumps({"base": base, "changed": changed, "tasks": list(tasks.values()), "late": late["nice"]}))
 """
