@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from model_parallel import cpu_kernels
+from model_parallel.cpu_kernels import KERNEL_DTYPES, PagedKernels
+
 log = logging.getLogger(__name__)
 
 
@@ -35,6 +38,7 @@ class AttentionMetadata:
     # [Hk * B * max_blocks] rows of the cache viewed as [Hk * num_blocks, block_size, D], head-major:
     # one index_select gathers every decode sequence's context for all heads.
     decode_gather_index: torch.Tensor | None = None
+    decode_ctx_lens: torch.Tensor | None = None  # [B] int32, for the C decode kernel
     prefills: list[PrefillChunk] = field(default_factory=list)
     # For varlen backends: per-sequence query and context lengths in flat order, and all context slots.
     q_lens: list[int] = field(default_factory=list)
@@ -90,7 +94,13 @@ def context_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class SDPAAttention:
+    """CPU attention: torch SDPA for prefill chunks; decode and cache writes through the C paged
+    kernels when given (cpu_kernels.py), else through the torch decode path above."""
+
     name = "sdpa"
+
+    def __init__(self, kernels: PagedKernels | None = None) -> None:
+        self.kernels = kernels
 
     def __call__(
         self,
@@ -102,12 +112,24 @@ class SDPAAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D]; caches: [Hk, num_blocks, block_size, D]. Returns [T, Hq*D]."""
-        write_cache(k_cache, meta.slot_mapping, k)
-        write_cache(v_cache, meta.slot_mapping, v)
+        kernels = self.kernels if self.kernels is not None and k_cache.dtype in KERNEL_DTYPES else None
+        if kernels is not None:
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            write_cache(k_cache, meta.slot_mapping, k)
+            write_cache(v_cache, meta.slot_mapping, v)
         t, hq, d = q.shape
-        out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd:
+        if kernels is not None and nd == t:  # a pure decode step: no copy into a shared output
+            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
+            return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_ctx_lens).view(t, hq * d)
+        out = torch.empty_like(q)
+        if nd and kernels is not None:
+            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
+            out[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                                meta.decode_ctx_lens)
+        elif nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta)
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -155,9 +177,12 @@ class XformersAttention:
 
 
 def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention | XformersAttention:
-    """auto: xformers on CUDA when it loads, else SDPA; an explicit choice is honoured or fails."""
-    if choice == "sdpa" or (choice == "auto" and device.type != "cuda"):
+    """auto: xformers on CUDA when it loads; on CPU, SDPA with the C paged decode kernels when they
+    build. sdpa: torch only (the reference path). An explicit choice is honoured or fails."""
+    if choice == "sdpa":
         return SDPAAttention()
+    if choice == "auto" and device.type != "cuda":
+        return SDPAAttention(cpu_kernels.load())
     if device.type != "cuda":
         raise ValueError("attention_backend xformers needs CUDA")
     try:

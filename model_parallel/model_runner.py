@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model_parallel.attention import AttentionMetadata, PrefillChunk, decode_gather_index
+from model_parallel.cpu_kernels import KERNEL_DTYPES
 from model_parallel.guided import bitmask_to_allowed
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampler import SamplingTensors, gather_logprobs, sample
@@ -60,7 +61,12 @@ class ModelRunner:
         self.is_driver = is_driver
         self.generators: dict[str, torch.Generator] = {}
         # Varlen backends (xformers) attend over every sequence's context slots in one flat batch.
-        self.needs_context_slots = getattr(getattr(model, "attn_backend", None), "name", "") == "xformers"
+        backend = getattr(model, "attn_backend", None)
+        self.needs_context_slots = getattr(backend, "name", "") == "xformers"
+        # The C decode kernel reads block tables and lengths directly; the torch path needs a mask
+        # and a gather index built from them.
+        self.decode_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
+                               and kv_caches[0][0].dtype in KERNEL_DTYPES)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -106,14 +112,16 @@ class ModelRunner:
                     mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
                 slots = None if fresh else self._context_slots(s.block_table, end)
                 prefills.append(PrefillChunk(q_start, n, end, slots, mask))
-        tables_t = mask_t = gather_t = None
+        tables_t = mask_t = gather_t = lens_t = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            tables_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            mask_t = torch.arange(width * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-            num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
-            gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
+            tables_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
+                                    device=dev)
+            lens_t = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
+            if not self.decode_kernels:
+                mask_t = torch.arange(width * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
+                num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
+                gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
         ctx_slots = None
         if self.needs_context_slots:
             ctx_slots = torch.cat([self._context_slots(s.block_table, c) for s, c in zip(step.seqs, ctx_lens,
@@ -125,6 +133,7 @@ class ModelRunner:
             decode_block_tables=tables_t,
             decode_mask=mask_t,
             decode_gather_index=gather_t,
+            decode_ctx_lens=lens_t,
             prefills=prefills,
             q_lens=q_lens,
             ctx_lens=ctx_lens,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 
+from model_parallel import cpu_kernels
 from model_parallel.attention import SDPAAttention
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
 
@@ -19,7 +23,18 @@ def dense_attention(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
 
 
-def test_paged_equals_dense_for_prefill_chunks_and_decode():
+def backend(kind: str) -> SDPAAttention:
+    if kind == "torch":
+        return SDPAAttention()
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler to build the paged kernels")
+    kernels = cpu_kernels.load()
+    assert kernels is not None  # a compiler is here, so the build must work
+    return SDPAAttention(kernels)
+
+
+@pytest.mark.parametrize("kind", ["torch", "c_kernels"])
+def test_paged_equals_dense_for_prefill_chunks_and_decode(kind):
     torch.manual_seed(0)
     hq, hk, d, bs = 4, 2, 8, 4
     num_blocks = 32
@@ -27,7 +42,7 @@ def test_paged_equals_dense_for_prefill_chunks_and_decode():
     v_cache = torch.randn(hk, num_blocks, bs, d)
     runner = ModelRunner(model=None, kv_caches=[(k_cache, v_cache)], block_size=bs, vocab_size=10, device=torch.device("cpu"),
                          is_driver=True)
-    attn = SDPAAttention()
+    attn = backend(kind)
     lengths = [13, 7, 1]
     tables = [[9, 3, 27, 14], [5, 20], [31]]  # deliberately scattered blocks
     full = [(torch.randn(n, hq, d), torch.randn(n, hk, d), torch.randn(n, hk, d)) for n in lengths]

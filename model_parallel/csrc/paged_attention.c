@@ -1,0 +1,212 @@
+/* Paged KV-cache kernels for CPU decode: write new keys/values by slot, and one query per sequence
+ * attending over its blocks in place. The torch version gathers every context into a fresh tensor
+ * per layer (index_select), then runs small batched matmuls, a mask and a softmax: ~10 ops and two
+ * copies of the whole context. Here each (sequence, KV head) reads its blocks once, for all the
+ * query heads that share them (GQA), with fp32 accumulation.
+ *
+ * Layouts (contiguous): q/out [B, Hq, D]; caches [Hk, num_blocks, block_size, D];
+ * block_tables [B, max_blocks] int32; ctx_lens [B] int32; new k/v [T, Hk, D]; slots [T] int64.
+ * Built at first use by model_parallel/cpu_kernels.py; ELEM is uint16_t (bf16) or float. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+#define DEFINE_KERNELS(SUFFIX, ELEM, LOAD, STORE)                                                      \
+    void write_kv_##SUFFIX(const ELEM *k, const ELEM *v, ELEM *k_cache, ELEM *v_cache,                 \
+                           const int64_t *slots, int T, int Hk, int D, int num_blocks, int block_size) { \
+        size_t cache_head = (size_t)num_blocks * block_size * D;                                       \
+        for (int t = 0; t < T; t++) {                                                                  \
+            if (slots[t] < 0) continue;                                                                \
+            for (int h = 0; h < Hk; h++) {                                                             \
+                size_t dst = h * cache_head + (size_t)slots[t] * D;                                    \
+                memcpy(k_cache + dst, k + ((size_t)t * Hk + h) * D, D * sizeof(ELEM));                 \
+                memcpy(v_cache + dst, v + ((size_t)t * Hk + h) * D, D * sizeof(ELEM));                 \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+                                                                                                       \
+    void decode_attention_##SUFFIX(const ELEM *q, const ELEM *k_cache, const ELEM *v_cache,            \
+                                   const int32_t *block_tables, const int32_t *ctx_lens, ELEM *out,    \
+                                   int B, int Hq, int Hk, int D, int num_blocks, int block_size,       \
+                                   int max_blocks, float scale, int num_threads) {                     \
+        int G = Hq / Hk;                                                                               \
+        size_t cache_head = (size_t)num_blocks * block_size * D;                                       \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                         \
+        for (int task = 0; task < B * Hk; task++) {                                                    \
+            int b = task / Hk, h = task % Hk, L = ctx_lens[b];                                         \
+            if (L <= 0) continue;                                                                      \
+            float *buf = malloc(sizeof(float) * ((size_t)G * L + 2 * (size_t)G * D + D));              \
+            float *scores = buf, *qf = buf + (size_t)G * L, *acc = qf + (size_t)G * D;                 \
+            float *row = acc + (size_t)G * D;                                                          \
+            for (int g = 0; g < G; g++)                                                                \
+                for (int d = 0; d < D; d++)                                                            \
+                    qf[g * D + d] = LOAD(q[((size_t)b * Hq + h * G + g) * D + d]) * scale;             \
+            const int32_t *table = block_tables + (size_t)b * max_blocks;                              \
+            const ELEM *kh = k_cache + h * cache_head, *vh = v_cache + h * cache_head;                 \
+            for (int t = 0; t < L; t++) {                                                              \
+                const ELEM *kr = kh + ((size_t)table[t / block_size] * block_size + t % block_size) * D; \
+                for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                                      \
+                for (int g = 0; g < G; g++) {                                                          \
+                    float s = 0.f;                                                                     \
+                    _Pragma("omp simd reduction(+ : s)")                                               \
+                    for (int d = 0; d < D; d++) s += qf[g * D + d] * row[d];                           \
+                    scores[(size_t)g * L + t] = s;                                                     \
+                }                                                                                      \
+            }                                                                                          \
+            for (int g = 0; g < G; g++) {                                                              \
+                float *sg = scores + (size_t)g * L, m = -INFINITY, sum = 0.f;                          \
+                for (int t = 0; t < L; t++) m = sg[t] > m ? sg[t] : m;                                 \
+                for (int t = 0; t < L; t++) {                                                          \
+                    sg[t] = expf(sg[t] - m);                                                           \
+                    sum += sg[t];                                                                      \
+                }                                                                                      \
+                for (int t = 0; t < L; t++) sg[t] /= sum;                                              \
+            }                                                                                          \
+            memset(acc, 0, sizeof(float) * G * D);                                                     \
+            for (int t = 0; t < L; t++) {                                                              \
+                const ELEM *vr = vh + ((size_t)table[t / block_size] * block_size + t % block_size) * D; \
+                for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                                      \
+                for (int g = 0; g < G; g++) {                                                          \
+                    float p = scores[(size_t)g * L + t];                                               \
+                    _Pragma("omp simd")                                                                \
+                    for (int d = 0; d < D; d++) acc[g * D + d] += p * row[d];                          \
+                }                                                                                      \
+            }                                                                                          \
+            for (int g = 0; g < G; g++)                                                                \
+                for (int d = 0; d < D; d++)                                                            \
+                    out[((size_t)b * Hq + h * G + g) * D + d] = STORE(acc[g * D + d]);                 \
+            free(buf);                                                                                 \
+        }                                                                                              \
+    }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+DEFINE_KERNELS(bf16_generic, uint16_t, bf16_load, bf16_store)
+#else
+DEFINE_KERNELS(bf16, uint16_t, bf16_load, bf16_store)
+#endif
+DEFINE_KERNELS(f32, float, f32_load, f32_store)
+
+#ifdef HAVE_AVX512_BF16
+#include <immintrin.h>
+
+/* e^x for x <= 0 (scores minus their max): 2^(x log2 e) split into integer and fraction, the
+ * fraction by its Taylor series to degree 6 (relative error < 2e-7), scaled by 2^integer. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *src) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* AVX-512 BF16: q.k with vdpbf16ps (bf16 pairs into fp32), exp vectorised, p.v in fp32 FMAs.
+ * D must be a multiple of 32 and at most 256, G at most 16; anything else takes the generic path. */
+void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                           const int32_t *block_tables, const int32_t *ctx_lens, uint16_t *out, int B, int Hq,
+                           int Hk, int D, int num_blocks, int block_size, int max_blocks, float scale,
+                           int num_threads) {
+    int G = Hq / Hk;
+    if (D % 32 || D > 256 || G > 16) {
+        decode_attention_bf16_generic(q, k_cache, v_cache, block_tables, ctx_lens, out, B, Hq, Hk, D, num_blocks,
+                                      block_size, max_blocks, scale, num_threads);
+        return;
+    }
+    size_t cache_head = (size_t)num_blocks * block_size * D;
+    int nc = D / 32, nv = D / 16;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int task = 0; task < B * Hk; task++) {
+        int b = task / Hk, h = task % Hk, L = ctx_lens[b];
+        if (L <= 0) continue;
+        int Lp = (L + 15) & ~15;
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)G * Lp);
+        const int32_t *table = block_tables + (size_t)b * max_blocks;
+        const uint16_t *kh = k_cache + h * cache_head, *vh = v_cache + h * cache_head;
+        const uint16_t *qb = q + ((size_t)b * Hq + (size_t)h * G) * D;
+        __m512bh qv[16 * 8];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < nc; c++) qv[g * nc + c] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c);
+        for (int t = 0; t < L; t++) {
+            const uint16_t *kr = kh + ((size_t)table[t / block_size] * block_size + t % block_size) * D;
+            __m512bh kv[8];
+            for (int c = 0; c < nc; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kr + 32 * c);
+            for (int g = 0; g < G; g++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int c = 0; c < nc; c++) acc = _mm512_dpbf16_ps(acc, qv[g * nc + c], kv[c]);
+                scores[(size_t)g * Lp + t] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+        float inv_sum[16];
+        for (int g = 0; g < G; g++) {
+            float *sg = scores + (size_t)g * Lp;
+            for (int t = L; t < Lp; t++) sg[t] = -INFINITY;
+            __m512 m = _mm512_set1_ps(-INFINITY);
+            for (int t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_load_ps(sg + t));
+            __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m)), sum = _mm512_setzero_ps();
+            for (int t = 0; t < Lp; t += 16) {
+                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sg + t), mx));
+                _mm512_store_ps(sg + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+        }
+        __m512 acc[16 * 16];
+        for (int i = 0; i < G * nv; i++) acc[i] = _mm512_setzero_ps();
+        for (int t = 0; t < L; t++) {
+            const uint16_t *vr = vh + ((size_t)table[t / block_size] * block_size + t % block_size) * D;
+            __m512 vv[16];
+            for (int c = 0; c < nv; c++) vv[c] = bf16x16_to_f32(vr + 16 * c);
+            for (int g = 0; g < G; g++) {
+                __m512 p = _mm512_set1_ps(scores[(size_t)g * Lp + t]);
+                for (int c = 0; c < nv; c++) acc[g * nv + c] = _mm512_fmadd_ps(p, vv[c], acc[g * nv + c]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            uint16_t *o = out + ((size_t)b * Hq + (size_t)h * G + g) * D;
+            __m512 inv = _mm512_set1_ps(inv_sum[g]);
+            for (int c = 0; c < nv; c++) {
+                float tmp[16];
+                _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g * nv + c], inv));
+                for (int i = 0; i < 16; i++) o[16 * c + i] = bf16_store(tmp[i]);
+            }
+        }
+        free(scores);
+    }
+}
+
+void write_kv_bf16(const uint16_t *k, const uint16_t *v, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
+                   int T, int Hk, int D, int num_blocks, int block_size) {
+    write_kv_bf16_generic(k, v, k_cache, v_cache, slots, T, Hk, D, num_blocks, block_size);
+}
+#endif

@@ -1,0 +1,90 @@
+"""The C paged kernels (model_parallel/csrc) agree with the torch paths they replace."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from model_parallel import cpu_kernels
+from model_parallel.attention import AttentionMetadata, decode_attention, decode_gather_index, write_cache
+
+
+@pytest.fixture(scope="module")
+def kernels() -> cpu_kernels.PagedKernels:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler to build the paged kernels")
+    loaded = cpu_kernels.load()
+    assert loaded is not None
+    return loaded
+
+
+def scattered_batch(batch: int, max_len: int, hk: int, d: int, num_blocks: int, bs: int, dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(hk, num_blocks, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(hk, num_blocks, bs, d, generator=g).to(dtype)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g, dtype=torch.int32)
+    lens[0], lens[-1] = 1, bs  # a one-token context and one that ends on a block boundary
+    width = -(-int(lens.max()) // bs)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width).to(torch.int32)
+    return k_cache, v_cache, lens, tables
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_kernel_equals_torch_decode(kernels, dtype, atol, threads):
+    hq, hk, d, bs, num_blocks, batch = 9, 3, 64, 16, 200, 24
+    k_cache, v_cache, lens, tables = scattered_batch(batch, 130, hk, d, num_blocks, bs, dtype, seed=1)
+    q = torch.randn(batch, hq, d).to(dtype)
+    width = tables.shape[1]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long), num_decode=batch, block_size=bs,
+        decode_block_tables=tables, decode_mask=torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1),
+        decode_gather_index=decode_gather_index(tables, hk, num_blocks),
+    )
+    # The reference in fp32, whatever the cache dtype: the kernel accumulates in fp32.
+    expected = decode_attention(q.float(), k_cache.float(), v_cache.float(), meta)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.decode_attention(q, k_cache, v_cache, tables, lens)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_equals_torch_write(kernels, dtype):
+    hk, d, bs, num_blocks, t = 3, 64, 16, 40, 37
+    slots = torch.randperm(num_blocks * bs)[:t]
+    k, v = torch.randn(t, hk, d).to(dtype), torch.randn(t, hk, d).to(dtype)
+    ours = [torch.randn(hk, num_blocks, bs, d).to(dtype) for _ in range(2)]
+    ref = [c.clone() for c in ours]
+    kernels.write_kv(k, v, ours[0], ours[1], slots)
+    write_cache(ref[0], slots, k)
+    write_cache(ref[1], slots, v)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])  # copies: bit-exact
+
+
+def test_build_is_cached_per_source(tmp_path):
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    first = cpu_kernels.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path):
+    from model_parallel.attention import make_attention_backend
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("MODEL_PARALLEL_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing cached to reuse
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is None
+        assert make_attention_backend("auto", torch.device("cpu")).kernels is None
+    finally:
+        cpu_kernels.load.cache_clear()
