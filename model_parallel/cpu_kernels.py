@@ -72,42 +72,87 @@ def build(out_dir: Path | None = None) -> Path:
     return target
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x viewed as [T, H, D] with heads packed in each row: the tensor (copied only if its rows are
+    not) and the stride between rows, in elements. Views into the fused qkv output need no copy."""
+    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
 class PagedKernels:
-    """ctypes bindings; every tensor must be contiguous, on CPU, in bf16 or fp32."""
+    """ctypes bindings; tensors on CPU, in bf16 (or fp32 for the paged-attention pair)."""
 
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
-        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         self._write: dict[torch.dtype, ctypes._CFuncPtr] = {}
         self._decode: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in _SUFFIX.items():
-            w = getattr(lib, f"write_kv_{suffix}")
-            w.argtypes = [p, p, p, p, p, i, i, i, i, i]
-            w.restype = None
-            d = getattr(lib, f"decode_attention_{suffix}")
-            d.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, f, i]
-            d.restype = None
-            self._write[dtype], self._decode[dtype] = w, d
+            self._write[dtype] = _bind(lib, f"write_kv_{suffix}", [p, p, i64, p, p, p, i, i, i, i, i])
+            self._decode[dtype] = _bind(lib, f"decode_attention_{suffix}",
+                                        [p, i64, p, p, p, p, p, i, i, i, i, i, i, i, f, i])
+        self._norm = _bind(lib, "add_rms_norm_bf16", [p, p, p, p, i, i, f, i])
+        self._silu = _bind(lib, "silu_and_mul_bf16", [p, p, i, i])
+        self._rotary = _bind(lib, "rotary_bf16", [p, i64, p, p, i, i, i])
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
-        """k, v: [T, Hk, D]; caches [Hk, num_blocks, block_size, D]; slots: [T] int64 (negative: skip)."""
-        k, v = k.contiguous(), v.contiguous()
+        """k, v: [T, Hk, D] (rows may be strided); caches [Hk, num_blocks, block_size, D]; slots: [T] int64."""
+        k, stride = _rows(k)
+        v, v_stride = _rows(v)
+        if v_stride != stride:
+            k, v = k.contiguous(), v.contiguous()
+            stride = k.stride(0)
         hk, nb, bs, d = k_cache.shape
-        self._write[k_cache.dtype](k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        self._write[k_cache.dtype](k.data_ptr(), v.data_ptr(), stride, k_cache.data_ptr(), v_cache.data_ptr(),
                                    slots.data_ptr(), k.shape[0], hk, d, nb, bs)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
-        """q: [B, Hq, D]; block_tables [B, max_blocks] int32; ctx_lens [B] int32. Returns [B, Hq, D]."""
-        q = q.contiguous()
+        """q: [B, Hq, D] (rows may be strided); block_tables [B, max_blocks] int32; ctx_lens [B] int32.
+        Returns [B, Hq, D] contiguous."""
+        q, q_stride = _rows(q)
         b, hq, d = q.shape
         hk, nb, bs, _ = k_cache.shape
-        out = torch.empty_like(q)
-        self._decode[k_cache.dtype](q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                                    ctx_lens.data_ptr(), out.data_ptr(), b, hq, hk, d, nb, bs,
-                                    block_tables.shape[1], d**-0.5, torch.get_num_threads())
+        out = torch.empty(b, hq, d, dtype=q.dtype)
+        self._decode[k_cache.dtype](q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
+                                    block_tables.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(), b, hq, hk, d, nb,
+                                    bs, block_tables.shape[1], d**-0.5, torch.get_num_threads())
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 [T, H]: (weight * rms_norm(x + residual), x + residual); the sum is written into
+        `residual` in place (the caller's old residual is dead after the call)."""
+        x = x.contiguous()
+        t, h = x.shape
+        has_residual = residual is not None
+        res = residual.contiguous() if residual is not None else torch.empty_like(x)
+        normed = torch.empty_like(x)
+        self._norm(x.data_ptr(), res.data_ptr(), weight.data_ptr(), normed.data_ptr(), t, h, eps, int(has_residual))
+        return normed, res
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 [T, 2I] (gate | up) -> [T, I]."""
+        x = x.contiguous()
+        t, width = x.shape
+        out = torch.empty(t, width // 2, dtype=x.dtype)
+        self._silu(x.data_ptr(), out.data_ptr(), t, width // 2)
+        return out
+
+    def rotary_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate the first num_heads heads of each row of qkv ([T, width] bf16, contiguous) in place;
+        cos, sin: contiguous fp32 with T rows of head_dim (RotaryEmbedding.tables)."""
+        assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and head_dim <= 512
+        self._rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads, head_dim)
+
+
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
+    fn.restype = None
+    return fn
 
 
 @cache

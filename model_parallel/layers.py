@@ -13,14 +13,17 @@ from model_parallel.parallel import default_weight_loader
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float):
+    def __init__(self, hidden: int, eps: float, kernels=None):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels  # cpu_kernels.PagedKernels: one fused call for bf16 on CPU
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); fusing the residual add saves one pass over activations."""
+        if self.kernels is not None and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         residual = x

@@ -32,36 +32,48 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = attn_backend
         self.head_dim = arch.head_dim
+        self.kernels = getattr(attn_backend, "kernels", None)  # C kernels (CPU), or None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         t, d = x.shape[0], self.head_dim
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, -1, d), rope)  # q and k heads together
-        q, k = qk[:, : q_size // d], qk[:, q_size // d :]
+        if self.kernels is not None and qkv.dtype == torch.bfloat16:
+            # Rotate q and k in place; q, k and v stay views of qkv, which the kernels read strided.
+            self.kernels.rotary_(qkv, (q_size + kv_size) // d, d, rope[0], rope[1])
+            q = qkv[:, :q_size].view(t, -1, d)
+            k = qkv[:, q_size : q_size + kv_size].view(t, -1, d)
+        else:
+            qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, -1, d), rope)  # q and k heads together
+            q, k = qk[:, : q_size // d], qk[:, q_size // d :]
         v = qkv[:, q_size + kv_size :].view(t, -1, d)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(o)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPGroup):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, kernels=None):
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [arch.intermediate_size] * 2, tp)
         in_start, in_size = piece(arch.intermediate_size, tp.size, tp.rank)
         self.down_proj = RowParallelLinear(in_start, in_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dtype == torch.bfloat16:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend):
         super().__init__()
+        kernels = getattr(attn_backend, "kernels", None)
         self.self_attn = LlamaAttention(arch, tp, rotary, attn_backend)
-        self.mlp = LlamaMLP(arch, tp)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch, tp, kernels)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
     def forward(self, rope, x, residual, kv_cache, meta):
         x, residual = self.input_layernorm(x, residual)
@@ -88,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
         self.rotary = rotary  # one module shared by every layer: its tables are looked up once per step
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, attn_backend) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, getattr(attn_backend, "kernels", None))
         self.lm_head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, tp, self.embed_tokens if arch.tie_word_embeddings else None
         )

@@ -4,8 +4,9 @@
  * copies of the whole context. Here each (sequence, KV head) reads its blocks once, for all the
  * query heads that share them (GQA), with fp32 accumulation.
  *
- * Layouts (contiguous): q/out [B, Hq, D]; caches [Hk, num_blocks, block_size, D];
- * block_tables [B, max_blocks] int32; ctx_lens [B] int32; new k/v [T, Hk, D]; slots [T] int64.
+ * Layouts: q [B, Hq, D] with rows q_stride elements apart (a view into the fused qkv output);
+ * out [B, Hq, D] contiguous; caches [Hk, num_blocks, block_size, D]; block_tables [B, max_blocks]
+ * int32; ctx_lens [B] int32; new k/v [T, Hk, D] with rows row_stride apart; slots [T] int64.
  * Built at first use by model_parallel/cpu_kernels.py; ELEM is uint16_t (bf16) or float. */
 #include <math.h>
 #include <stdint.h>
@@ -31,20 +32,22 @@ static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
 #define DEFINE_KERNELS(SUFFIX, ELEM, LOAD, STORE)                                                      \
-    void write_kv_##SUFFIX(const ELEM *k, const ELEM *v, ELEM *k_cache, ELEM *v_cache,                 \
-                           const int64_t *slots, int T, int Hk, int D, int num_blocks, int block_size) { \
+    void write_kv_##SUFFIX(const ELEM *k, const ELEM *v, int64_t row_stride, ELEM *k_cache,            \
+                           ELEM *v_cache, const int64_t *slots, int T, int Hk, int D, int num_blocks,  \
+                           int block_size) {                                                           \
         size_t cache_head = (size_t)num_blocks * block_size * D;                                       \
         for (int t = 0; t < T; t++) {                                                                  \
             if (slots[t] < 0) continue;                                                                \
             for (int h = 0; h < Hk; h++) {                                                             \
                 size_t dst = h * cache_head + (size_t)slots[t] * D;                                    \
-                memcpy(k_cache + dst, k + ((size_t)t * Hk + h) * D, D * sizeof(ELEM));                 \
-                memcpy(v_cache + dst, v + ((size_t)t * Hk + h) * D, D * sizeof(ELEM));                 \
+                memcpy(k_cache + dst, k + t * row_stride + (size_t)h * D, D * sizeof(ELEM));           \
+                memcpy(v_cache + dst, v + t * row_stride + (size_t)h * D, D * sizeof(ELEM));           \
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
                                                                                                        \
-    void decode_attention_##SUFFIX(const ELEM *q, const ELEM *k_cache, const ELEM *v_cache,            \
+    void decode_attention_##SUFFIX(const ELEM *q, int64_t q_stride, const ELEM *k_cache,               \
+                                   const ELEM *v_cache,                                                \
                                    const int32_t *block_tables, const int32_t *ctx_lens, ELEM *out,    \
                                    int B, int Hq, int Hk, int D, int num_blocks, int block_size,       \
                                    int max_blocks, float scale, int num_threads) {                     \
@@ -59,7 +62,7 @@ static inline float f32_store(float x) { return x; }
             float *row = acc + (size_t)G * D;                                                          \
             for (int g = 0; g < G; g++)                                                                \
                 for (int d = 0; d < D; d++)                                                            \
-                    qf[g * D + d] = LOAD(q[((size_t)b * Hq + h * G + g) * D + d]) * scale;             \
+                    qf[g * D + d] = LOAD(q[b * q_stride + ((size_t)h * G + g) * D + d]) * scale;       \
             const int32_t *table = block_tables + (size_t)b * max_blocks;                              \
             const ELEM *kh = k_cache + h * cache_head, *vh = v_cache + h * cache_head;                 \
             for (int t = 0; t < L; t++) {                                                              \
@@ -133,13 +136,13 @@ static inline __m512 bf16x16_to_f32(const uint16_t *src) {
 
 /* AVX-512 BF16: q.k with vdpbf16ps (bf16 pairs into fp32), exp vectorised, p.v in fp32 FMAs.
  * D must be a multiple of 32 and at most 256, G at most 16; anything else takes the generic path. */
-void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *block_tables, const int32_t *ctx_lens, uint16_t *out, int B, int Hq,
                            int Hk, int D, int num_blocks, int block_size, int max_blocks, float scale,
                            int num_threads) {
     int G = Hq / Hk;
     if (D % 32 || D > 256 || G > 16) {
-        decode_attention_bf16_generic(q, k_cache, v_cache, block_tables, ctx_lens, out, B, Hq, Hk, D, num_blocks,
+        decode_attention_bf16_generic(q, q_stride, k_cache, v_cache, block_tables, ctx_lens, out, B, Hq, Hk, D, num_blocks,
                                       block_size, max_blocks, scale, num_threads);
         return;
     }
@@ -153,7 +156,7 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)G * Lp);
         const int32_t *table = block_tables + (size_t)b * max_blocks;
         const uint16_t *kh = k_cache + h * cache_head, *vh = v_cache + h * cache_head;
-        const uint16_t *qb = q + ((size_t)b * Hq + (size_t)h * G) * D;
+        const uint16_t *qb = q + b * q_stride + (size_t)h * G * D;
         __m512bh qv[16 * 8];
         for (int g = 0; g < G; g++)
             for (int c = 0; c < nc; c++) qv[g * nc + c] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c);
@@ -205,8 +208,62 @@ void decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uin
     }
 }
 
-void write_kv_bf16(const uint16_t *k, const uint16_t *v, uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots,
-                   int T, int Hk, int D, int num_blocks, int block_size) {
-    write_kv_bf16_generic(k, v, k_cache, v_cache, slots, T, Hk, D, num_blocks, block_size);
+void write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t row_stride, uint16_t *k_cache, uint16_t *v_cache,
+                   const int64_t *slots, int T, int Hk, int D, int num_blocks, int block_size) {
+    write_kv_bf16_generic(k, v, row_stride, k_cache, v_cache, slots, T, Hk, D, num_blocks, block_size);
 }
 #endif
+
+/* ---- Fused per-layer element-wise steps (bf16). Each replaces 3-6 torch ops, whose dispatch
+ * (~5 us each) is a large share of a small-batch decode step; the arithmetic follows the torch
+ * code it replaces (fp32 inside, rounded to bf16 where torch rounds). */
+
+/* residual = x + residual (bf16, in place); normed = weight * bf16(rms_norm(residual) in fp32). */
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *normed, int T, int H,
+                       float eps, int has_residual) {
+    for (int t = 0; t < T; t++) {
+        const uint16_t *xr = x + (size_t)t * H;
+        uint16_t *rr = residual + (size_t)t * H, *nr = normed + (size_t)t * H;
+        float ss = 0.f;
+        for (int i = 0; i < H; i++) {
+            uint16_t sum = has_residual ? bf16_store(bf16_load(xr[i]) + bf16_load(rr[i])) : xr[i];
+            rr[i] = sum;
+            float f = bf16_load(sum);
+            ss += f * f;
+        }
+        float inv = 1.0f / sqrtf(ss / H + eps);
+        for (int i = 0; i < H; i++)
+            nr[i] = bf16_store(bf16_load(weight[i]) * bf16_load(bf16_store(bf16_load(rr[i]) * inv)));
+    }
+}
+
+/* out[t, i] = silu(gate[t, i]) * up[t, i], with x[t] = [gate | up] (each I wide). */
+void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
+    for (int t = 0; t < T; t++) {
+        const uint16_t *gate = x + (size_t)t * 2 * I, *up = gate + I;
+        uint16_t *o = out + (size_t)t * I;
+        for (int i = 0; i < I; i++) {
+            float g = bf16_load(gate[i]);
+            o[i] = bf16_store(bf16_load(bf16_store(g / (1.0f + expf(-g)))) * bf16_load(up[i]));
+        }
+    }
+}
+
+/* Neox rotary in place on the first H heads of each row (q and k heads, side by side in the qkv
+ * output; rows row_stride apart): x * cos + rotate_half(x) * sin, with cos [T, D] and sin [T, D]
+ * already laid out over the whole head (sin negated on the first half), as RotaryEmbedding.tables. */
+void rotary_bf16(uint16_t *x, int64_t row_stride, const float *cos, const float *sin, int T, int H, int D) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
+        for (int h = 0; h < H; h++) {
+            uint16_t *xh = x + t * row_stride + (size_t)h * D;
+            float f[512];
+            for (int i = 0; i < D; i++) f[i] = bf16_load(xh[i]);
+            for (int i = 0; i < D; i++) {
+                float rot = i < half ? f[i + half] : f[i - half];
+                xh[i] = bf16_store(f[i] * c[i] + rot * s[i]);
+            }
+        }
+    }
+}

@@ -88,3 +88,63 @@ def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path):
         assert make_attention_backend("auto", torch.device("cpu")).kernels is None
     finally:
         cpu_kernels.load.cache_clear()
+
+
+def bf16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to one bf16 rounding step (the kernels may fuse a multiply-add that torch rounds twice)."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1 / 128)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_fused_add_rms_norm_equals_rmsnorm_module(kernels, with_residual):
+    from model_parallel.layers import RMSNorm
+
+    torch.manual_seed(0)
+    ref = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    ref.weight.data.normal_(1.0, 0.2)
+    x = torch.randn(7, 576).to(torch.bfloat16)
+    residual = torch.randn(7, 576).to(torch.bfloat16) if with_residual else None
+    want_normed, want_residual = ref(x, residual)
+    got_normed, got_residual = kernels.add_rms_norm(x, residual.clone() if with_residual else None, ref.weight,
+                                                    1e-5)
+    assert torch.equal(got_residual, want_residual)  # one bf16 add, rounded the same way
+    bf16_close(got_normed, want_normed)
+
+
+def test_fused_silu_and_mul_equals_torch(kernels):
+    from model_parallel.layers import silu_and_mul
+
+    x = (torch.randn(5, 2 * 1536) * 4).to(torch.bfloat16)
+    bf16_close(kernels.silu_and_mul(x), silu_and_mul(x))
+
+
+def test_rotary_in_place_equals_rotary_module(kernels):
+    from model_parallel.layers import RotaryEmbedding
+
+    rotary = RotaryEmbedding(64, 2048, 10000.0)
+    t, hq, hk = 6, 9, 3
+    qkv = torch.randn(t, (hq + 2 * hk) * 64).to(torch.bfloat16)
+    tables = rotary.tables(torch.tensor([0, 1, 5, 17, 300, 2047]))
+    want = rotary.apply(qkv[:, : (hq + hk) * 64].view(t, -1, 64), tables)
+    got = qkv.clone()
+    kernels.rotary_(got, hq + hk, 64, *tables)
+    bf16_close(got[:, : (hq + hk) * 64].view(t, -1, 64), want)
+    assert torch.equal(got[:, (hq + hk) * 64 :], qkv[:, (hq + hk) * 64 :])  # v heads untouched
+
+
+def test_strided_views_of_qkv_are_read_in_place(kernels):
+    """q/k/v as views into one fused qkv row (no copies) give what contiguous copies give."""
+    hq, hk, d, bs, num_blocks, batch = 9, 3, 64, 16, 64, 5
+    k_cache, v_cache, lens, tables = scattered_batch(batch, 60, hk, d, num_blocks, bs, torch.bfloat16, seed=3)
+    qkv = torch.randn(batch, (hq + 2 * hk) * d).to(torch.bfloat16)
+    q = qkv[:, : hq * d].view(batch, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(batch, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(batch, hk, d)
+    slots = (tables[:, 0].long() * bs)  # each sequence's first slot
+    caches = [c.clone() for c in (k_cache, v_cache)]
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    kernels.write_kv(k.contiguous(), v.contiguous(), caches[0], caches[1], slots)
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, tables, lens),
+                       kernels.decode_attention(q.contiguous(), k_cache, v_cache, tables, lens))
