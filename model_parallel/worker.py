@@ -36,6 +36,7 @@ class Worker:
         self.rank = rank
         world = config.parallel.tensor_parallel_size
         device = resolve_device(config.parallel.device)
+        self.step_threads = self.single_sequence_threads = 0
         if device.type == "cuda":
             # Under Ray each rank sees only its own GPU; otherwise pick by rank.
             device = torch.device("cuda", 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else rank)
@@ -43,6 +44,8 @@ class Worker:
         else:
             threads = config.parallel.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // world)
             torch.set_num_threads(threads)
+            self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
+            self.single_sequence_threads = config.parallel.cpu_threads_single_sequence
         self.device = device
         group = None
         if world > 1:
@@ -102,6 +105,10 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"
+        if self.single_sequence_threads:
+            want = self.single_sequence_threads if len(step.seqs) == 1 else self.step_threads
+            if torch.get_num_threads() != want:  # ~1 us; only when the batch crosses one sequence
+                torch.set_num_threads(want)
         return self.runner.execute(step)
 
     def load_lora(self, slot: int, lora_id: int, path: str) -> int:

@@ -124,3 +124,34 @@ def test_tensor_parallel_2_greedy_matches(gguf_path, eos, chat_prompts, referenc
         assert eng.generate(chat_prompts[:4], GREEDY) == reference_outputs[:4]
     finally:
         eng.shutdown()
+
+
+def test_a_lone_sequence_gets_its_own_thread_count(gguf_path, eos, chat_prompts):
+    """cpu_threads_single_sequence applies to steps of one sequence only; batches use cpu_threads_per_rank."""
+    before = torch.get_num_threads()
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="bfloat16"),
+            cache=CacheConfig(kv_cache_bytes=64 << 20),
+            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2),
+        ),
+        eos_token_ids=eos,
+    )
+    seen: list[tuple[int, int]] = []  # (sequences in the step, torch threads while it ran)
+    runner = eng.executor.worker.runner
+    run = runner.execute
+
+    def spy(step):
+        seen.append((len(step.seqs), torch.get_num_threads()))
+        return run(step)
+
+    runner.execute = spy
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        eng.generate(chat_prompts[:2], params)  # both in every step, finishing together
+        eng.generate(chat_prompts[:1], params)
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)
+    assert {threads for n, threads in seen if n == 1} == {2}
+    assert {threads for n, threads in seen if n > 1} == {1}
