@@ -3,7 +3,8 @@
     python benchmarks/engine_bench.py [--batches 1,16,64] [--new-tokens 64] [--dtypes bfloat16,float32]
                                       [--rounds 2] [--threads 0]
 
-Prints one JSON line per (dtype, batch) with our tokens/s, transformers' tokens/s and the ratio.
+Prints one JSON line per (dtype, batch) with our tokens/s, transformers' tokens/s and the ratio, and
+the tokens/s that the bare matmuls alone would allow (`gemm_only_*`: the ceiling for any engine).
 The two run alternately, `--rounds` times each, and each side reports its best round: this machine
 is shared, and a single run of either varies by +-20 %.
 """
@@ -75,12 +76,39 @@ def bench_transformers(model, tokenizer, batch: list[list[int]], new_tokens: int
     return (out.shape[1] - width) * len(batch) / elapsed
 
 
+def gemm_floor(model, batch: list[list[int]], new_tokens: int) -> float:
+    """Seconds for the matmuls alone that any engine must run for this batch: every prompt token
+    through every projection, then `new_tokens - 1` decode steps of one row per sequence, plus the
+    LM head for one row per sequence per step. Nothing else (no attention, norms or sampling), so
+    `transformers' seconds / this` is the most any bf16-GEMM engine can gain over it here."""
+    import torch.nn.functional as F
+
+    linears = [m.weight for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
+    head = model.get_output_embeddings().weight
+    dtype, b, prompt_tokens = head.dtype, len(batch), sum(len(p) for p in batch)
+    prefill = {w.shape[1]: torch.randn(prompt_tokens, w.shape[1], dtype=dtype) for w in linears}
+    decode = {w.shape[1]: torch.randn(b, w.shape[1], dtype=dtype) for w in linears}
+    rows = torch.randn(b, head.shape[1], dtype=dtype)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        for w in linears:
+            F.linear(prefill[w.shape[1]], w)
+        F.linear(rows, head)
+        for _ in range(new_tokens - 1):
+            for w in linears:
+                F.linear(decode[w.shape[1]], w)
+            F.linear(rows, head)
+        return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--no-gemm-floor", action="store_true", help="skip timing the bare matmuls (the bf16 ceiling)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="our engine's torch threads (0 = all cores, as "
                     "transformers uses); cluster.yaml serves with 1")
@@ -107,17 +135,24 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
         for b in batches:
             batch = prompts(tokenizer, b)
-            ours_runs, ref_runs = [], []
+            ours_runs, ref_runs, floor_runs = [], [], []
             for _ in range(args.rounds):  # alternate, so drifting machine load hits both
                 ours_runs.append(bench_ours(engine, batch, args.new_tokens))
                 if hf is not None:
                     ref_runs.append(bench_transformers(hf, tokenizer, batch, args.new_tokens))
+                    if not args.no_gemm_floor:
+                        floor_runs.append(b * args.new_tokens / gemm_floor(hf, batch, args.new_tokens))
             ours, ref = max(ours_runs), max(ref_runs, default=None)
+            floor = max(floor_runs, default=None)
             print(json.dumps({
                 "bench": "engine", "dtype": dtype, "batch": b, "new_tokens": args.new_tokens,
                 "threads": torch.get_num_threads(), "rounds": args.rounds,
                 "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,
                 "ratio": round(ours / ref, 2) if ref else None,
+                # Tokens/s if the bare matmuls were the whole cost, and that over transformers: the
+                # ceiling on `ratio` for any engine computing in this dtype on this machine.
+                "gemm_only_tok_s": round(floor, 1) if floor else None,
+                "gemm_only_ratio": round(floor / ref, 2) if floor and ref else None,
                 "ours_runs": [round(x, 1) for x in ours_runs], "transformers_runs": [round(x, 1) for x in ref_runs],
             }), flush=True)
             bar.update()

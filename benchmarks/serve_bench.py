@@ -170,10 +170,10 @@ async def sweep(args, servers: dict[str, str], floor, rows: list[dict]) -> None:
             if not r.ok:
                 raise SystemExit(f"warm-up request to {name} ({url}) failed: {r.error}")
         for variant in args.variants:
-            total = sum(args.n_requests(c) for c in args.concurrency) * (len(servers) + bool(floor))
+            total = sum(args.n_requests(variant, c) for c in args.concurrency) * (len(servers) + bool(floor))
             bar = tqdm(total=total, desc=f"{variant} sweep", unit="req", file=sys.stderr, dynamic_ncols=True)
             for c in args.concurrency:
-                prompts = messages_for(variant, args.n_requests(c), salt=args.prompt_seed * 1009 + c)
+                prompts = messages_for(variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c)
                 point = []
                 for name, url in servers.items():
                     bar.set_postfix_str(f"{name} c={c}")
@@ -214,7 +214,8 @@ def parse_args(argv=None):
                     help="also time transformers' static-batch generate (batch = concurrency)")
     ap.add_argument("--floor-dtype", default="bfloat16", help="dtype for the transformers floor")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
-    ap.add_argument("--requests", type=int, default=0, help="requests per point (default max(2*c, 8))")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests per point (default: short max(4*c, 8), long max(2*c, 8))")
     ap.add_argument("--variants", default="short,long", help="short (max_tokens 64), long (~1k-token prompts, 32)")
     ap.add_argument("--prompt-seed", type=int, default=None,
                     help="seed of the long prompts (default: from the clock, so a server's prefix cache "
@@ -240,7 +241,11 @@ def parse_args(argv=None):
     if bad or not args.concurrency or min(args.concurrency) < 1:
         ap.error(f"bad --variants {bad} or --concurrency {args.concurrency}")
     fixed = args.requests
-    args.n_requests = (lambda c: fixed) if fixed > 0 else (lambda c: max(2 * c, 8))
+    # Closed-loop clients start together, so each point has a ramp-up and a drain; short points get
+    # four rounds of requests per client so that steady state dominates. Long points keep two: the
+    # peer serves ~0.25 of them per second, and --point-timeout must still bound the run.
+    args.n_requests = (lambda variant, c: fixed) if fixed > 0 else (
+        lambda variant, c: max((4 if variant == "short" else 2) * c, 8))
     return args
 
 
