@@ -68,7 +68,9 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | sdpa | xformers
+    # auto: xformers on CUDA; on CPU torch SDPA for prefill with the C kernels (cpu_kernels.py) for
+    # decode. sdpa: torch only. xformers: CUDA only.
+    attention_backend: str = "auto"
     # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
     cpu_threads_per_rank: int = 0
     # Threads for a step that runs a single sequence (one stream decoding alone), 0 = the same as

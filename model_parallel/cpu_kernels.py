@@ -45,14 +45,21 @@ def _cpu_tag() -> str:
     return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:12]
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernels (or reuse a cached build) and return the shared library's path."""
+def build(out_dir: Path | None = None, cflags: list[str] | None = None) -> Path:
+    """Compile the kernels (or reuse a cached build) and return the shared library's path.
+    `cflags` replaces CFLAGS (tests build the portable, non-AVX-512 fallback this way)."""
+    cflags = cflags or CFLAGS
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     src = SOURCE.read_bytes()
-    digest = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
+    digest = hashlib.sha256(src + " ".join(cflags).encode()).hexdigest()[:16]
+    if out_dir is None:
+        out_dir = cache_dir()
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only home (some containers): build in the temp dir instead
+            out_dir = Path(tempfile.gettempdir()) / "model_parallel_kernels"
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"paged_attention-{digest}-{_cpu_tag()}.so"
     if target.exists():
@@ -61,7 +68,7 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *cflags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as exc:
@@ -95,6 +102,10 @@ class PagedKernels:
         self._norm = _bind(lib, "add_rms_norm_bf16", [p, p, p, p, i, i, f, i])
         self._silu = _bind(lib, "silu_and_mul_bf16", [p, p, i, i])
         self._rotary = _bind(lib, "rotary_bf16", [p, i64, p, p, i, i, i])
+        lib.kernels_vectorized.restype = ctypes.c_int
+        # AVX-512 BF16 build: the norm and SiLU kernels beat torch's at every size measured (1-2,048
+        # tokens); the scalar fallback loses from a few tokens, so then the model keeps torch's.
+        self.vectorized = bool(lib.kernels_vectorized())
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:

@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); fusing the residual add saves one pass over activations."""
-        if self.kernels is not None and x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+        if (self.kernels is not None and self.kernels.vectorized and x.dtype == torch.bfloat16
+                and self.weight.dtype == torch.bfloat16):
             return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual

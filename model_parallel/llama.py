@@ -61,7 +61,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and gate_up.dtype == torch.bfloat16:
+        if self.kernels is not None and self.kernels.vectorized and gate_up.dtype == torch.bfloat16:
             return self.down_proj(self.kernels.silu_and_mul(gate_up))
         return self.down_proj(silu_and_mul(gate_up))
 

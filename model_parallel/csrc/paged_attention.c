@@ -112,9 +112,9 @@ DEFINE_KERNELS(f32, float, f32_load, f32_store)
 #ifdef HAVE_AVX512_BF16
 #include <immintrin.h>
 
-/* e^x for x <= 0 (scores minus their max): 2^(x log2 e) split into integer and fraction, the
- * fraction by its Taylor series to degree 6 (relative error < 2e-7), scaled by 2^integer. */
-static inline __m512 exp_nonpositive(__m512 x) {
+/* e^x for x <= 88 (below -87 it is taken as e^-87): 2^(x log2 e) split into integer and fraction,
+ * the fraction by its Taylor series to degree 6 (relative error < 2e-7), scaled by 2^integer. */
+static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -178,7 +178,7 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             for (int t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_load_ps(sg + t));
             __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m)), sum = _mm512_setzero_ps();
             for (int t = 0; t < Lp; t += 16) {
-                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sg + t), mx));
+                __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sg + t), mx));
                 _mm512_store_ps(sg + t, e);
                 sum = _mm512_add_ps(sum, e);
             }
@@ -219,7 +219,7 @@ void write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t row_stride, uin
  * code it replaces (fp32 inside, rounded to bf16 where torch rounds). */
 
 /* residual = x + residual (bf16, in place); normed = weight * bf16(rms_norm(residual) in fp32). */
-void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *normed, int T, int H,
+static void add_rms_norm_scalar(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *normed, int T, int H,
                        float eps, int has_residual) {
     for (int t = 0; t < T; t++) {
         const uint16_t *xr = x + (size_t)t * H;
@@ -238,7 +238,7 @@ void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *we
 }
 
 /* out[t, i] = silu(gate[t, i]) * up[t, i], with x[t] = [gate | up] (each I wide). */
-void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
+static void silu_and_mul_scalar(const uint16_t *x, uint16_t *out, int T, int I) {
     for (int t = 0; t < T; t++) {
         const uint16_t *gate = x + (size_t)t * 2 * I, *up = gate + I;
         uint16_t *o = out + (size_t)t * I;
@@ -266,4 +266,70 @@ void rotary_bf16(uint16_t *x, int64_t row_stride, const float *cos, const float 
             }
         }
     }
+}
+
+#ifdef HAVE_AVX512_BF16
+static inline __m512 round_bf16(__m512 x) { /* to bf16 (nearest even) and back, as torch rounds */
+    __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store_bf16x16(uint16_t *dst, __m512 x) {
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
+
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, uint16_t *normed, int T, int H,
+                       float eps, int has_residual) {
+#ifdef HAVE_AVX512_BF16
+    if (H % 16 == 0) {
+        for (int t = 0; t < T; t++) {
+            const uint16_t *xr = x + (size_t)t * H;
+            uint16_t *rr = residual + (size_t)t * H, *nr = normed + (size_t)t * H;
+            __m512 ss = _mm512_setzero_ps();
+            for (int i = 0; i < H; i += 16) {
+                __m512 v = bf16x16_to_f32(xr + i);
+                if (has_residual) v = round_bf16(_mm512_add_ps(v, bf16x16_to_f32(rr + i)));
+                store_bf16x16(rr + i, v);
+                ss = _mm512_fmadd_ps(v, v, ss);
+            }
+            __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / H + eps));
+            for (int i = 0; i < H; i += 16) {
+                __m512 n = round_bf16(_mm512_mul_ps(bf16x16_to_f32(rr + i), inv));
+                store_bf16x16(nr + i, _mm512_mul_ps(bf16x16_to_f32(weight + i), n));
+            }
+        }
+        return;
+    }
+#endif
+    add_rms_norm_scalar(x, residual, weight, normed, T, H, eps, has_residual);
+}
+
+void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int T, int I) {
+#ifdef HAVE_AVX512_BF16
+    if (I % 16 == 0) {
+        __m512 one = _mm512_set1_ps(1.0f);
+        for (int t = 0; t < T; t++) {
+            const uint16_t *gate = x + (size_t)t * 2 * I, *up = gate + I;
+            uint16_t *o = out + (size_t)t * I;
+            for (int i = 0; i < I; i += 16) {
+                __m512 g = bf16x16_to_f32(gate + i);
+                __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+                store_bf16x16(o + i, _mm512_mul_ps(silu, bf16x16_to_f32(up + i)));
+            }
+        }
+        return;
+    }
+#endif
+    silu_and_mul_scalar(x, out, T, I);
+}
+
+/* 1 when built with the AVX-512 BF16 paths: without them, norm and SiLU above are scalar loops that
+ * lose to torch's vectorised ops beyond a few tokens, so the engine keeps torch's for those. */
+int kernels_vectorized(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }

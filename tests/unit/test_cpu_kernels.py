@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 
 import pytest
@@ -148,3 +149,30 @@ def test_strided_views_of_qkv_are_read_in_place(kernels):
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
     assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, tables, lens),
                        kernels.decode_attention(q.contiguous(), k_cache, v_cache, tables, lens))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build is checked on x86-64")
+def test_portable_build_without_avx512_agrees_too(tmp_path):
+    """CPUs without AVX-512 BF16 get the plain C paths; they must give the same answers."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    portable = cpu_kernels.PagedKernels(cpu_kernels.build(tmp_path, ["-O3", "-march=x86-64-v2", "-fopenmp", "-shared",
+                                                                     "-fPIC", "-std=gnu11"]))
+    assert not portable.vectorized
+    k_cache, v_cache, lens, tables = scattered_batch(6, 70, 3, 64, 40, 16, torch.bfloat16, seed=5)
+    q = torch.randn(6, 9, 64).to(torch.bfloat16)
+    native = cpu_kernels.load()
+    if native is not None:
+        torch.testing.assert_close(portable.decode_attention(q, k_cache, v_cache, tables, lens).float(),
+                                   native.decode_attention(q, k_cache, v_cache, tables, lens).float(),
+                                   atol=2e-2, rtol=2e-2)
+    from model_parallel.layers import RMSNorm, silu_and_mul
+
+    x = (torch.randn(3, 2 * 96) * 3).to(torch.bfloat16)
+    bf16_close(portable.silu_and_mul(x), silu_and_mul(x))
+    norm = RMSNorm(96, 1e-5).to(torch.bfloat16)
+    h, r = torch.randn(3, 96).to(torch.bfloat16), torch.randn(3, 96).to(torch.bfloat16)
+    want = norm(h, r)
+    got = portable.add_rms_norm(h, r.clone(), norm.weight, 1e-5)
+    bf16_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
