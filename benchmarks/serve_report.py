@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 
 COLUMNS = [
@@ -84,6 +85,11 @@ def write(rows: list[dict], results_dir: str) -> list[str]:
 
     emit("serve", "jsonl", jsonl)
     emit("serve", "md", md)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # the numbers are written; only the pictures need it
+        print("matplotlib is not installed: no plots (.venv/bin/pip install matplotlib)", file=sys.stderr)
+        return written
     for variant in dict.fromkeys(r["variant"] for r in rows):
         emit(f"serve-{variant}", "png", lambda p, v=variant: plot(rows, v, p))
     return written

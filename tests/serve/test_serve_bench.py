@@ -1,0 +1,35 @@
+"""benchmarks/serve_bench.py against the real test server: a small sweep, its JSON lines, table and plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from tests.serve.conftest import API_KEY
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_sweep_of_a_running_server_writes_lines_table_and_plot(server, tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import serve_bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rc = serve_bench.main(["--url", f"ours={server}", "--api-key", API_KEY, "--variants", "short",
+                           "--concurrency", "1,2", "--requests", "2", "--wait-idle", "0",
+                           "--results-dir", str(tmp_path)])
+    assert rc == 0
+    lines = [json.loads(x) for x in (tmp_path / "serve-latest.jsonl").read_text().splitlines()]
+    assert [(x["server"], x["variant"], x["concurrency"]) for x in lines] == [("ours", "short", 1), ("ours", "short", 2)]
+    for x in lines:
+        assert x["errors"] == 0 and x["completed"] == 2 and not x["timed_out"], x
+        assert x["tokens_from"] == "usage" and 2 <= x["completion_tokens"] <= 2 * x["max_tokens"]
+        assert x["output_tokens_per_s"] > 0 and 0 < x["ttft_p50_s"] <= x["ttft_p95_s"] < x["wall_s"]
+        assert x["prompt_tokens_mean"] > 10  # chat-templated prompts, counted by the server
+    table = (tmp_path / "serve-latest.md").read_text()
+    assert "| ours | short | 1 | 2 | 0 |" in table and "| ours | short | 2 | 2 | 0 |" in table
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "serve-short-latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
