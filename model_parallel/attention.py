@@ -120,17 +120,18 @@ class SDPAAttention:
             write_cache(v_cache, meta.slot_mapping, v)
         t, hq, d = q.shape
         nd = meta.num_decode
-        if kernels is not None and nd == t:  # a pure decode step: no copy into a shared output
-            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
-            return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                            meta.decode_ctx_lens).view(t, hq * d)
-        out = torch.empty_like(q)
+        decoded = None
         if nd and kernels is not None:
             assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
-            out[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_ctx_lens)
+            decoded = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_ctx_lens)
+            if nd == t:  # a pure decode step: no copy into a shared output
+                return decoded.view(t, hq * d)
         elif nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta)
+            decoded = decode_attention(q[:nd], k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if p.slots is None:
