@@ -16,8 +16,10 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,6 +33,7 @@ from model_parallel.config import (  # noqa: E402
 )
 from model_parallel.engine import LLMEngine  # noqa: E402
 from model_parallel.model_files import default_model_path  # noqa: E402
+from model_parallel.parallel import OneDNNWeight, onednn_available  # noqa: E402
 from model_parallel.sampling_params import SamplingParams  # noqa: E402
 
 QUESTIONS = [
@@ -80,25 +83,33 @@ def gemm_floor(model, batch: list[list[int]], new_tokens: int) -> float:
     """Seconds for the matmuls alone that any engine must run for this batch: every prompt token
     through every projection, then `new_tokens - 1` decode steps of one row per sequence, plus the
     LM head for one row per sequence per step. Nothing else (no attention, norms or sampling), so
-    `transformers' seconds / this` is the most any bf16-GEMM engine can gain over it here."""
-    import torch.nn.functional as F
-
+    `transformers' seconds / this` is the most any engine with these GEMMs can gain over it here.
+    The weights are reordered for oneDNN as our engine's are (parallel.OneDNNWeight): the fastest
+    GEMM we know of in this dtype, so the ceiling holds for us too."""
     linears = [m.weight for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
     head = model.get_output_embeddings().weight
     dtype, b, prompt_tokens = head.dtype, len(batch), sum(len(p) for p in batch)
-    prefill = {w.shape[1]: torch.randn(prompt_tokens, w.shape[1], dtype=dtype) for w in linears}
-    decode = {w.shape[1]: torch.randn(b, w.shape[1], dtype=dtype) for w in linears}
+
+    def gemm(w: torch.Tensor):
+        if onednn_available(w.device, w.dtype):
+            return partial(OneDNNWeight(w), bias=None)
+        return partial(F.linear, weight=w)
+
+    layers = [(gemm(w), w.shape[1]) for w in linears]
+    head_gemm = gemm(head)
+    prefill = {k: torch.randn(prompt_tokens, k, dtype=dtype) for _, k in layers}
+    decode = {k: torch.randn(b, k, dtype=dtype) for _, k in layers}
     rows = torch.randn(b, head.shape[1], dtype=dtype)
     with torch.no_grad():
         t0 = time.perf_counter()
-        for w in linears:
-            F.linear(prefill[w.shape[1]], w)
-        F.linear(rows, head)
+        for fn, k in layers:
+            fn(prefill[k])
+        head_gemm(rows)
         for _ in range(new_tokens - 1):
-            for w in linears:
-                F.linear(decode[w.shape[1]], w)
-            F.linear(rows, head)
+            for fn, k in layers:
+                fn(decode[k])
+            head_gemm(rows)
         return time.perf_counter() - t0
 
 

@@ -18,6 +18,9 @@ class ModelConfig:
     # auto: on CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 weight-only
     # copies, used for steps of few tokens (decode at low concurrency), where they are 3-4x faster.
     small_batch_quant: str = "auto"  # auto | none
+    # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see parallel.OneDNNWeight).
+    # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
+    cpu_weight_prepack: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + ("auto",):

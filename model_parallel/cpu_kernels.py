@@ -102,6 +102,7 @@ class PagedKernels:
         self._norm = _bind(lib, "add_rms_norm_bf16", [p, p, p, p, i, i, f, i])
         self._silu = _bind(lib, "silu_and_mul_bf16", [p, p, i, i])
         self._rotary = _bind(lib, "rotary_bf16", [p, i64, p, p, i, i, i])
+        self._argmax = _bind(lib, "argmax_rows_bf16", [p, i64, i, i, p, i])
         lib.kernels_vectorized.restype = ctypes.c_int
         # AVX-512 BF16 build: the norm and SiLU kernels beat torch's from 1 to 1,024 tokens and are
         # level at 2,048; the scalar fallback loses from a few tokens, so then the model keeps torch's.
@@ -157,6 +158,16 @@ class PagedKernels:
         cos, sin: contiguous fp32 with T rows of head_dim (RotaryEmbedding.tables)."""
         assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and head_dim <= 512
         self._rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads, head_dim)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Index of each row's largest value ([R, V] bf16 -> [R] int64), first on ties, as torch.argmax."""
+        assert logits.dtype == torch.bfloat16 and logits.dim() == 2
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        self._argmax(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                     torch.get_num_threads())
+        return out
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:

@@ -67,6 +67,8 @@ class ModelRunner:
         # and a gather index built from them.
         self.decode_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
                                and kv_caches[0][0].dtype in KERNEL_DTYPES)
+        kernels = getattr(backend, "kernels", None)
+        self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -175,7 +177,7 @@ class ModelRunner:
         if sampling:
             tensors = self.sampling_tensors(sampling)
             rows_needed = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            token_ids, logprobs = sample(rows_needed, tensors)
+            token_ids, logprobs = sample(rows_needed, tensors, self.argmax)
             for i, s in enumerate(sampling):
                 out.sampled[s.request_id] = token_ids[i]
                 if logprobs is not None and s.params and s.params.logprobs is not None:

@@ -8,6 +8,7 @@ do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,14 @@ def _truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits.masked_fill(drop_unsorted, float("-inf"))
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> tuple[list[int], list[TokenLogprob] | None]:
-    """logits: [B, V] in the model dtype. Returns chosen token ids and, if asked, their logprobs."""
+def sample(logits: torch.Tensor, t: SamplingTensors,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
+    """logits: [B, V] in the model dtype. Returns chosen token ids and, if asked, their logprobs.
+    argmax: a kernel that reads bf16 logits directly (cpu_kernels), for the all-greedy fast path."""
     if t.all_greedy and t.max_logprobs is None and t.additive is None and not t.penalty_rows:
-        # The common fast path. argmax over fp32 is ~3x faster than over bf16 on CPU (vectorized), and exact.
+        # The common fast path. torch's argmax over fp32 is ~3x faster than over bf16 (vectorized), and exact.
+        if argmax is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
+            return argmax(logits).tolist(), None
         return logits.float().argmax(-1).tolist(), None
     logits = logits.float()
     if t.additive is not None:

@@ -19,7 +19,12 @@ from model_parallel.llama import LlamaForCausalLM
 from model_parallel.loader import load_weights
 from model_parallel.lora import LoRAManager
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
-from model_parallel.parallel import TPGroup, pack_small_batch_weights
+from model_parallel.parallel import (
+    TPGroup,
+    onednn_available,
+    pack_small_batch_weights,
+    prepack_onednn_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,8 @@ class Worker:
         if config.model.small_batch_quant == "auto" and device.type == "cpu" and self.dtype == torch.bfloat16:
             packed = pack_small_batch_weights(self.model, source_bits)
             log.info("packed %d layers for small-batch weight-only kernels", packed)
+        if config.model.cpu_weight_prepack and onednn_available(device, self.dtype):
+            log.info("reordered %d weights into oneDNN's layout", prepack_onednn_weights(self.model))
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None

@@ -34,8 +34,11 @@ def scattered_batch(batch: int, max_len: int, hk: int, d: int, num_blocks: int, 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_kernel_equals_torch_decode(kernels, dtype, atol, threads):
-    hq, hk, d, bs, num_blocks, batch = 9, 3, 64, 16, 200, 24
+# SmolLM2's heads (9 over 3 KV heads of 64), Llama-3's (4 per KV head of 128), no GQA, a head dim
+# that the specialised bf16 kernel leaves to the generic one, and a larger block.
+@pytest.mark.parametrize("hq,hk,d,bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 32), (6, 2, 96, 16)])
+def test_decode_kernel_equals_torch_decode(kernels, dtype, atol, threads, hq, hk, d, bs):
+    num_blocks, batch = 200, 24
     k_cache, v_cache, lens, tables = scattered_batch(batch, 130, hk, d, num_blocks, bs, dtype, seed=1)
     q = torch.randn(batch, hq, d).to(dtype)
     width = tables.shape[1]
@@ -176,3 +179,48 @@ def test_portable_build_without_avx512_agrees_too(tmp_path):
     got = portable.add_rms_norm(h, r.clone(), norm.weight, 1e-5)
     bf16_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 49152), (3, 17), (2, 7), (5, 49153)])
+def test_argmax_of_bf16_rows_equals_torch(kernels, rows, vocab):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, vocab, generator=g).to(torch.bfloat16)
+    x[0, vocab // 3] = x[0, vocab // 2] = x[0].max() + 1  # a tie: the first index wins, as in torch
+    x[-1, -1] = x[-1].max() + 1  # the largest in the scalar tail
+    assert torch.equal(kernels.argmax(x), x.float().argmax(-1))
+    assert torch.equal(kernels.argmax(x[:, : vocab - 1]), x[:, : vocab - 1].float().argmax(-1))  # strided rows
+
+
+def test_argmax_handles_infinities_and_nan_as_torch(kernels):
+    x = torch.full((3, 100), float("-inf"), dtype=torch.bfloat16)
+    x[1, 50] = x[1, 70] = float("nan")
+    x[2, 99] = float("inf")
+    assert torch.equal(kernels.argmax(x), x.float().argmax(-1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_kernels_split_across_threads_agree(kernels, threads):
+    """Enough rows that norm, SiLU and rotary split them across threads: same results as torch."""
+    from model_parallel.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(1)
+        t = 37
+        x = (torch.randn(t, 2 * 256) * 4).to(torch.bfloat16)
+        bf16_close(kernels.silu_and_mul(x), silu_and_mul(x))
+        norm = RMSNorm(128, 1e-5).to(torch.bfloat16)
+        h, r = torch.randn(t, 128).to(torch.bfloat16), torch.randn(t, 128).to(torch.bfloat16)
+        want_normed, want_residual = norm(h, r)
+        got_normed, got_residual = kernels.add_rms_norm(h, r.clone(), norm.weight, 1e-5)
+        assert torch.equal(got_residual, want_residual)
+        bf16_close(got_normed, want_normed)
+        rotary = RotaryEmbedding(128, 512, 10000.0)
+        qkv = torch.randn(t, 5 * 128).to(torch.bfloat16)
+        tables = rotary.tables(torch.arange(100, 100 + t))
+        got = qkv.clone()
+        kernels.rotary_(got, 4, 128, *tables)
+        bf16_close(got[:, : 4 * 128].view(t, 4, 128), rotary.apply(qkv[:, : 4 * 128].view(t, 4, 128), tables))
+    finally:
+        torch.set_num_threads(before)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from model_parallel import parallel
-from model_parallel.parallel import PackedWeight, linear
+from model_parallel.parallel import OneDNNWeight, PackedWeight, linear
 
 
 def test_linear_picks_the_kernel_by_tokens_per_step():
@@ -20,3 +21,45 @@ def test_linear_picks_the_kernel_by_tokens_per_step():
     # The int4 copy reproduces the weight up to its 4-bit grid (groups of 32 inputs).
     exact = F.linear(small.float(), weight.float())
     assert (packed(small).float() - exact).norm() / exact.norm() < 0.15
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_prepacked_weight_equals_plain_linear(dtype, with_bias):
+    """The weight reordered once into oneDNN's layout gives F.linear's result at every batch size
+    (the layout is made for 64 rows; 1, 7, 100 and 700 rows run on it too)."""
+    if not parallel.onednn_available(torch.device("cpu"), dtype):
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    weight = (torch.randn(200, 96) * 0.05).to(dtype)
+    bias = torch.randn(200).to(dtype) if with_bias else None
+    prepacked = OneDNNWeight(weight)
+    for rows in (1, 7, 64, 100, 700):
+        x = torch.randn(rows, 96).to(dtype)
+        got = linear(x, weight, bias, None, prepacked)
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5 if dtype == torch.float32 else 0,
+                                   atol=1e-5 if dtype == torch.float32 else 0)
+
+
+def test_small_batches_keep_the_weight_only_kernel_when_prepacked():
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) * 0.05).bfloat16()
+    packed = PackedWeight(weight, 4)
+    small = torch.randn(parallel.SMALL_BATCH_TOKENS, 64).bfloat16()
+    prepacked = OneDNNWeight(weight) if parallel.onednn_available(torch.device("cpu"), torch.bfloat16) else None
+    torch.testing.assert_close(linear(small, weight, None, packed, prepacked), packed(small), rtol=0, atol=0)
+
+
+def test_prepack_covers_every_linear_layer_and_the_lm_head():
+    from model_parallel.config import LlamaArch
+    from model_parallel.llama import LlamaForCausalLM
+    from model_parallel.parallel import TPGroup, prepack_onednn_weights
+
+    if not parallel.onednn_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("torch built without oneDNN")
+    arch = LlamaArch(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                     tie_word_embeddings=True)
+    model = LlamaForCausalLM(arch, TPGroup(), attn_backend=None)  # random weights: only the count matters
+    assert prepack_onednn_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
+    assert all(m.onednn is not None for m in model.modules() if hasattr(m, "onednn"))
