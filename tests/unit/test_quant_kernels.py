@@ -50,16 +50,33 @@ def test_small_batches_keep_the_weight_only_kernel_when_prepacked():
     torch.testing.assert_close(linear(small, weight, None, packed, prepacked), packed(small), rtol=0, atol=0)
 
 
-def test_prepack_covers_every_linear_layer_and_the_lm_head():
+def tiny_model():
     from model_parallel.config import LlamaArch
     from model_parallel.llama import LlamaForCausalLM
-    from model_parallel.parallel import TPGroup, prepack_onednn_weights
+    from model_parallel.parallel import TPGroup
 
-    if not parallel.onednn_available(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("torch built without oneDNN")
     arch = LlamaArch(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1e4,
                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(arch, TPGroup(), attn_backend=None)  # random weights: only the count matters
+    return LlamaForCausalLM(arch, TPGroup(), attn_backend=None).bfloat16()  # random weights: shapes only
+
+
+def test_lm_head_leaves_the_int4_kernel_sooner():
+    model = tiny_model()
+    bits = {f"{name}.weight": 4 for name, m in model.named_modules() if hasattr(m, "packed")}
+    bits["embed_tokens.weight"] = 4
+    assert parallel.pack_small_batch_weights(model, bits) == 2 * 4 + 1
+    assert model.lm_head.packed.max_tokens == parallel.SMALL_BATCH_TOKENS_LM_HEAD
+    assert model.layers[0].mlp.down_proj.packed.max_tokens == parallel.SMALL_BATCH_TOKENS
+    rows = torch.randn(parallel.SMALL_BATCH_TOKENS_LM_HEAD + 1, 64).bfloat16()
+    torch.testing.assert_close(model.lm_head(rows), F.linear(rows, model.lm_head.weight), rtol=0, atol=0)
+
+
+def test_prepack_covers_every_linear_layer_and_the_lm_head():
+    from model_parallel.parallel import prepack_onednn_weights
+
+    if not parallel.onednn_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("torch built without oneDNN")
+    model = tiny_model()
     assert prepack_onednn_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert all(m.onednn is not None for m in model.modules() if hasattr(m, "onednn"))
