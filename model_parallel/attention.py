@@ -38,12 +38,17 @@ class AttentionMetadata:
     # [Hk * B * max_blocks] rows of the cache viewed as [Hk * num_blocks, block_size, D], head-major:
     # one index_select gathers every decode sequence's context for all heads.
     decode_gather_index: torch.Tensor | None = None
-    decode_ctx_lens: torch.Tensor | None = None  # [B] int32, for the C decode kernel
     prefills: list[PrefillChunk] = field(default_factory=list)
     # For varlen backends: per-sequence query and context lengths in flat order, and all context slots.
     q_lens: list[int] = field(default_factory=list)
     ctx_lens: list[int] = field(default_factory=list)
     ctx_slots: torch.Tensor | None = None
+    # For the C kernel (cpu_kernels.paged_attention), every sequence of the step in flat order, int32:
+    # block tables [S, max_blocks] (padded), context lengths, first query row and query rows.
+    seq_block_tables: torch.Tensor | None = None
+    seq_ctx_lens: torch.Tensor | None = None
+    seq_q_starts: torch.Tensor | None = None
+    seq_q_lens: torch.Tensor | None = None
 
 
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -94,8 +99,9 @@ def context_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class SDPAAttention:
-    """CPU attention: torch SDPA for prefill chunks; decode and cache writes through the C paged
-    kernels when given (cpu_kernels.py), else through the torch decode path above."""
+    """CPU attention. With the C kernels (cpu_kernels.py): cache writes and one call for every
+    sequence of the step, decode rows and prefill chunks alike. Without them: the torch decode path
+    above, and torch SDPA per prefill chunk."""
 
     name = "sdpa"
 
@@ -112,26 +118,18 @@ class SDPAAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D]; caches: [Hk, num_blocks, block_size, D]. Returns [T, Hq*D]."""
-        kernels = self.kernels if self.kernels is not None and k_cache.dtype in KERNEL_DTYPES else None
-        if kernels is not None:
-            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            write_cache(k_cache, meta.slot_mapping, k)
-            write_cache(v_cache, meta.slot_mapping, v)
         t, hq, d = q.shape
+        if self.kernels is not None and meta.seq_block_tables is not None and k_cache.dtype in KERNEL_DTYPES:
+            self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = self.kernels.paged_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.seq_ctx_lens,
+                                               meta.seq_q_starts, meta.seq_q_lens)
+            return out.view(t, hq * d)
+        write_cache(k_cache, meta.slot_mapping, k)
+        write_cache(v_cache, meta.slot_mapping, v)
         nd = meta.num_decode
-        decoded = None
-        if nd and kernels is not None:
-            assert meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
-            decoded = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                               meta.decode_ctx_lens)
-            if nd == t:  # a pure decode step: no copy into a shared output
-                return decoded.view(t, hq * d)
-        elif nd:
-            decoded = decode_attention(q[:nd], k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        if decoded is not None:
-            out[:nd] = decoded
+        if nd:
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta)
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if p.slots is None:

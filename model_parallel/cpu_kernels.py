@@ -94,11 +94,11 @@ class PagedKernels:
         lib = ctypes.CDLL(str(path))
         p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
         self._write: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        self._decode: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        self._attention: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in _SUFFIX.items():
             self._write[dtype] = _bind(lib, f"write_kv_{suffix}", [p, p, i64, p, p, p, i, i, i, i, i])
-            self._decode[dtype] = _bind(lib, f"decode_attention_{suffix}",
-                                        [p, i64, p, p, p, p, p, i, i, i, i, i, i, i, f, i])
+            self._attention[dtype] = _bind(lib, f"paged_attention_{suffix}",
+                                           [p, i64, p, p, p, p, p, p, p, i, i, i, i, i, i, i, f, i])
         self._norm = _bind(lib, "add_rms_norm_bf16", [p, p, p, p, i, i, f, i])
         self._silu = _bind(lib, "silu_and_mul_bf16", [p, p, i, i])
         self._rotary = _bind(lib, "rotary_bf16", [p, i64, p, p, i, i, i])
@@ -120,17 +120,26 @@ class PagedKernels:
         self._write[k_cache.dtype](k.data_ptr(), v.data_ptr(), stride, k_cache.data_ptr(), v_cache.data_ptr(),
                                    slots.data_ptr(), k.shape[0], hk, d, nb, bs)
 
-    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
-        """q: [B, Hq, D] (rows may be strided); block_tables [B, max_blocks] int32; ctx_lens [B] int32.
-        Returns [B, Hq, D] contiguous."""
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
+                        q_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """Each sequence's query rows over its paged context, causal: q [T, Hq, D] (rows may be
+        strided); per sequence (int32): block_tables [S, max_blocks], ctx_lens [S] (its context after
+        this step), q_starts [S] (its first row in q) and q_lens [S]; without q_starts and q_lens,
+        one row per sequence (decode). Returns [T, Hq, D] contiguous."""
         q, q_stride = _rows(q)
-        b, hq, d = q.shape
+        t, hq, d = q.shape
         hk, nb, bs, _ = k_cache.shape
-        out = torch.empty(b, hq, d, dtype=q.dtype)
-        self._decode[k_cache.dtype](q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
-                                    block_tables.data_ptr(), ctx_lens.data_ptr(), out.data_ptr(), b, hq, hk, d, nb,
-                                    bs, block_tables.shape[1], d**-0.5, torch.get_num_threads())
+        s = ctx_lens.shape[0]
+        if q_lens is None:
+            q_starts = torch.arange(s, dtype=torch.int32)
+            q_lens = torch.ones(s, dtype=torch.int32)
+        assert q_starts is not None
+        out = torch.empty(t, hq, d, dtype=q.dtype)
+        self._attention[k_cache.dtype](
+            q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            ctx_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), s, hq, hk, d, nb, bs,
+            block_tables.shape[1], d**-0.5, torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -63,10 +63,10 @@ class ModelRunner:
         # Varlen backends (xformers) attend over every sequence's context slots in one flat batch.
         backend = getattr(model, "attn_backend", None)
         self.needs_context_slots = getattr(backend, "name", "") == "xformers"
-        # The C decode kernel reads block tables and lengths directly; the torch path needs a mask
-        # and a gather index built from them.
-        self.decode_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
-                               and kv_caches[0][0].dtype in KERNEL_DTYPES)
+        # The C kernel reads block tables and lengths directly, for decode and prefill alike; the torch
+        # path needs masks, gather indices and context slots built from them.
+        self.paged_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
+                              and kv_caches[0][0].dtype in KERNEL_DTYPES)
         kernels = getattr(backend, "kernels", None)
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
 
@@ -94,6 +94,8 @@ class ModelRunner:
         bs = self.block_size
         if self.lora is not None:  # each token's adapter slot, for the LoRA deltas inside the linears
             self.lora.set_batch([s.lora_slot for s in step.seqs], [len(s.token_ids) for s in step.seqs])
+        seq_tables: list[list[int]] = []
+        q_starts: list[int] = []
         for s in step.seqs:
             n = len(s.token_ids)
             q_start = len(ids)
@@ -103,7 +105,13 @@ class ModelRunner:
             slot_mapping.extend(self._slots(s.block_table, s.start_pos, end))
             q_lens.append(n)
             ctx_lens.append(end)
-            if n == 1 and not prefills:
+            is_decode = n == 1 and not prefills and len(decode_lens) == len(q_lens) - 1
+            if self.paged_kernels:
+                seq_tables.append(s.block_table[: -(-end // bs)])
+                q_starts.append(q_start)
+                if is_decode:
+                    decode_lens.append(end)
+            elif is_decode:
                 decode_tables.append(s.block_table[: -(-end // bs)])
                 decode_lens.append(end)
             else:
@@ -114,32 +122,40 @@ class ModelRunner:
                     mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
                 slots = None if fresh else self._context_slots(s.block_table, end)
                 prefills.append(PrefillChunk(q_start, n, end, slots, mask))
-        tables_t = mask_t = gather_t = lens_t = None
+        tables_t = mask_t = gather_t = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             tables_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
                                     device=dev)
-            lens_t = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
-            if not self.decode_kernels:
-                mask_t = torch.arange(width * bs, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
-                num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
-                gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
+            mask_t = torch.arange(width * bs, device=dev).unsqueeze(0) < torch.tensor(decode_lens, device=dev).unsqueeze(1)
+            num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
+            gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
+        kernel_args = {}
+        if seq_tables:
+            width = max(len(t) for t in seq_tables)
+            i32 = dict(dtype=torch.int32, device=dev)
+            kernel_args = dict(
+                seq_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in seq_tables], **i32),
+                seq_ctx_lens=torch.tensor(ctx_lens, **i32),
+                seq_q_starts=torch.tensor(q_starts, **i32),
+                seq_q_lens=torch.tensor(q_lens, **i32),
+            )
         ctx_slots = None
         if self.needs_context_slots:
             ctx_slots = torch.cat([self._context_slots(s.block_table, c) for s, c in zip(step.seqs, ctx_lens,
                                                                                           strict=True)])
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, device=dev),
-            num_decode=len(decode_tables),
+            num_decode=len(decode_lens),
             block_size=bs,
             decode_block_tables=tables_t,
             decode_mask=mask_t,
             decode_gather_index=gather_t,
-            decode_ctx_lens=lens_t,
             prefills=prefills,
             q_lens=q_lens,
             ctx_lens=ctx_lens,
             ctx_slots=ctx_slots,
+            **kernel_args,
         )
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
 

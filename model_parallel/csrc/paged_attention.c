@@ -1,12 +1,14 @@
-/* Paged KV-cache kernels for CPU decode: write new keys/values by slot, and one query per sequence
- * attending over its blocks in place. The torch version gathers every context into a fresh tensor
- * per layer (index_select), then runs small batched matmuls, a mask and a softmax: ~10 ops and two
- * copies of the whole context. Here each (sequence, KV head) reads its blocks once, for all the
- * query heads that share them (GQA), with fp32 accumulation.
+/* Paged KV-cache kernels for CPU: write new keys/values by slot, and every query row of a step
+ * (decode rows and prefill chunks alike) attending over its sequence's blocks in place. The torch
+ * version gathers each decode context into a fresh tensor per layer (index_select) and runs small
+ * matmuls, a mask and a softmax, then one SDPA call per prefill chunk: ~10 ops per layer plus ~10
+ * more per prefilling sequence. Here each (sequence, KV head) reads its blocks in place, for all the
+ * query heads that share them (GQA), with fp32 accumulation, in one call per layer.
  *
- * Layouts: q [B, Hq, D] with rows q_stride elements apart (a view into the fused qkv output);
- * out [B, Hq, D] contiguous; caches [Hk, num_blocks, block_size, D]; block_tables [B, max_blocks]
- * int32; ctx_lens [B] int32; new k/v [T, Hk, D] with rows row_stride apart; slots [T] int64.
+ * Layouts: q [T, Hq, D] with rows q_stride elements apart (a view into the fused qkv output);
+ * out [T, Hq, D] contiguous; caches [Hk, num_blocks, block_size, D]; per sequence (int32): block
+ * tables [S, max_blocks], context lengths, first query row, query rows; new k/v [T, Hk, D] with
+ * rows row_stride apart; slots [T] int64.
  * Built at first use by model_parallel/cpu_kernels.py; ELEM is uint16_t (bf16) or float. */
 #include <math.h>
 #include <stdint.h>
@@ -46,59 +48,98 @@ static inline float f32_store(float x) { return x; }
         }                                                                                              \
     }                                                                                                  \
                                                                                                        \
-    void decode_attention_##SUFFIX(const ELEM *q, int64_t q_stride, const ELEM *k_cache,               \
-                                   const ELEM *v_cache,                                                \
-                                   const int32_t *block_tables, const int32_t *ctx_lens, ELEM *out,    \
-                                   int B, int Hq, int Hk, int D, int num_blocks, int block_size,       \
-                                   int max_blocks, float scale, int num_threads) {                     \
-        int G = Hq / Hk;                                                                               \
-        size_t cache_head = (size_t)num_blocks * block_size * D;                                       \
-        _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")                         \
-        for (int task = 0; task < B * Hk; task++) {                                                    \
-            int b = task / Hk, h = task % Hk, L = ctx_lens[b];                                         \
-            if (L <= 0) continue;                                                                      \
-            float *buf = malloc(sizeof(float) * ((size_t)G * L + 2 * (size_t)G * D + D));              \
-            float *scores = buf, *qf = buf + (size_t)G * L, *acc = qf + (size_t)G * D;                 \
-            float *row = acc + (size_t)G * D;                                                          \
-            for (int g = 0; g < G; g++)                                                                \
-                for (int d = 0; d < D; d++)                                                            \
-                    qf[g * D + d] = LOAD(q[b * q_stride + ((size_t)h * G + g) * D + d]) * scale;       \
-            const int32_t *table = block_tables + (size_t)b * max_blocks;                              \
-            const ELEM *kh = k_cache + h * cache_head, *vh = v_cache + h * cache_head;                 \
-            for (int t = 0; t < L; t++) {                                                              \
-                const ELEM *kr = kh + ((size_t)table[t / block_size] * block_size + t % block_size) * D; \
-                for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                                      \
-                for (int g = 0; g < G; g++) {                                                          \
-                    float s = 0.f;                                                                     \
-                    _Pragma("omp simd reduction(+ : s)")                                               \
-                    for (int d = 0; d < D; d++) s += qf[g * D + d] * row[d];                           \
-                    scores[(size_t)g * L + t] = s;                                                     \
-                }                                                                                      \
-            }                                                                                          \
-            for (int g = 0; g < G; g++) {                                                              \
-                float *sg = scores + (size_t)g * L, m = -INFINITY, sum = 0.f;                          \
-                for (int t = 0; t < L; t++) m = sg[t] > m ? sg[t] : m;                                 \
-                for (int t = 0; t < L; t++) {                                                          \
-                    sg[t] = expf(sg[t] - m);                                                           \
-                    sum += sg[t];                                                                      \
-                }                                                                                      \
-                for (int t = 0; t < L; t++) sg[t] /= sum;                                              \
-            }                                                                                          \
-            memset(acc, 0, sizeof(float) * G * D);                                                     \
-            for (int t = 0; t < L; t++) {                                                              \
-                const ELEM *vr = vh + ((size_t)table[t / block_size] * block_size + t % block_size) * D; \
-                for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                                      \
-                for (int g = 0; g < G; g++) {                                                          \
-                    float p = scores[(size_t)g * L + t];                                               \
-                    _Pragma("omp simd")                                                                \
-                    for (int d = 0; d < D; d++) acc[g * D + d] += p * row[d];                          \
-                }                                                                                      \
-            }                                                                                          \
-            for (int g = 0; g < G; g++)                                                                \
-                for (int d = 0; d < D; d++)                                                            \
-                    out[((size_t)b * Hq + h * G + g) * D + d] = STORE(acc[g * D + d]);                 \
-            free(buf);                                                                                 \
-        }                                                                                              \
+    /* One query row of G heads over its L context positions; scratch: G * L + 2 * G * D + D floats. */ \
+    static void attend_row_##SUFFIX(const ELEM *qb, const ELEM *kh, const ELEM *vh, const int32_t *table,    \
+                                    int L, int G, int D, int block_size, float scale, float *scratch,       \
+                                    ELEM *ob) {                                                            \
+        float *scores = scratch, *qf = scratch + (size_t)G * L, *acc = qf + (size_t)G * D;                 \
+        float *row = acc + (size_t)G * D;                                                                  \
+        for (int i = 0; i < G * D; i++) qf[i] = LOAD(qb[i]) * scale;                                       \
+        for (int t = 0; t < L; t++) {                                                                      \
+            const ELEM *kr = kh + ((size_t)table[t / block_size] * block_size + t % block_size) * D;       \
+            for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                                              \
+            for (int g = 0; g < G; g++) {                                                                  \
+                float s = 0.f;                                                                             \
+                _Pragma("omp simd reduction(+ : s)")                                                       \
+                for (int d = 0; d < D; d++) s += qf[g * D + d] * row[d];                                   \
+                scores[(size_t)g * L + t] = s;                                                             \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int g = 0; g < G; g++) {                                                                      \
+            float *sg = scores + (size_t)g * L, m = -INFINITY, sum = 0.f;                                  \
+            for (int t = 0; t < L; t++) m = sg[t] > m ? sg[t] : m;                                         \
+            for (int t = 0; t < L; t++) {                                                                  \
+                sg[t] = expf(sg[t] - m);                                                                   \
+                sum += sg[t];                                                                              \
+            }                                                                                              \
+            for (int t = 0; t < L; t++) sg[t] /= sum;                                                      \
+        }                                                                                                  \
+        memset(acc, 0, sizeof(float) * G * D);                                                             \
+        for (int t = 0; t < L; t++) {                                                                      \
+            const ELEM *vr = vh + ((size_t)table[t / block_size] * block_size + t % block_size) * D;       \
+            for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                                              \
+            for (int g = 0; g < G; g++) {                                                                  \
+                float p = scores[(size_t)g * L + t];                                                       \
+                _Pragma("omp simd")                                                                        \
+                for (int d = 0; d < D; d++) acc[g * D + d] += p * row[d];                                  \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < G * D; i++) ob[i] = STORE(acc[i]);                                             \
+    }                                                                                                      \
+    DEFINE_PAGED_ATTENTION(SUFFIX, ELEM, attend_row_##SUFFIX)
+
+/* Work is split across threads by tiles of up to ROW_TILE query rows of one (sequence, KV head):
+ * decode has one row per sequence, a prefill chunk many. Row r of sequence s sits at position
+ * ctx_len - q_len + r and attends to positions 0..that (causal within the chunk, the cached prefix
+ * before it). */
+#define ROW_TILE 16
+typedef struct {
+    int32_t seq, row0, row1;
+} RowTile;
+
+static RowTile *row_tiles(int S, const int32_t *q_lens, int *count) {
+    int n = 0;
+    for (int s = 0; s < S; s++) n += (q_lens[s] + ROW_TILE - 1) / ROW_TILE;
+    RowTile *tiles = malloc(sizeof(RowTile) * (size_t)(n ? n : 1));
+    n = 0;
+    for (int s = 0; s < S; s++)
+        for (int r = 0; r < q_lens[s]; r += ROW_TILE)
+            tiles[n++] = (RowTile){s, r, r + ROW_TILE < q_lens[s] ? r + ROW_TILE : q_lens[s]};
+    *count = n;
+    return tiles;
+}
+
+/* q [T, Hq, D] rows q_stride apart; sequence s owns rows q_starts[s] .. + q_lens[s] and attends to
+ * ctx_lens[s] positions through its block table; out [T, Hq, D] contiguous. ATTEND_ROW(q row, K head,
+ * V head, table, L, G, D, block_size, scale, scratch, out row) does one row's G heads. */
+#define DEFINE_PAGED_ATTENTION(SUFFIX, ELEM, ATTEND_ROW)                                                   \
+    void paged_attention_##SUFFIX(const ELEM *q, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache, \
+                                  const int32_t *block_tables, const int32_t *ctx_lens,                    \
+                                  const int32_t *q_starts, const int32_t *q_lens, ELEM *out, int S, int Hq, \
+                                  int Hk, int D, int num_blocks, int block_size, int max_blocks,           \
+                                  float scale, int num_threads) {                                          \
+        int G = Hq / Hk, num_tiles;                                                                        \
+        RowTile *tiles = row_tiles(S, q_lens, &num_tiles);                                                 \
+        size_t cache_head = (size_t)num_blocks * block_size * D;                                           \
+        size_t scratch_floats = 2 * (size_t)G * ((size_t)max_blocks * block_size + 16) + 2 * (size_t)G * D + D; \
+        _Pragma("omp parallel num_threads(num_threads)") {                                                 \
+            float *scratch = aligned_alloc(64, (sizeof(float) * scratch_floats + 63) & ~(size_t)63);       \
+            _Pragma("omp for schedule(dynamic)")                                                           \
+            for (int task = 0; task < num_tiles * Hk; task++) {                                            \
+                RowTile tile = tiles[task / Hk];                                                           \
+                int h = task % Hk, s = tile.seq;                                                           \
+                const int32_t *table = block_tables + (size_t)s * max_blocks;                              \
+                for (int r = tile.row0; r < tile.row1; r++) {                                              \
+                    size_t row = (size_t)q_starts[s] + r;                                                  \
+                    int L = ctx_lens[s] - q_lens[s] + r + 1;                                               \
+                    ATTEND_ROW(q + row * q_stride + (size_t)h * G * D, k_cache + h * cache_head,           \
+                               v_cache + h * cache_head, table, L, G, D, block_size, scale, scratch,       \
+                               out + (row * Hq + (size_t)h * G) * D);                                      \
+                }                                                                                          \
+            }                                                                                              \
+            free(scratch);                                                                                 \
+        }                                                                                                  \
+        free(tiles);                                                                                       \
     }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -249,41 +290,31 @@ static inline __attribute__((always_inline)) void attend_bf16(
     switch (G) { ATTEND_CASE(DIM, 1) ATTEND_CASE(DIM, 2) ATTEND_CASE(DIM, 3) ATTEND_CASE(DIM, 4) \
                  ATTEND_CASE(DIM, 5) ATTEND_CASE(DIM, 6) ATTEND_CASE(DIM, 7) ATTEND_CASE(DIM, 8) }
 
+/* One query row through the specialised kernel; scratch holds G * Lp scores, then G * Lp probs. */
+static void attend_row_bf16_avx512(const uint16_t *qb, const uint16_t *kh, const uint16_t *vh, const int32_t *table,
+                                   int L, int G, int D, int block_size, float scale, float *scratch, uint16_t *ob) {
+    float *scores = scratch;
+    uint16_t *probs = (uint16_t *)(scratch + (size_t)G * ((L + 15) & ~15));
+    if (D == 64) {
+        ATTEND_GROUPS(64)
+    } else {
+        ATTEND_GROUPS(128)
+    }
+}
+
+DEFINE_PAGED_ATTENTION(bf16_avx512, uint16_t, attend_row_bf16_avx512)
+
 /* AVX-512 BF16, specialised for head dims 64 and 128 with 1-8 query heads per KV head (Llama,
  * SmolLM2, Mistral, Qwen2) and even block sizes; anything else takes the generic path. */
-void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                           const int32_t *block_tables, const int32_t *ctx_lens, uint16_t *out, int B, int Hq,
-                           int Hk, int D, int num_blocks, int block_size, int max_blocks, float scale,
-                           int num_threads) {
+void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_tables, const int32_t *ctx_lens, const int32_t *q_starts,
+                          const int32_t *q_lens, uint16_t *out, int S, int Hq, int Hk, int D, int num_blocks,
+                          int block_size, int max_blocks, float scale, int num_threads) {
     int G = Hq / Hk;
-    if ((D != 64 && D != 128) || G > 8 || block_size % 2) {
-        decode_attention_bf16_generic(q, q_stride, k_cache, v_cache, block_tables, ctx_lens, out, B, Hq, Hk, D, num_blocks,
-                                      block_size, max_blocks, scale, num_threads);
-        return;
-    }
-    size_t cache_head = (size_t)num_blocks * block_size * D;
-    size_t Lp_max = ((size_t)max_blocks * block_size + 15) & ~(size_t)15;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)G * Lp_max);
-        uint16_t *probs = aligned_alloc(64, sizeof(uint16_t) * (size_t)G * Lp_max);
-#pragma omp for schedule(dynamic)
-        for (int task = 0; task < B * Hk; task++) {
-            int b = task / Hk, h = task % Hk, L = ctx_lens[b];
-            if (L <= 0) continue;
-            const int32_t *table = block_tables + (size_t)b * max_blocks;
-            const uint16_t *kh = k_cache + h * cache_head, *vh = v_cache + h * cache_head;
-            const uint16_t *qb = q + b * q_stride + (size_t)h * G * D;
-            uint16_t *ob = out + ((size_t)b * Hq + (size_t)h * G) * D;
-            if (D == 64) {
-                ATTEND_GROUPS(64)
-            } else {
-                ATTEND_GROUPS(128)
-            }
-        }
-        free(scores);
-        free(probs);
-    }
+    int special = (D == 64 || D == 128) && G <= 8 && block_size % 2 == 0;
+    (special ? paged_attention_bf16_avx512 : paged_attention_bf16_generic)(
+        q, q_stride, k_cache, v_cache, block_tables, ctx_lens, q_starts, q_lens, out, S, Hq, Hk, D, num_blocks,
+        block_size, max_blocks, scale, num_threads);
 }
 
 void write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t row_stride, uint16_t *k_cache, uint16_t *v_cache,

@@ -52,11 +52,54 @@ def test_decode_kernel_equals_torch_decode(kernels, dtype, atol, threads, hq, hk
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kernels.decode_attention(q, k_cache, v_cache, tables, lens)
+        got = kernels.paged_attention(q, k_cache, v_cache, tables, lens)
     finally:
         torch.set_num_threads(before)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
+def causal_reference(q, k, v, start):
+    """fp32 attention of query rows at positions start.. over keys 0..their own position."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / q.shape[-1] ** 0.5
+    pos = torch.arange(start, start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (6, 2, 96)])
+def test_prefill_chunks_and_decode_rows_in_one_call(kernels, dtype, atol, hq, hk, d):
+    """One kernel call for a whole mixed step: decode rows, a fresh 50-token prompt, and a 37-token
+    chunk after a 20-token cached prefix (more rows than one work tile), in flat order."""
+    bs, num_blocks = 16, 64
+    g = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(hk, num_blocks, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(hk, num_blocks, bs, d, generator=g).to(dtype)
+    blocks = torch.randperm(num_blocks, generator=g).tolist()
+    # (context after this step, rows computed now)
+    seqs = [(33, 1), (5, 1), (50, 50), (57, 37)]
+    tables, starts, rows = [], [], 0
+    for ctx, n in seqs:
+        tables.append([blocks.pop() for _ in range(-(-ctx // bs))])
+        starts.append(rows)
+        rows += n
+    width = max(len(t) for t in tables)
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    i32 = dict(dtype=torch.int32)
+    got = kernels.paged_attention(q, k_cache, v_cache, tables_t, torch.tensor([c for c, _ in seqs], **i32),
+                                  torch.tensor(starts, **i32), torch.tensor([n for _, n in seqs], **i32))
+    assert got.shape == q.shape and got.dtype == dtype
+    for (ctx, n), table, start in zip(seqs, tables, starts, strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
+        k = k_cache[:, slots // bs, slots % bs].transpose(0, 1)
+        v = v_cache[:, slots // bs, slots % bs].transpose(0, 1)
+        want = causal_reference(q[start : start + n], k, v, ctx - n)
+        torch.testing.assert_close(got[start : start + n].float(), want, atol=atol, rtol=atol)
+
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -150,8 +193,8 @@ def test_strided_views_of_qkv_are_read_in_place(kernels):
     kernels.write_kv(k, v, k_cache, v_cache, slots)
     kernels.write_kv(k.contiguous(), v.contiguous(), caches[0], caches[1], slots)
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
-    assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, tables, lens),
-                       kernels.decode_attention(q.contiguous(), k_cache, v_cache, tables, lens))
+    assert torch.equal(kernels.paged_attention(q, k_cache, v_cache, tables, lens),
+                       kernels.paged_attention(q.contiguous(), k_cache, v_cache, tables, lens))
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the portable build is checked on x86-64")
@@ -166,8 +209,8 @@ def test_portable_build_without_avx512_agrees_too(tmp_path):
     q = torch.randn(6, 9, 64).to(torch.bfloat16)
     native = cpu_kernels.load()
     if native is not None:
-        torch.testing.assert_close(portable.decode_attention(q, k_cache, v_cache, tables, lens).float(),
-                                   native.decode_attention(q, k_cache, v_cache, tables, lens).float(),
+        torch.testing.assert_close(portable.paged_attention(q, k_cache, v_cache, tables, lens).float(),
+                                   native.paged_attention(q, k_cache, v_cache, tables, lens).float(),
                                    atol=2e-2, rtol=2e-2)
     from model_parallel.layers import RMSNorm, silu_and_mul
 
