@@ -152,6 +152,19 @@ def start_ours(timeout: float) -> Started:
                   shutdown_cmd=[serve, "shutdown", "-a", "{dashboard}", "-y"])
 
 
+def llama_build_env() -> dict[str, str]:
+    """On CPUs with AMX, build llama.cpp without its AMX int8 path: in llama-cpp-python 0.3.36 (built
+    with -march=native, which turns it on) every chat request segfaulted in ggml_backend_amx_mul_mat on
+    this machine (2026-11-24); the AVX-512 paths serve. -mno-amx-int8 wins over -march=native in GCC."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return {}
+    if " amx_int8" not in flags:
+        return {}
+    return {"CMAKE_ARGS": "-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"}
+
+
 def ensure_llama_venv(timeout: float = 1800.0) -> str:
     """Create/reuse benchmarks/.venv-llamacpp with llama-cpp-python[server] (compiled: ~4 min on 2 cores)."""
     py = os.path.join(LLAMA_VENV, "bin", "python")
@@ -167,9 +180,9 @@ def ensure_llama_venv(timeout: float = 1800.0) -> str:
     from tqdm import tqdm
 
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([py, "-m", "pip", "install", "-v", "llama-cpp-python[server]"],
+        proc = subprocess.Popen([py, "-m", "pip", "install", "-v", "--no-cache-dir", "llama-cpp-python[server]"],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=os.environ | llama_build_env())
         bar = tqdm(total=0, desc="llama.cpp build", unit="obj", file=sys.stderr)
         t0 = time.monotonic()
         try:

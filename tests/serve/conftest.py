@@ -99,3 +99,17 @@ def llm_stats(server):
 @pytest.fixture(scope="session")
 def model_name() -> str:
     return "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def apps():
+    """Names of the extra apps this module deployed; all deleted at the end."""
+    from ray import serve
+
+    names: list[str] = []
+    yield names
+    for name in names:
+        try:
+            serve.delete(name)
+        except Exception:
+            pass
