@@ -3,6 +3,11 @@
 A full block is identified by the hash of (previous block's hash, adapter key, its token ids), so a
 hit on block i implies blocks 0..i-1 match too. Freed blocks keep their hash and stay reusable until
 the allocator needs them again, oldest-freed first (LRU).
+
+A block is registered when it is scheduled to be filled, not after: within one forward pass every
+layer writes all of the step's keys and values into the cache before any query attends, so a request
+admitted later in the same step can already attend to it. A burst of requests with one system prompt
+computes that prompt once (as vLLM's V1 scheduler does).
 """
 
 from __future__ import annotations
@@ -93,12 +98,13 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
-    def commit_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full of computed tokens so later requests can reuse them."""
+    def commit_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register the blocks that are full once the first `num_tokens` tokens are computed (this
+        step included: see the module docstring), so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        num_full = num_tokens // bs
         prev = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -110,6 +116,20 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
             seq.block_hashes.append(h)
             prev = h
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content of every free block (in-use blocks keep theirs); returns how many.
+        For benchmarks that repeat prompts, and for operators after changing weights."""
+        dropped = 0
+        for block_id in self.free_blocks:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+                block.token_ids = ()
+                dropped += 1
+        return dropped
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks go into the free queue first, so they are evicted before the shared prefix.

@@ -106,6 +106,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's content (blocks in use keep theirs); returns the blocks forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
@@ -168,7 +172,6 @@ class LLMEngine:
         for sc, sampled in zip(runnable, samples, strict=True):
             seq = sc.seq
             seq.num_computed_tokens += sc.num_tokens
-            self.block_manager.commit_full_blocks(seq)
             prompt_lps = None
             if seq.request_id in result.prompt_logprobs:
                 seq.prompt_logprobs.extend(result.prompt_logprobs[seq.request_id])

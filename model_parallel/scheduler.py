@@ -72,6 +72,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self.block_manager.commit_full_blocks(seq, seq.num_computed_tokens + n)
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
@@ -96,6 +97,8 @@ class Scheduler:
                     self.block_manager.free(seq)
                 break
             self.waiting.popleft()
+            # Registered now, so the next waiting request can share these blocks in this same step.
+            self.block_manager.commit_full_blocks(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))

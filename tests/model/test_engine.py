@@ -66,6 +66,30 @@ def test_prefix_cache_hit_gives_same_output_and_reports_cached_tokens(engine, hf
     assert warm["cached"] == (len(ids) - 1) // bs * bs
 
 
+def test_burst_shares_its_common_prefix_within_one_step(engine, chat_prompts, reference_outputs):
+    """Requests admitted in the same step reuse the blocks an earlier one of them is computing."""
+    engine.block_manager.reset_prefix_cache()
+    bs = engine.config.cache.block_size
+    common = next(i for i in range(min(map(len, chat_prompts))) if len({p[i] for p in chat_prompts}) > 1)
+    assert common >= bs  # the chat template's system prompt fills at least one block
+    ids = [f"burst-{i}" for i in range(len(chat_prompts))]
+    for rid, prompt in zip(ids, chat_prompts, strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached: dict[str, int] = {}
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            cached.setdefault(out.request_id, out.num_cached_tokens)
+    assert [tokens[rid] for rid in ids] == reference_outputs
+    # The first request computed the shared blocks; every other one (admitted in the same step or the
+    # next chunk of prompts under the small token budget) reused them.
+    assert cached[ids[0]] == 0
+    assert all(cached[rid] >= common // bs * bs for rid in ids[1:])
+
+
 def _run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY) -> dict:
     engine.add_request(rid, ids, params)
     tokens: list[int] = []

@@ -19,7 +19,7 @@ def test_prefix_blocks_are_shared_and_survive_free_until_evicted():
     assert bm.match_prefix(a) == 0
     assert bm.allocate_slots(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
-    bm.commit_full_blocks(a)  # blocks 0 and 1 are full and hashed; the third is partial
+    bm.commit_full_blocks(a, a.num_computed_tokens)  # blocks 0 and 1 are full and hashed; the third is partial
     b = seq("b", list(range(10)))
     assert bm.match_prefix(b) == 8
     assert b.block_table[:2] == a.block_table[:2]
@@ -40,7 +40,7 @@ def test_whole_prompt_cached_still_leaves_one_token_to_compute():
     a = seq("a", list(range(8)))
     bm.allocate_slots(a, 8)
     a.num_computed_tokens = 8
-    bm.commit_full_blocks(a)
+    bm.commit_full_blocks(a, a.num_computed_tokens)
     bm.free(a)
     b = seq("b", list(range(8)))
     assert bm.match_prefix(b) == 4
@@ -51,7 +51,7 @@ def test_eviction_reuses_least_recently_freed_block():
     a = seq("a", [1, 2, 3])
     bm.allocate_slots(a, 3)
     a.num_computed_tokens = 3
-    bm.commit_full_blocks(a)
+    bm.commit_full_blocks(a, a.num_computed_tokens)
     bm.free(a)
     other = seq("x", [7, 7, 7, 7])
     assert bm.allocate_slots(other, 4)  # needs both blocks: the cached one is evicted
@@ -94,3 +94,28 @@ def test_finish_frees_blocks_immediately():
     assert bm.num_free_blocks == 2
     sched.finish(a, "abort")
     assert bm.num_free_blocks == 4 and not sched.has_work()
+
+
+def test_requests_admitted_in_one_step_share_the_blocks_being_computed():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    a, b = seq("a", list(range(10))), seq("b", list(range(8)) + [50, 51])
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()
+    # b reuses a's two full blocks in the very step that computes them; only its tail is computed.
+    assert [(s.seq.request_id, s.num_tokens) for s in step] == [("a", 10), ("b", 2)]
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+
+
+def test_reset_prefix_cache_forgets_only_free_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = seq("a", list(range(9))), seq("b", [9] * 9)
+    for s in (a, b):
+        bm.allocate_slots(s, 9)
+        bm.commit_full_blocks(s, 9)
+    bm.free(a)
+    assert bm.reset_prefix_cache() == 2  # a's two full blocks; b's stay registered while in use
+    assert bm.match_prefix(seq("a2", list(range(9)))) == 0
+    assert bm.match_prefix(seq("b2", [9] * 9)) == 8
