@@ -12,14 +12,14 @@ from model_parallel.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-def make_engine(gguf_path: str, eos: list[int], tp: int = 1, **cache) -> LLMEngine:
+def make_engine(gguf_path: str, eos: list[int], tp: int = 1, backend: str = "auto", **cache) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=ModelConfig(model=gguf_path, dtype="float32"),
             cache=CacheConfig(**({"kv_cache_bytes": 256 << 20} | cache)),
             # A small token budget so long prompts are prefilled in several chunks.
             scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
-            parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
+            parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu", attention_backend=backend),
         ),
         eos_token_ids=eos,
     )
@@ -68,6 +68,19 @@ def test_prefix_cache_hit_gives_same_output_and_reports_cached_tokens(engine, hf
 
 def test_burst_shares_its_common_prefix_within_one_step(engine, chat_prompts, reference_outputs):
     """Requests admitted in the same step reuse the blocks an earlier one of them is computing."""
+    _check_burst(engine, chat_prompts, reference_outputs)
+
+
+def test_burst_sharing_on_the_torch_attention_path(gguf_path, eos, chat_prompts, reference_outputs):
+    """The same through torch SDPA (no C kernels): a sharing sequence reads its prefix from the cache."""
+    eng = make_engine(gguf_path, eos, backend="sdpa")
+    try:
+        _check_burst(eng, chat_prompts, reference_outputs)
+    finally:
+        eng.shutdown()
+
+
+def _check_burst(engine: LLMEngine, chat_prompts, reference_outputs) -> None:
     engine.block_manager.reset_prefix_cache()
     bs = engine.config.cache.block_size
     common = next(i for i in range(min(map(len, chat_prompts))) if len({p[i] for p in chat_prompts}) > 1)
@@ -77,9 +90,7 @@ def test_burst_shares_its_common_prefix_within_one_step(engine, chat_prompts, re
         engine.add_request(rid, prompt, GREEDY)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     cached: dict[str, int] = {}
-    steps = 0
     while engine.has_work():
-        steps += 1
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
             cached.setdefault(out.request_id, out.num_cached_tokens)
