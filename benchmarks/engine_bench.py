@@ -4,7 +4,8 @@
                                       [--rounds 2] [--threads 0]
 
 Prints one JSON line per (dtype, batch) with our tokens/s, transformers' tokens/s and the ratio, and
-the tokens/s that the bare matmuls alone would allow (`gemm_only_*`: the ceiling for any engine).
+the tokens/s that the bare matmuls alone would allow (`gemm_only_*`: the ceiling for any engine that
+computes every prompt token; ours, with the prefix cache on, computes a shared prompt prefix once).
 The two run alternately, `--rounds` times each, and each side reports its best round: this machine
 is shared, and a single run of either varies by +-20 %.
 """
@@ -167,7 +168,7 @@ def main() -> None:
                 "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,
                 "ratio": round(ours / ref, 2) if ref else None,
                 # Tokens/s if the bare matmuls were the whole cost, and that over transformers: the
-                # ceiling on `ratio` for any engine computing in this dtype on this machine.
+                # ceiling on `ratio` for any engine computing every prompt token in this dtype here.
                 "gemm_only_tok_s": round(floor, 1) if floor else None,
                 "gemm_only_ratio": round(floor / ref, 2) if floor and ref else None,
                 "ours_runs": [round(x, 1) for x in ours_runs], "transformers_runs": [round(x, 1) for x in ref_runs],
