@@ -1,7 +1,7 @@
 """Offline engine throughput beside transformers' static-batch generate, in the same run.
 
     python benchmarks/engine_bench.py [--batches 1,16,64] [--new-tokens 64] [--dtypes bfloat16,float32]
-                                      [--rounds 2] [--threads 0]
+                                      [--rounds 2] [--threads 0] [--no-prefix-cache]
 
 Prints one JSON line per (dtype, batch) with our tokens/s, transformers' tokens/s and the ratio, and
 the tokens/s that the bare matmuls alone would allow (`gemm_only_*`: the ceiling for any engine that
