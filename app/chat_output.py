@@ -7,10 +7,15 @@ a tag (`<think>`, `</think>`, `<tool_call>`) is held back until it is decided.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from app.tools import ParsedCall, ToolPlan, new_call_id
+
+log = logging.getLogger(__name__)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -187,6 +192,25 @@ class ChatOutputParser:
         if self.called and reason == "stop":
             return "function_call" if self.legacy else "tool_calls"
         return reason
+
+
+def output_parser_factory(req: Any, plan: ToolPlan | None, prompt_text: str,
+                          model_reasons: bool) -> Callable[[], ChatOutputParser] | None:
+    """How each choice's text of a chat request becomes content / reasoning_content / tool_calls: a
+    parser per choice, or None when all of it is content. `model_reasons`: the model writes <think>
+    (from its chat template, or the server's reasoning_parser setting)."""
+    template_reasons = bool(req.chat_template and "<think>" in req.chat_template)
+    reasoning = req.separate_reasoning is True or (
+        req.separate_reasoning is None and (model_reasons or template_reasons))
+    if not model_reasons and (req.reasoning_effort is not None or req.enable_thinking is not None):
+        log.info("reasoning_effort / enable_thinking passed to the chat template; this model does not reason")
+    tools_active = plan is not None and plan.mode != "none"
+    if not reasoning and not tools_active:
+        return None
+    return functools.partial(ChatOutputParser, reasoning=reasoning,
+                             starts_in_reasoning=reasoning and prompt_text.rstrip().endswith("<think>"),
+                             stream_reasoning=req.stream_reasoning is not False,
+                             tools=plan if tools_active else None)
 
 
 def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:

@@ -50,6 +50,14 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"), request)
 
 
+def parse_query(request: Request, model: type[BaseModel]) -> BaseModel:
+    """A route's query parameters as `model`; a 400 in OpenAI's shape if they do not fit."""
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
     limit = body_limit(request)
     declared = request.headers.get("content-length")

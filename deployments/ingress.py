@@ -3,7 +3,6 @@
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -11,14 +10,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import conversations as C
 from app import protocol as P
-from app.chat_output import ChatOutputParser
-from app.errors import APIError, from_validation_error, not_found
+from app.chat_output import output_parser_factory
+from app.errors import APIError, not_found
 from app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from app.sse import (
     GenerationDelta,
@@ -29,11 +27,12 @@ from app.sse import (
 )
 from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
+from deployments.adapter_table import AdapterTable
 from deployments.auth import KeyRing
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
-from deployments.http_app import app, error_response, parse, request_id_of
+from deployments.http_app import app, error_response, parse, parse_query, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import CONTENT_TYPE, server_metrics
 from deployments.request_guards import (
@@ -63,8 +62,7 @@ class Ingress:
         self._info: dict | None = None
         self.keys = KeyRing.from_entries(config.api_keys)
         self.store = ConversationStore(config.storage_url)
-        # LoRA adapters this server answers to: name -> PEFT directory (cluster.yaml, then the load route).
-        self.adapters: dict[str, str] = dict(config.engine.lora.adapters)
+        self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created)
         self.metrics = server_metrics()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
 
@@ -158,15 +156,15 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        cards = [await self.model_card()] + [self.adapter_card(n) for n in self.adapters]
+        cards = [await self.model_card()] + [self.adapters.card(n) for n in self.adapters]
         return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self.check_auth(request)
-        name = self.adapter_name(model_id)
+        name = self.adapters.name_of(model_id)
         if name is not None and name in self.adapters:
-            return JSONResponse(self.adapter_card(name))
+            return JSONResponse(self.adapters.card(name))
         self.check_model(model_id)
         return JSONResponse(await self.model_card())
 
@@ -182,53 +180,15 @@ class Ingress:
         adapter; base-model requests carry none and spread over every replica."""
         return self.llm if adapter is None else self.llm.options(multiplexed_model_id=adapter)
 
-    def adapter_name(self, model: str) -> str | None:
-        """`base:adapter` -> adapter; a bare name other than the base's -> itself; the base -> None."""
-        prefix = f"{self.model_name}:"
-        if model.startswith(prefix):
-            return model[len(prefix):]
-        return None if model == self.model_name else model
-
-    def adapter_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
-                "root": self.adapters[name], "parent": self.model_name}
-
-    def resolve_lora(self, req) -> tuple[str | None, str | None]:
-        """(adapter name, its path) for a request, or (None, None) for the base model; 404 if unknown."""
-        name = self.adapter_name(req.model) if req.model is not None else None
-        if name is not None and name not in self.adapters:
-            raise APIError(404, f"The model `{req.model}` does not exist.", type="not_found_error",
-                           param="model", code="model_not_found")
-        lora_path = req.lora_path
-        if isinstance(lora_path, list):  # SGLang's per-prompt form: one adapter per request here
-            distinct = set(lora_path)
-            if len(distinct) > 1:
-                raise APIError(400, "lora_path: all prompts of one request must use the same adapter",
-                               param="lora_path")
-            lora_path = distinct.pop() if distinct else None
-        if lora_path is None:
-            return (name, self.adapters[name]) if name is not None else (None, None)
-        if name is None:  # a registered adapter's name, or a directory loaded on demand (named by its path)
-            return lora_path, self.adapters.get(lora_path, lora_path)
-        if lora_path not in (name, self.adapters[name]):
-            raise APIError(400, f"model names adapter {name!r} but lora_path asks for {lora_path!r}",
-                           param="lora_path")
-        return name, self.adapters[name]
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's route and body: {"lora_name", "lora_path"}; the adapter is loaded (and checked) on one
         replica now, and on other replicas when requests reach them."""
         self.check_auth(request)
         req = await parse(request, LoadLoRAAdapterRequest)
-        name = req.lora_name
-        if not name or ":" in name or name == self.model_name:
-            raise APIError(400, f"invalid adapter name {name!r}", param="lora_name")
-        if name in self.adapters:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
-                           code="lora_adapter_exists")
+        name = self.adapters.check_new(req.lora_name)
         card = await self.llm_for(name).load_lora_adapter.remote(name, req.lora_path)
-        self.adapters[name] = req.lora_path
+        self.adapters.paths[name] = req.lora_path
         headers = {"x-replica-id": card["replica_id"]} if card.get("replica_id") else None
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain",
                         headers=headers)
@@ -237,11 +197,7 @@ class Ingress:
     async def unload_lora_adapter(self, request: Request) -> Response:
         self.check_auth(request)
         req = await parse(request, UnloadLoRAAdapterRequest)
-        name = req.lora_name
-        if name not in self.adapters:
-            raise APIError(404, f"The lora adapter '{name}' cannot be found.", type="not_found_error",
-                           param="lora_name", code="lora_adapter_not_found")
-        del self.adapters[name]  # from here on requests for it get 404
+        name = self.adapters.remove(req.lora_name)  # from here on requests for it get 404
         # The replica that holds it frees its slot (others free theirs by LRU).
         await self.llm_for(name).unload_lora_adapter.remote(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
@@ -250,7 +206,7 @@ class Ingress:
     async def chat(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, P.ChatCompletionRequest)
-        lora = self.resolve_lora(req)
+        lora = self.adapters.resolve(req.model, req.lora_path)
         check_n(self.config, req.n)
         P.check_supported(req)
         guided = guided_spec(req)
@@ -289,26 +245,13 @@ class Ingress:
     async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
         """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""
         model_reasons = (await self.tokenizer_info())["reasoning"] or self.config.reasoning_parser == "think"
-        if self.config.reasoning_parser == "none":
-            model_reasons = False
-        template_reasons = bool(req.chat_template and "<think>" in req.chat_template)
-        reasoning = req.separate_reasoning is True or (
-            req.separate_reasoning is None and (model_reasons or template_reasons))
-        if not model_reasons and (req.reasoning_effort is not None or req.enable_thinking is not None):
-            log.info("reasoning_effort / enable_thinking passed to the chat template; this model does not reason")
-        tools_active = plan is not None and plan.mode != "none"
-        if not reasoning and not tools_active:
-            return None
-        return functools.partial(ChatOutputParser, reasoning=reasoning,
-                                 starts_in_reasoning=reasoning and prompt_text.rstrip().endswith("<think>"),
-                                 stream_reasoning=req.stream_reasoning is not False,
-                                 tools=plan if tools_active else None)
+        return output_parser_factory(req, plan, prompt_text, model_reasons and self.config.reasoning_parser != "none")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
-        lora = self.resolve_lora(req)
+        lora = self.adapters.resolve(req.model, req.lora_path)
         check_n(self.config, req.n, req.best_of)
         P.check_supported(req)
         info = await self.info()
@@ -389,12 +332,6 @@ class Ingress:
             raise conversation_not_found(cid)
         return items
 
-    async def parse_query(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        try:
-            return model.model_validate(dict(request.query_params))
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
-
     @app.post("/v1/conversations")
     async def create_conversation(self, request: Request) -> JSONResponse:
         owner = self.check_auth(request)
@@ -430,7 +367,7 @@ class Ingress:
     @app.get("/v1/conversations/{cid}/items")
     async def list_items(self, cid: str, request: Request) -> JSONResponse:
         owner = self.check_auth(request)
-        q = await self.parse_query(request, C.ItemsQuery)
+        q = parse_query(request, C.ItemsQuery)
         page = await asyncio.to_thread(self.store.items, owner, cid, limit=q.limit, order=q.order, after=q.after)
         if page is None:
             raise conversation_not_found(cid)
