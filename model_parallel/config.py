@@ -165,6 +165,11 @@ class LlamaArch:
     rope_scaling: tuple[tuple[str, Any], ...] = ()  # Llama-3 style, as sorted items
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Which family builds the model (model_parallel.registry), and the checkpoint's whole config as
+    # sorted items (config.json, or its GGUF equivalent): family-specific fields are read from it with
+    # `cfg()` in the family's own file, so this class stays the fields every family shares.
+    model_type: str = "llama"
+    hf_config: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -173,3 +178,8 @@ class LlamaArch:
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
+
+    def cfg(self, key: str, default: Any = None) -> Any:
+        """A field of the checkpoint's config (None-valued fields count as missing)."""
+        value = dict(self.hf_config).get(key)
+        return default if value is None else value

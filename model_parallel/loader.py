@@ -17,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from model_parallel.config import LlamaArch
+from model_parallel.registry import check_supported
 
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens",
@@ -53,9 +54,7 @@ def _gguf_field(reader, key: str, default=None):
 def read_arch(model_path: str) -> LlamaArch:
     if model_path.endswith(".gguf"):
         reader = open_gguf(model_path)
-        arch = _gguf_field(reader, "general.architecture")
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported GGUF architecture {arch!r}")
+        arch = check_supported(_gguf_field(reader, "general.architecture"), f"GGUF {model_path}")
 
         def f(key, default=None):
             return _gguf_field(reader, f"{arch}.{key}", default)
@@ -79,11 +78,12 @@ def read_arch(model_path: str) -> LlamaArch:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+            model_type=arch,
+            hf_config=_sorted_items(gguf_hf_config(reader, arch)),
         )
     with open(os.path.join(model_path, "config.json")) as fh:
         cfg = json.load(fh)
-    if cfg.get("model_type") not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}")
+    model_type = check_supported(cfg.get("model_type"), os.path.join(model_path, "config.json"))
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     # transformers 5 writes "rope_parameters" (theta inside); older configs: rope_theta + rope_scaling.
@@ -108,7 +108,20 @@ def read_arch(model_path: str) -> LlamaArch:
         rope_scaling=tuple(sorted(rope.items())),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        model_type=model_type,
+        hf_config=_sorted_items(cfg),
     )
+
+
+def _sorted_items(cfg: dict) -> tuple[tuple[str, object], ...]:
+    return tuple(sorted(cfg.items()))
+
+
+def gguf_hf_config(reader, arch: str) -> dict:
+    """The GGUF's `<arch>.*` metadata under its own key names (minus the prefix), for `LlamaArch.cfg`:
+    families read what they need from it (e.g. `expert_count`, `attention.sliding_window`)."""
+    prefix = f"{arch}."
+    return {name[len(prefix):]: _gguf_field(reader, name) for name in reader.fields if name.startswith(prefix)}
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -127,17 +140,20 @@ def _gguf_bits(tensor_type) -> int:
     return 16
 
 
-def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
+              extra_names: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF."""
     from gguf.quants import dequantize
 
+    names = GGUF_TO_HF | (extra_names or {})
     reader = open_gguf(path)
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")  # suffix: weight | bias
         parts = base.split(".")
         if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{GGUF_TO_HF.get(parts[2], parts[2])}.{suffix}"
+            name = f"model.layers.{parts[1]}.{names.get(parts[2], parts[2])}.{suffix}"
         else:
-            name = f"{GGUF_TO_HF.get(base, base)}.{suffix}"
+            name = f"{names.get(base, base)}.{suffix}"
         if bits is not None:
             bits[name] = _gguf_bits(t.tensor_type)
         w = dequantize(t.data, t.tensor_type)
@@ -178,7 +194,8 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
     unexpected: list[str] = []
     ckpt_bits: dict[str, int] = {}
     is_gguf = model_path.endswith(".gguf")
-    stream = iter_gguf(model_path, arch, ckpt_bits) if is_gguf else iter_safetensors(model_path)
+    extra_names = getattr(model, "gguf_tensor_names", None)
+    stream = iter_gguf(model_path, arch, ckpt_bits, extra_names) if is_gguf else iter_safetensors(model_path)
     source_bits: dict[str, int] = {}
     total = count_tensors(model_path) or None
     for name, tensor in tqdm(stream, total=total, desc="loading weights", unit="tensor", disable=not show_progress):
@@ -199,7 +216,8 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
             source_bits[param_name] = min(source_bits.get(param_name, 99), ckpt_bits[name])
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint: {unexpected[:10]}")
-    expected_counts = {n: (3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1) for n in params}
+    # A fused parameter (q/k/v, gate/up, stacked experts) says how many checkpoint tensors fill it.
+    expected_counts = {n: getattr(p, "num_shards", 1) for n, p in params.items()}
     missing = [n for n, c in expected_counts.items() if loaded.get(n, 0) != c]
     if missing:
         raise ValueError(f"parameters missing from checkpoint (or loaded partially): {missing[:10]}")

@@ -115,8 +115,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return F.linear(x, weight, bias)
 
 
-def _set_weight_loader(param: nn.Parameter, loader) -> None:
+def _set_weight_loader(param: nn.Parameter, loader, num_shards: int = 1) -> None:
+    """num_shards: how many checkpoint tensors fill this parameter (the loader checks each arrived)."""
     param.weight_loader = loader  # type: ignore[attr-defined]
+    param.num_shards = num_shards  # type: ignore[attr-defined]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
@@ -148,11 +150,11 @@ class QKVParallelLinear(nn.Module):
         self.packed: PackedWeight | None = None
         self.onednn: OneDNNWeight | None = None
         self.lora = None  # a model_parallel.lora.LoRALinear when adapters are enabled
-        _set_weight_loader(self.weight, self.weight_loader)
+        _set_weight_loader(self.weight, self.weight_loader, 3)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False)
-            _set_weight_loader(self.bias, self.weight_loader)
+            _set_weight_loader(self.bias, self.weight_loader, 3)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         assert shard_id in self.ranges, shard_id
@@ -184,7 +186,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.packed: PackedWeight | None = None
         self.onednn: OneDNNWeight | None = None
         self.lora = None  # a model_parallel.lora.LoRALinear when adapters are enabled
-        _set_weight_loader(self.weight, self.weight_loader)
+        _set_weight_loader(self.weight, self.weight_loader, len(out_features))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         assert shard_id is not None

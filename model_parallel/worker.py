@@ -15,7 +15,6 @@ import torch.distributed as dist
 from model_parallel import kv_cache
 from model_parallel.attention import make_attention_backend
 from model_parallel.config import EngineConfig, LlamaArch
-from model_parallel.llama import LlamaForCausalLM
 from model_parallel.loader import load_weights
 from model_parallel.lora import LoRAManager
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
@@ -25,6 +24,7 @@ from model_parallel.parallel import (
     pack_small_batch_weights,
     prepack_onednn_weights,
 )
+from model_parallel.registry import model_class
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Worker:
         self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
         torch.manual_seed(config.model.seed)
         with torch.device(device):
-            self.model = LlamaForCausalLM(arch, self.tp, self.attn_backend).to(self.dtype)
+            self.model = model_class(arch)(arch, self.tp, self.attn_backend).to(self.dtype)
         # Rotary tables stay fp32 for accuracy; they are indexed, not multiplied in bulk.
         for layer in self.model.layers:
             layer.self_attn.rotary.float()

@@ -1,0 +1,34 @@
+"""Which class builds a model: a table of names, as the loader is. No torch at import time.
+
+Keys are Hugging Face `model_type` values (config.json) and GGUF `general.architecture` values;
+entries are "module:Class" so that only the family in use is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from model_parallel.config import LlamaArch
+
+# model_type / GGUF architecture -> "module:Class"
+MODEL_CLASSES: dict[str, str] = {
+    "llama": "model_parallel.llama:LlamaForCausalLM",
+    "mistral": "model_parallel.llama:LlamaForCausalLM",
+    "qwen2": "model_parallel.llama:LlamaForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose architecture no family here implements; the message names both."""
+
+
+def check_supported(model_type: str | None, where: str) -> str:
+    if model_type not in MODEL_CLASSES:
+        raise UnsupportedModelError(
+            f"unsupported model architecture {model_type!r} in {where}; supported: {', '.join(sorted(MODEL_CLASSES))}")
+    return model_type  # type: ignore[return-value]
+
+
+def model_class(arch: LlamaArch) -> type:
+    module, _, name = MODEL_CLASSES[check_supported(arch.model_type, "the model config")].partition(":")
+    return getattr(importlib.import_module(module), name)
