@@ -6,7 +6,7 @@ PIP_INSTALL := $(BIN)/pip install -q --progress-bar off
 # CPU installs pin torch==2.13.0; `make install-gpu` pins the torch that xformers was built for.
 CPU_PINS := -c constraints/cpu.txt
 
-.PHONY: install install-test install-gpu serve test lint bench clean
+.PHONY: install install-test install-gpu serve test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The unit lane: no model runs, no Ray Serve (tests/model and tests/serve carry the `slow` marker).
+test-fast: install-test
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check .

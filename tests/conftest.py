@@ -9,6 +9,15 @@ import pytest
 # Quiet, deterministic CPU runs: tests share 2 cores with Ray's own processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Lanes: everything under these folders runs the real model (and Ray Serve); `make test-fast` skips them.
+SLOW_FOLDERS = ("model", "serve")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.parent.name in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
