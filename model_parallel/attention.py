@@ -49,6 +49,8 @@ class AttentionMetadata:
     seq_ctx_lens: torch.Tensor | None = None
     seq_q_starts: torch.Tensor | None = None
     seq_q_lens: torch.Tensor | None = None
+    # Per-step masks derived for windowed layers, built by the first such layer and reused by the rest.
+    derived: dict = field(default_factory=dict)
 
 
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -69,7 +71,8 @@ def decode_gather_index(block_tables: torch.Tensor, num_kv_heads: int, num_block
     return (heads + block_tables.flatten().unsqueeze(0)).flatten()
 
 
-def decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+def decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float | None = None,
+                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence over its paged context, as two batched matmuls per KV head and sequence.
 
     The cache is head-major ([Hk, num_blocks, block_size, D]), so one `index_select` of whole blocks
@@ -85,11 +88,54 @@ def decode_attention(q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tens
     ctx = index.numel() // (hk * b) * bs
     k = k_cache.view(hk * num_blocks, bs, d).index_select(0, index).view(hk, b, ctx, d)
     v = v_cache.view(hk * num_blocks, bs, d).index_select(0, index).view(hk, b, ctx, d)
-    qg = q.view(b, hk, hq // hk, d).transpose(0, 1) * d**-0.5  # [Hk, B, G, D]
+    qg = q.view(b, hk, hq // hk, d).transpose(0, 1) * (d**-0.5 if scale is None else scale)  # [Hk, B, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [Hk, B, G, L]
-    scores.masked_fill_(~meta.decode_mask.view(1, b, 1, ctx), float("-inf"))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    mask = meta.decode_mask if window is None else _decode_window_mask(meta, window)
+    scores.masked_fill_(~mask.view(1, b, 1, ctx), float("-inf"))
     probs = scores.softmax(-1).to(q.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
+
+
+def _decode_window_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
+    """decode_mask, less the positions a sliding window of `window` keys has left behind."""
+    key = ("decode", window)
+    if key not in meta.derived:
+        mask = meta.decode_mask
+        assert mask is not None
+        lens = torch.tensor(meta.ctx_lens[: mask.shape[0]], device=mask.device).unsqueeze(1)
+        meta.derived[key] = mask & (torch.arange(mask.shape[1], device=mask.device).unsqueeze(0) >= lens - window)
+    return meta.derived[key]
+
+
+def prefill_mask(p: PrefillChunk, window: int | None, device) -> torch.Tensor | None:
+    """[q_len, ctx_len] bool for a chunk: causal, and within the window when there is one (a key at
+    position k is seen from query position q when q - window < k <= q, as transformers' and xformers'
+    local masks); None means plain causal over a fresh chunk."""
+    if window is None:
+        return p.mask
+    q_pos = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(p.ctx_len, device=device).unsqueeze(0)
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """q [1, Hq, n, D], k/v [1, Hk, m, D]: SDPA, or explicit scores when logits are soft-capped
+    (tanh(s / cap) * cap before the mask, as Gemma 2), which SDPA cannot express."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n, m = q.shape[2], k.shape[2]
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
 def context_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -116,20 +162,32 @@ class SDPAAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        *,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D]; caches: [Hk, num_blocks, block_size, D]. Returns [T, Hq*D]."""
+        """q: [T, Hq, D]; k, v: [T, Hk, D]; caches: [Hk, num_blocks, block_size, D]. Returns [T, Hq*D].
+
+        scale: of q.k (default D^-0.5); window: keys within this many positions of the query (sliding
+        window layers); softcap: tanh soft-capping of attention logits. The C kernel does neither
+        window nor softcap: models with such layers ask the runner for the torch metadata
+        (`torch_attention_only`), so those steps never take this first branch."""
         t, hq, d = q.shape
+        scale = d**-0.5 if scale is None else scale
         if self.kernels is not None and meta.seq_block_tables is not None and k_cache.dtype in KERNEL_DTYPES:
+            if window is not None or softcap is not None:
+                raise RuntimeError("windowed or soft-capped attention needs the torch metadata")
             self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             out = self.kernels.paged_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.seq_ctx_lens,
-                                               meta.seq_q_starts, meta.seq_q_lens)
+                                               meta.seq_q_starts, meta.seq_q_lens, scale=scale)
             return out.view(t, hq * d)
         write_cache(k_cache, meta.slot_mapping, k)
         write_cache(v_cache, meta.slot_mapping, v)
         nd = meta.num_decode
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta)
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if p.slots is None:
@@ -137,9 +195,7 @@ class SDPAAttention:
                 vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)
             else:
                 ks, vs = context_kv(k_cache, p.slots), context_kv(v_cache, p.slots)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
-            )
+            o = attend(qs, ks, vs, prefill_mask(p, window, q.device), scale, softcap)
             out[p.q_start : p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
         return out.reshape(t, hq * d)
 
@@ -158,21 +214,48 @@ class XformersAttention:
 
         self.fmha = fmha
 
-    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale: float | None = None,
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """As SDPAAttention.__call__. Sliding windows use xformers' local bottom-right mask (a key k is
+        seen from query q when q - window < k <= q); soft-capped logits, which xformers' kernels do not
+        support, take a per-sequence torch path over the same gathered context."""
         write_cache(k_cache, meta.slot_mapping, k)
         write_cache(v_cache, meta.slot_mapping, v)
         t, hq, d = q.shape
         hk = k.shape[1]
         group = hq // hk
+        scale = d**-0.5 if scale is None else scale
         kc = read_cache(k_cache, meta.ctx_slots)  # [sum ctx, Hk, D]
         vc = read_cache(v_cache, meta.ctx_slots)
-        bias = self.fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens(meta.q_lens, meta.ctx_lens)
+        if softcap is not None:
+            return self._softcapped(q, kc, vc, meta, scale, window, softcap).reshape(t, hq * d)
+        masks = self.fmha.attn_bias
+        if window is None:
+            bias = masks.BlockDiagonalCausalFromBottomRightMask.from_seqlens(meta.q_lens, meta.ctx_lens)
+        else:
+            bias = masks.BlockDiagonalCausalLocalAttentionFromBottomRightMask.from_seqlens(
+                meta.q_lens, meta.ctx_lens, window_size=window)
         # GQA via the 5-D [B, M, G, H, K] layout: KV heads are groups, expanded without copying.
         q5 = q.view(1, t, hk, group, d)
         k5 = kc.view(1, -1, hk, 1, d).expand(-1, -1, -1, group, -1)
         v5 = vc.view(1, -1, hk, 1, d).expand(-1, -1, -1, group, -1)
-        out = self.fmha.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias)
+        out = self.fmha.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias, scale=scale)
         return out.reshape(t, hq * d)
+
+    @staticmethod
+    def _softcapped(q, kc, vc, meta: AttentionMetadata, scale: float, window: int | None,
+                    softcap: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        q_start = k_start = 0
+        for n, ctx in zip(meta.q_lens, meta.ctx_lens, strict=True):
+            chunk = PrefillChunk(q_start, n, ctx, None, None)
+            mask = prefill_mask(chunk, window, q.device)
+            o = attend(q[q_start : q_start + n].transpose(0, 1).unsqueeze(0),
+                       kc[k_start : k_start + ctx].transpose(0, 1).unsqueeze(0),
+                       vc[k_start : k_start + ctx].transpose(0, 1).unsqueeze(0), mask, scale, softcap)
+            out[q_start : q_start + n] = o.squeeze(0).transpose(0, 1)
+            q_start, k_start = q_start + n, k_start + ctx
+        return out
 
 
 def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention | XformersAttention:

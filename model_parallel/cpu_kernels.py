@@ -122,11 +122,11 @@ class PagedKernels:
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
-                        q_lens: torch.Tensor | None = None) -> torch.Tensor:
+                        q_lens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         """Each sequence's query rows over its paged context, causal: q [T, Hq, D] (rows may be
         strided); per sequence (int32): block_tables [S, max_blocks], ctx_lens [S] (its context after
         this step), q_starts [S] (its first row in q) and q_lens [S]; without q_starts and q_lens,
-        one row per sequence (decode). Returns [T, Hq, D] contiguous."""
+        one row per sequence (decode); scale of q.k, D^-0.5 by default. Returns [T, Hq, D] contiguous."""
         q, q_stride = _rows(q)
         t, hq, d = q.shape
         hk, nb, bs, _ = k_cache.shape
@@ -139,7 +139,7 @@ class PagedKernels:
         self._attention[k_cache.dtype](
             q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             ctx_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), s, hq, hk, d, nb, bs,
-            block_tables.shape[1], d**-0.5, torch.get_num_threads())
+            block_tables.shape[1], d**-0.5 if scale is None else scale, torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -49,23 +49,89 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_mid, mid, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary (rotate halves), as in Hugging Face Llama; cos/sin precomputed per position."""
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], theta: float, dim: int,
+                   max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between (transformers' _compute_yarn_parameters)."""
+    old_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / old_ctx
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None):
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention_factor)
+
+
+def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], max_position: int,
+                       context_len: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE / su (Phi-3): per-frequency divisors, long ones when the context exceeds the original one.
+
+    The choice is made once for the whole table, from the context served (as llama.cpp does): keys in
+    the paged cache are never re-rotated, so every position must use the same set."""
+    old_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / old_ctx
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    ext = scaling["long_factor"] if context_len > old_ctx else scaling["short_factor"]
+    return inv_freq / torch.tensor(ext, dtype=torch.float64), float(attention_factor)
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int,
+                  context_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2] float64, attention factor applied to cos and sin) for a rope
+    scaling dict as in config.json (`rope_type` or legacy `type`); formulas as transformers'
+    ROPE_INIT_FUNCTIONS."""
+    scaling = scaling or {}
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, scaling, theta, dim, max_position)
+    if rope_type in ("longrope", "su"):
+        return _longrope_inv_freq(inv_freq, scaling, max_position, context_len or max_position)
+    if rope_type == "dynamic":
+        # Dynamic NTK changes the base only for sequences longer than max_position_embeddings, which
+        # max_model_len never allows: within it the frequencies are the default ones (as transformers).
+        return inv_freq, 1.0
+    if rope_type not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {rope_type!r}")
+    return inv_freq, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary (rotate halves), as in Hugging Face Llama; cos/sin precomputed per position.
+
+    rotary_dim < head_dim rotates only the first rotary_dim features of each head (partial rotary)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None,
+                 rotary_dim: int | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
-        elif rope_type == "linear":
-            inv_freq = inv_freq / scaling["factor"]  # type: ignore[index]
-        elif rope_type not in (None, "default"):
-            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_position)
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        # Factors from YaRN / LongRoPE scale cos and sin, hence both q and k, as transformers does.
+        self.register_buffer("cos", (freqs.cos() * attention_factor).float(), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attention_factor).float(), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step, shared by every layer: cos over the whole head dim, and sin signed for the
@@ -80,7 +146,11 @@ class RotaryEmbedding(nn.Module):
         dispatch on CPU, which at batch 1 is a third of a step)."""
         cos, sin = tables
         xf = x.float()
-        return torch.addcmul(xf * cos, xf.roll(x.shape[-1] // 2, -1), sin).to(x.dtype)
+        rot = cos.shape[-1]
+        if rot == x.shape[-1]:
+            return torch.addcmul(xf * cos, xf.roll(rot // 2, -1), sin).to(x.dtype)
+        xr = xf[..., :rot]  # partial rotary: the remaining features pass through
+        return torch.cat((torch.addcmul(xr * cos, xr.roll(rot // 2, -1), sin), xf[..., rot:]), -1).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,14 @@ class LlamaAttention(nn.Module):
         self.attn = attn_backend
         self.head_dim = arch.head_dim
         self.kernels = getattr(attn_backend, "kernels", None)  # C kernels (CPU), or None
+        # Per-layer attention options a family sets (e.g. {"window": 2047} for sliding-window layers).
+        self.attn_options: dict = {}
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         t, d = x.shape[0], self.head_dim
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        if self.kernels is not None and qkv.dtype == torch.bfloat16:
+        if self.kernels is not None and qkv.dtype == torch.bfloat16 and self.rotary.rotary_dim == d:
             # Rotate q and k in place; q, k and v stay views of qkv, which the kernels read strided.
             self.kernels.rotary_(qkv, (q_size + kv_size) // d, d, rope[0], rope[1])
             q = qkv[:, :q_size].view(t, -1, d)
@@ -47,7 +49,7 @@ class LlamaAttention(nn.Module):
             qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, -1, d), rope)  # q and k heads together
             q, k = qk[:, : q_size // d], qk[:, q_size // d :]
         v = qkv[:, q_size + kv_size :].view(t, -1, d)
-        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, **self.attn_options)
         return self.o_proj(o)
 
 
@@ -97,13 +99,18 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.attn_backend = attn_backend
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
+        rotary = self.make_rotary(arch)
         self.rotary = rotary  # one module shared by every layer: its tables are looked up once per step
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, attn_backend) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, getattr(attn_backend, "kernels", None))
         self.lm_head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, tp, self.embed_tokens if arch.tie_word_embeddings else None
         )
+
+    @staticmethod
+    def make_rotary(arch: LlamaArch) -> RotaryEmbedding:
+        """A family with other rope parameters (partial rotary, LongRoPE) overrides this."""
+        return RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; logits are computed only for rows that need them."""

@@ -69,7 +69,10 @@ def read_arch(model_path: str) -> LlamaArch:
             num_layers=int(f("block_count")),
             num_heads=heads,
             num_kv_heads=int(f("attention.head_count_kv", heads)),
-            head_dim=int(f("rope.dimension_count", hidden // heads)),
+            # llama.cpp: key_length when the converter wrote one, else hidden / heads; rope dimensions
+            # may be fewer than the head's (partial rotary, Phi-4-mini), so they say nothing then.
+            head_dim=int(f("attention.key_length") or (hidden // heads if arch == "phi3"
+                                                       else f("rope.dimension_count", hidden // heads))),
             vocab_size=int(vocab),
             rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(f("rope.freq_base", 10000.0)),
@@ -121,7 +124,13 @@ def gguf_hf_config(reader, arch: str) -> dict:
     """The GGUF's `<arch>.*` metadata under its own key names (minus the prefix), for `LlamaArch.cfg`:
     families read what they need from it (e.g. `expert_count`, `attention.sliding_window`)."""
     prefix = f"{arch}."
-    return {name[len(prefix):]: _gguf_field(reader, name) for name in reader.fields if name.startswith(prefix)}
+    cfg = {name[len(prefix):]: _gguf_field(reader, name) for name in reader.fields if name.startswith(prefix)}
+    # LongRoPE's per-frequency factors are tensors in GGUF (rope_factors_long/short.weight), though
+    # they shape the rotary tables built before any weight is loaded: read them with the metadata.
+    for t in reader.tensors:
+        if t.name.startswith("rope_factors_"):
+            cfg[t.name.removesuffix(".weight")] = [float(x) for x in np.asarray(t.data, dtype=np.float32).ravel()]
+    return cfg
 
 
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -141,8 +150,10 @@ def _gguf_bits(tensor_type) -> int:
 
 
 def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
-              extra_names: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF."""
+              extra_names: dict[str, str] | None = None, permuted_qk: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF.
+    permuted_qk: llama.cpp's converter interleaved q/k rows for its rotary (Llama does; Gemma and
+    Phi-3, whose llama.cpp rope is NeoX-style, do not)."""
     from gguf.quants import dequantize
 
     names = GGUF_TO_HF | (extra_names or {})
@@ -158,9 +169,9 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
             bits[name] = _gguf_bits(t.tensor_type)
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if parts[0] == "blk" and parts[2] == "attn_q":
+        if permuted_qk and parts[0] == "blk" and parts[2] == "attn_q":
             w = _unpermute_rotary(w, arch.num_heads)
-        elif parts[0] == "blk" and parts[2] == "attn_k":
+        elif permuted_qk and parts[0] == "blk" and parts[2] == "attn_k":
             w = _unpermute_rotary(w, arch.num_kv_heads)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are read-only memmaps
 
@@ -195,7 +206,11 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
     ckpt_bits: dict[str, int] = {}
     is_gguf = model_path.endswith(".gguf")
     extra_names = getattr(model, "gguf_tensor_names", None)
-    stream = iter_gguf(model_path, arch, ckpt_bits, extra_names) if is_gguf else iter_safetensors(model_path)
+    permuted_qk = getattr(model, "gguf_permuted_qk", True)
+    stream = (iter_gguf(model_path, arch, ckpt_bits, extra_names, permuted_qk) if is_gguf
+              else iter_safetensors(model_path))
+    # A family whose GGUF tensors differ in value from its checkpoint's (Gemma's norms are stored +1).
+    adjust = getattr(model, "from_gguf", None) if is_gguf else None
     source_bits: dict[str, int] = {}
     total = count_tensors(model_path) or None
     for name, tensor in tqdm(stream, total=total, desc="loading weights", unit="tensor", disable=not show_progress):
@@ -203,6 +218,8 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
         if target is None:
             continue
         param_name, shard = target
+        if adjust is not None:
+            tensor = adjust(name, tensor)
         param = params.get(param_name)
         if param is None:
             unexpected.append(name)

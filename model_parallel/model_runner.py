@@ -65,8 +65,10 @@ class ModelRunner:
         self.needs_context_slots = getattr(backend, "name", "") == "xformers"
         # The C kernel reads block tables and lengths directly, for decode and prefill alike; the torch
         # path needs masks, gather indices and context slots built from them.
+        # Models with sliding-window or soft-capped layers, which the kernel does not do, keep the torch path.
         self.paged_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
-                              and kv_caches[0][0].dtype in KERNEL_DTYPES)
+                              and kv_caches[0][0].dtype in KERNEL_DTYPES
+                              and not getattr(model, "torch_attention_only", False))
         kernels = getattr(backend, "kernels", None)
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
 

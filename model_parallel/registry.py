@@ -15,6 +15,10 @@ MODEL_CLASSES: dict[str, str] = {
     "llama": "model_parallel.llama:LlamaForCausalLM",
     "mistral": "model_parallel.llama:LlamaForCausalLM",
     "qwen2": "model_parallel.llama:LlamaForCausalLM",
+    "gemma2": "model_parallel.models.gemma:GemmaForCausalLM",
+    "gemma3_text": "model_parallel.models.gemma:GemmaForCausalLM",
+    "gemma3": "model_parallel.models.gemma:GemmaForCausalLM",  # GGUF's name for Gemma 3 text
+    "phi3": "model_parallel.models.phi3:Phi3ForCausalLM",
 }
 
 

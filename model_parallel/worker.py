@@ -5,8 +5,10 @@ Used in-process when tensor_parallel_size is 1 and as a Ray actor per rank other
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -27,6 +29,16 @@ from model_parallel.parallel import (
 from model_parallel.registry import model_class
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -63,11 +75,10 @@ class Worker:
         self.dtype = getattr(torch, config.model.torch_dtype_name)
         self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
         torch.manual_seed(config.model.seed)
-        with torch.device(device):
-            self.model = model_class(arch)(arch, self.tp, self.attn_backend).to(self.dtype)
-        # Rotary tables stay fp32 for accuracy; they are indexed, not multiplied in bulk.
-        for layer in self.model.layers:
-            layer.self_attn.rotary.float()
+        # Parameters are created in the target dtype on the target device: no fp32 copy of the model
+        # ever exists. Rotary tables are built in float64 and stored fp32 explicitly, so they stay fp32.
+        with torch.device(device), default_dtype(self.dtype):
+            self.model = model_class(arch)(arch, self.tp, self.attn_backend)
         source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
         if config.model.small_batch_quant == "auto" and device.type == "cpu" and self.dtype == torch.bfloat16:
             packed = pack_small_batch_weights(self.model, source_bits)

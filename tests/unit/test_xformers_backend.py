@@ -23,19 +23,34 @@ class _BottomRightMask:
     def __init__(self, q_lens: list[int], kv_lens: list[int]) -> None:
         self.q_lens, self.kv_lens = q_lens, kv_lens
 
+    window: int | None = None
+
     @classmethod
     def from_seqlens(cls, q_seqlen: list[int], kv_seqlen: list[int]) -> _BottomRightMask:
         return cls(list(q_seqlen), list(kv_seqlen))
 
 
-def _reference_forward(q, k, v, attn_bias):
+class _LocalBottomRightMask(_BottomRightMask):
+    """BlockDiagonalCausalLocalAttentionFromBottomRightMask: also q - window < k (xformers' docs)."""
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen: list[int], kv_seqlen: list[int], window_size: int) -> _LocalBottomRightMask:
+        mask = cls(list(q_seqlen), list(kv_seqlen))
+        mask.window = window_size
+        return mask
+
+
+def _reference_forward(q, k, v, attn_bias, scale=None):
     """[1, M, G, H, K] query / [1, N, G, H, K] key-value; per sequence, causal aligned bottom-right."""
     out = torch.empty_like(q)
     qo = ko = 0
     for ql, kl in zip(attn_bias.q_lens, attn_bias.kv_lens, strict=True):
         qs, ks, vs = q[0, qo:qo + ql], k[0, ko:ko + kl], v[0, ko:ko + kl]  # [n, G, H, K]
-        scores = torch.einsum("qghd,kghd->ghqk", qs, ks) * qs.shape[-1] ** -0.5
-        allowed = torch.arange(kl)[None, :] <= (torch.arange(ql)[:, None] + kl - ql)
+        scores = torch.einsum("qghd,kghd->ghqk", qs, ks) * (qs.shape[-1] ** -0.5 if scale is None else scale)
+        q_pos = torch.arange(ql)[:, None] + kl - ql
+        allowed = torch.arange(kl)[None, :] <= q_pos
+        if attn_bias.window is not None:
+            allowed &= torch.arange(kl)[None, :] > q_pos - attn_bias.window
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
         out[0, qo:qo + ql] = torch.einsum("ghqk,kghd->qghd", probs, vs)
         qo, ko = qo + ql, ko + kl
@@ -44,7 +59,9 @@ def _reference_forward(q, k, v, attn_bias):
 
 @pytest.fixture
 def fake_xformers(monkeypatch):
-    fmha = types.SimpleNamespace(attn_bias=types.SimpleNamespace(BlockDiagonalCausalFromBottomRightMask=_BottomRightMask),
+    fmha = types.SimpleNamespace(attn_bias=types.SimpleNamespace(
+        BlockDiagonalCausalFromBottomRightMask=_BottomRightMask,
+        BlockDiagonalCausalLocalAttentionFromBottomRightMask=_LocalBottomRightMask),
                                  memory_efficient_attention_forward=_reference_forward)
     ops = types.ModuleType("xformers.ops")
     ops.fmha = fmha  # type: ignore[attr-defined]
@@ -54,7 +71,9 @@ def fake_xformers(monkeypatch):
     monkeypatch.setitem(sys.modules, "xformers.ops", ops)
 
 
-def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers):
+# Per-layer options: a sliding window (local mask), a custom scale, soft-capped logits (torch path).
+@pytest.mark.parametrize("options", [{}, {"window": 3, "scale": 0.3}, {"softcap": 2.0}, {"window": 5, "softcap": 1.5}])
+def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers, options):
     torch.manual_seed(0)
     hq, hk, d, bs, num_blocks = 6, 2, 8, 4, 32
     caches = {name: (torch.randn(hk, num_blocks, bs, d), torch.randn(hk, num_blocks, bs, d))
@@ -79,7 +98,7 @@ def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers):
         outs = {}
         for name, attn in backends.items():
             _, _, meta = runners[name].prepare(StepInput(seqs))
-            outs[name] = attn(q, k, v, *caches[name], meta)
+            outs[name] = attn(q, k, v, *caches[name], meta, **options)
         torch.testing.assert_close(outs["xformers"], outs["sdpa"], atol=1e-5, rtol=1e-5)
 
 
