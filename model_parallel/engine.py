@@ -112,7 +112,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, bm.usage,
                            bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
                            self.scheduler.num_preemptions, self.num_steps, self.step_seconds,
                            self.execute_seconds)
