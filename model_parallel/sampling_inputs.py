@@ -153,18 +153,21 @@ class SamplingInputs:
         out = SampleResult()
         rows: list[SamplingRow] = []
         keep: list[int] = []
+        states: list[tuple[torch.Generator, torch.Tensor]] = []  # seeded streams, to redo a failed batch
         for i, s in enumerate(seqs):
             try:
-                rows.append(self.row(s, logits.device))
-                keep.append(i)
+                r = self.row(s, logits.device)
+                if r.generator is not None:
+                    states.append((r.generator, r.generator.get_state()))
             except Exception as exc:
                 out.errors[s.request_id] = describe(exc)
+                continue
+            rows.append(r)
+            keep.append(i)
         if not rows:
             return out
         if len(keep) < len(seqs):
             logits = logits[keep]
-        seeded = [r.generator for r in rows if r.generator is not None]
-        states = [(g, g.get_state()) for g in seeded] if seeded else []
         try:
             ids, lps = sample(logits, self.tensors(rows, logits.device), argmax)
             self._collect(out, rows, ids, lps)
@@ -172,7 +175,10 @@ class SamplingInputs:
             # One row's parameters broke the batch: redo it row by row (from the same random state, so
             # seeded rows draw what they would have drawn) and fail only the rows that fail alone.
             for g, state in states:
-                g.set_state(state)
+                try:
+                    g.set_state(state)
+                except Exception:  # that row's own generator: it fails below, alone
+                    pass
             for j, r in enumerate(rows):
                 try:
                     ids, lps = sample(logits[j : j + 1], self.tensors([r], logits.device), argmax)
