@@ -21,13 +21,15 @@ from model_parallel.outputs import TokenLogprob
 
 
 @dataclass
-class PenaltyRow:
-    row: int
-    history: torch.Tensor  # [L] long: every token so far (prompt, then output)
-    num_prompt: int
-    presence: float
-    frequency: float
-    repetition: float
+class Penalties:
+    """Presence / frequency / repetition penalties of a batch, as [B] factors and [B, V] token statistics
+    (rows without penalties have presence 0, frequency 0, repetition 1, which leave them unchanged)."""
+
+    seen: torch.Tensor  # [B, V] bool: the token occurs in the row's prompt or output
+    counts: torch.Tensor  # [B, V] float: occurrences in the row's output
+    presence: torch.Tensor  # [B]
+    frequency: torch.Tensor  # [B]
+    repetition: torch.Tensor  # [B]
 
 
 @dataclass
@@ -43,29 +45,22 @@ class SamplingTensors:
     needs_min_p: bool = False
     # Optional extras (None when no row asks for them).
     additive: torch.Tensor | None = None  # [B, V] logit bias, -inf masks (min_tokens, grammar)
-    penalty_rows: list[PenaltyRow] | None = None
+    penalties: Penalties | None = None
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[PenaltyRow]) -> None:
-    """In place; fixed-shape ops only (no unique / bincount), so nothing waits on the device."""
-    vocab = logits.shape[1]
-    for p in rows:
-        row = logits[p.row]
-        if p.repetition != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=row.device).index_fill_(0, p.history, True)
-            row.copy_(torch.where(seen, torch.where(row > 0, row / p.repetition, row * p.repetition), row))
-        out = p.history[p.num_prompt :]
-        if out.numel() and (p.presence or p.frequency):
-            counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
-            counts.index_add_(0, out, torch.ones(out.shape[0], dtype=row.dtype, device=row.device))
-            row -= p.frequency * counts + p.presence * (counts > 0).to(row.dtype)
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Repetition (divide positive logits, multiply negative ones, for every token seen), then
+    frequency and presence (subtracted per output occurrence / once); batched, fixed shapes."""
+    rep = p.repetition.unsqueeze(1)
+    logits = torch.where(p.seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - p.frequency.unsqueeze(1) * p.counts - p.presence.unsqueeze(1) * (p.counts > 0).to(logits.dtype)
 
 
 def _truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     probs = logits.softmax(-1)
     if t.needs_min_p:
         keep = probs >= t.min_ps.unsqueeze(1) * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(~keep, float("-inf"))
+        logits = logits.masked_fill(keep.logical_not(), float("-inf"))
         probs = logits.softmax(-1)
     sorted_probs, order = probs.sort(-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
@@ -83,9 +78,8 @@ def sample_on_device(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
     logits = logits.float()
     if t.additive is not None:
         logits = logits + t.additive
-    if t.penalty_rows:
-        logits = logits.clone()
-        apply_penalties(logits, t.penalty_rows)
+    if t.penalties is not None:
+        logits = apply_penalties(logits, t.penalties)
     if t.all_greedy and t.max_logprobs is None:
         return logits.argmax(-1), None
     greedy_rows = t.temperatures == 0
@@ -100,7 +94,7 @@ def sample_on_device(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
         noise = torch.empty_like(probs).exponential_()
         for i, g in enumerate(t.generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
+                noise.select(0, i).exponential_(generator=g)
         chosen = (probs / noise).argmax(-1)
         chosen = torch.where(greedy_rows, logits.argmax(-1), chosen)
     return chosen, (scaled.log_softmax(-1) if t.max_logprobs is not None else None)
@@ -110,7 +104,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors,
            argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprob] | None]:
     """logits: [B, V] in the model dtype. Returns chosen token ids and, if asked, their logprobs.
     argmax: a kernel that reads bf16 logits directly (cpu_kernels), for the all-greedy fast path."""
-    if t.all_greedy and t.max_logprobs is None and t.additive is None and not t.penalty_rows:
+    if t.all_greedy and t.max_logprobs is None and t.additive is None and t.penalties is None:
         # The common fast path. torch's argmax over fp32 is ~3x faster than over bf16 (vectorized), and exact.
         if argmax is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu":
             return argmax(logits).tolist(), None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_parallel.outputs import TokenLogprob
-from model_parallel.sampler import PenaltyRow, SamplingTensors, gather_logprobs, sample
+from model_parallel.sampler import Penalties, SamplingTensors, gather_logprobs, sample
 from model_parallel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,14 +29,21 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`: pinned and copied without a host wait when it is a GPU."""
-    t = torch.tensor(values, dtype=dtype)
+def pin(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory()
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: pinned and copied without a host wait when it is a GPU."""
     if device.type == "cpu":
         return t
     if device.type == "cuda":
-        t = t.pin_memory()
+        t = pin(t)
     return t.to(device, non_blocking=True)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def new_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -48,7 +55,8 @@ def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[R, W] int32 words -> [R, vocab_size] bool (bit j of word i allows token 32 * i + j), on their device.
     Model rows past the tokenizer's vocabulary are never allowed."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmasks.device)
-    bits = ((bitmasks.unsqueeze(-1) >> shifts) & 1).reshape(bitmasks.shape[0], -1)[:, :vocab_size].bool()
+    bits = ((bitmasks.unsqueeze(-1) >> shifts) & 1).reshape(bitmasks.shape[0], -1)
+    bits = bits.narrow(1, 0, min(vocab_size, bits.shape[1])).bool()
     if bits.shape[1] < vocab_size:
         bits = torch.cat([bits, bits.new_zeros(bits.shape[0], vocab_size - bits.shape[1])], dim=1)
     return bits
@@ -118,20 +126,13 @@ class SamplingInputs:
                 additive.index_put_(index, to_device(list(vals), f32, device), accumulate=True)
             masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
             if masked:
-                words = torch.stack([rows[i].bitmask for i in masked])  # type: ignore[misc]
-                words = words.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else words.to(device)
+                words = host_to_device(torch.stack([rows[i].bitmask for i in masked]), device)  # type: ignore[misc]
                 allowed = allowed_tokens(words, v)
-                sub = additive[masked] if len(masked) < len(rows) else additive
-                sub = sub.masked_fill(~allowed, float("-inf"))
-                if len(masked) < len(rows):
-                    additive[masked] = sub
-                else:
-                    additive = sub
-        penalty_rows = [
-            PenaltyRow(i, to_device(r.history, torch.long, device), r.num_prompt, r.params.presence_penalty,
-                       r.params.frequency_penalty, r.params.repetition_penalty)
-            for i, r in enumerate(rows) if r.history is not None
-        ]
+                if len(masked) < len(rows):  # rows without a grammar allow everything
+                    allowed = torch.ones(len(rows), v, dtype=torch.bool, device=device).index_copy_(
+                        0, to_device(masked, torch.long, device), allowed)
+                additive.masked_fill_(allowed.logical_not(), float("-inf"))
+        penalties = self._penalties(rows, device) if any(r.history is not None for r in rows) else None
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingTensors(
             temperatures=to_device([p.temperature for p in params], f32, device),
@@ -144,7 +145,33 @@ class SamplingInputs:
             needs_min_p=any(p.min_p > 0 for p in params),
             max_logprobs=min(max(logprob_counts), v) if logprob_counts else None,
             additive=additive,
-            penalty_rows=penalty_rows or None,
+            penalties=penalties,
+        )
+
+    def _penalties(self, rows: list[SamplingRow], device: torch.device) -> Penalties:
+        """Token statistics built on the device from each penalised row's history (flat row * V + token)."""
+        v, n = self.vocab_size, len(rows)
+        seen_idx, out_idx = [], []
+        for i, r in enumerate(rows):
+            if r.history is None:
+                continue
+            flat = to_device(r.history, torch.long, device) + i * v
+            seen_idx.append(flat)
+            out_idx.append(flat.narrow(0, min(r.num_prompt, flat.shape[0]), max(flat.shape[0] - r.num_prompt, 0)))
+        seen = torch.zeros(n * v, dtype=torch.bool, device=device).index_fill_(0, torch.cat(seen_idx), True)
+        outs = torch.cat(out_idx)
+        counts = torch.zeros(n * v, dtype=torch.float32, device=device).index_add_(
+            0, outs, torch.ones(outs.shape[0], dtype=torch.float32, device=device))
+        penalised = [r.history is not None for r in rows]
+        p = [r.params for r in rows]
+        f32 = torch.float32
+        return Penalties(
+            seen=seen.view(n, v), counts=counts.view(n, v),
+            presence=to_device([q.presence_penalty if on else 0.0 for q, on in zip(p, penalised, strict=True)], f32, device),
+            frequency=to_device([q.frequency_penalty if on else 0.0 for q, on in zip(p, penalised, strict=True)], f32,
+                                device),
+            repetition=to_device([q.repetition_penalty if on else 1.0 for q, on in zip(p, penalised, strict=True)], f32,
+                                 device),
         )
 
     def sample(self, seqs: list[SeqStep], logits: torch.Tensor,
