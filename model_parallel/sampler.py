@@ -65,38 +65,57 @@ def _truncate(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     sorted_probs, order = probs.sort(-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
     drop = ranks >= t.top_ks.unsqueeze(1)
-    # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays (top_p
+    # top_p over what top_k left (renormalised), as transformers and vLLM apply them one after the other:
+    # keep the smallest prefix whose mass reaches top_p. The most likely token always stays (top_p
     # rounds to 0 in fp32 for tiny values, which would otherwise drop every token).
-    drop |= ((sorted_probs.cumsum(-1) - sorted_probs) >= t.top_ps.unsqueeze(1)) & (ranks > 0)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    top_p = t.top_ps.unsqueeze(1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    # (top_p < 1: rounding in the cumulative sum must not cut the tail of rows that ask for no top_p.)
+    drop = drop | ((mass_before >= top_p * sorted_probs.sum(-1, keepdim=True)) & (ranks > 0) & (top_p < 1))
     drop_unsorted = torch.zeros_like(drop).scatter_(1, order, drop)
     return logits.masked_fill(drop_unsorted, float("-inf"))
 
 
-def sample_on_device(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits: [B, V]. Returns the chosen ids [B] and, when logprobs are asked, the log-softmax [B, V] of
-    the distribution they are reported from; both on the logits' device."""
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """fp32 logits after logit bias, -inf masks (min_tokens, grammar) and penalties."""
     logits = logits.float()
     if t.additive is not None:
         logits = logits + t.additive
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
+    return logits
+
+
+def scaled_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Processed logits over each row's temperature (greedy rows: unscaled): what logprobs report."""
+    temps = torch.where(t.temperatures == 0, torch.ones_like(t.temperatures), t.temperatures)
+    return logits / temps.unsqueeze(1)
+
+
+def sampling_probs(scaled: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The distribution each row draws from: softmax of its scaled logits after min_p, top_k and top_p."""
+    return (_truncate(scaled, t) if t.needs_truncation else scaled).softmax(-1)
+
+
+def sample_on_device(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [B, V]. Returns the chosen ids [B] and, when logprobs are asked, the log-softmax [B, V] of
+    the distribution they are reported from; both on the logits' device."""
+    logits = processed_logits(logits, t)
     if t.all_greedy and t.max_logprobs is None:
         return logits.argmax(-1), None
-    greedy_rows = t.temperatures == 0
-    temps = torch.where(greedy_rows, torch.ones_like(t.temperatures), t.temperatures)
-    scaled = logits / temps.unsqueeze(1)
+    scaled = scaled_logits(logits, t)
     if t.all_greedy:
         chosen = logits.argmax(-1)
     else:
-        candidates = _truncate(scaled, t) if t.needs_truncation else scaled
-        probs = candidates.softmax(-1)
+        probs = sampling_probs(scaled, t)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1); each seeded row uses its own stream.
         noise = torch.empty_like(probs).exponential_()
         for i, g in enumerate(t.generators):
             if g is not None:
                 noise.select(0, i).exponential_(generator=g)
         chosen = (probs / noise).argmax(-1)
-        chosen = torch.where(greedy_rows, logits.argmax(-1), chosen)
+        chosen = torch.where(t.temperatures == 0, logits.argmax(-1), chosen)
     return chosen, (scaled.log_softmax(-1) if t.max_logprobs is not None else None)
 
 
