@@ -79,6 +79,40 @@ def build(out_dir: Path | None = None, cflags: list[str] | None = None) -> Path:
     return target
 
 
+# The C kernels' return codes (csrc/paged_attention.c, KERNEL_*).
+_ERRORS = {
+    2: "a cache slot is outside the KV cache",
+    3: "a block table entry is outside the KV cache",
+    4: "a sequence's context length, query rows or block table width are inconsistent",
+    5: "unsupported head dim",
+}
+_ROTARY_MAX_DIM = 512  # the rotary kernel's stack buffer (ROTARY_MAX_DIM)
+
+
+def _check_code(code: int, kernel: str) -> None:
+    if code == 0:
+        return
+    if code == 1:
+        raise MemoryError(f"{kernel}: out of memory for its scratch buffers")
+    raise ValueError(f"{kernel}: {_ERRORS.get(code, f'error {code}')}")
+
+
+def _require(ok: bool, kernel: str, what: str) -> None:
+    """A real check at the boundary (not an assert: those vanish under -O, and C would read out of bounds)."""
+    if not ok:
+        raise ValueError(f"{kernel}: {what}")
+
+
+def _cpu_1d(t: torch.Tensor, dtype: torch.dtype, n: int) -> bool:
+    return t.dtype == dtype and t.dim() == 1 and t.shape[0] == n and t.is_contiguous() and t.device.type == "cpu"
+
+
+def _cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (k_cache.dtype in KERNEL_DTYPES and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+            and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu")
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """x viewed as [T, H, D] with heads packed in each row: the tensor (copied only if its rows are
     not) and the stride between rows, in elements. Views into the fused qkv output need no copy."""
@@ -96,12 +130,12 @@ class PagedKernels:
         self._write: dict[torch.dtype, ctypes._CFuncPtr] = {}
         self._attention: dict[torch.dtype, ctypes._CFuncPtr] = {}
         for dtype, suffix in _SUFFIX.items():
-            self._write[dtype] = _bind(lib, f"write_kv_{suffix}", [p, p, i64, p, p, p, i, i, i, i, i])
+            self._write[dtype] = _bind(lib, f"write_kv_{suffix}", [p, p, i64, p, p, p, i, i, i, i, i], ctypes.c_int)
             self._attention[dtype] = _bind(lib, f"paged_attention_{suffix}",
-                                           [p, i64, p, p, p, p, p, p, p, i, i, i, i, i, i, i, f, i])
+                                           [p, i64, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, f, i], ctypes.c_int)
         self._norm = _bind(lib, "add_rms_norm_bf16", [p, p, p, p, i, i, f, i])
         self._silu = _bind(lib, "silu_and_mul_bf16", [p, p, i, i])
-        self._rotary = _bind(lib, "rotary_bf16", [p, i64, p, p, i, i, i])
+        self._rotary = _bind(lib, "rotary_bf16", [p, i64, p, p, i, i, i], ctypes.c_int)
         self._argmax = _bind(lib, "argmax_rows_bf16", [p, i64, i, i, p, i])
         lib.kernels_vectorized.restype = ctypes.c_int
         # AVX-512 BF16 build: the norm and SiLU kernels beat torch's from 1 to 1,024 tokens and are
@@ -110,15 +144,23 @@ class PagedKernels:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor) -> None:
-        """k, v: [T, Hk, D] (rows may be strided); caches [Hk, num_blocks, block_size, D]; slots: [T] int64."""
+        """k, v: [T, Hk, D] (rows may be strided); caches [Hk, num_blocks, block_size, D]; slots: [T] int64
+        (negative: skipped). Raises ValueError on inputs the kernel cannot index safely."""
+        _require(_cache_ok(k_cache, v_cache), "write_kv", "caches must be matching contiguous CPU "
+                 "[Hk, num_blocks, block_size, D] tensors in bf16 or fp32")
+        hk, nb, bs, d = k_cache.shape
+        _require(k.dim() == 3 and k.shape == v.shape and k.shape[1:] == (hk, d) and k.dtype == v.dtype == k_cache.dtype
+                 and k.device.type == "cpu" and v.device.type == "cpu", "write_kv",
+                 f"k and v must be [T, {hk}, {d}] {k_cache.dtype} on the CPU")
+        _require(_cpu_1d(slots, torch.int64, k.shape[0]), "write_kv", "slots must be contiguous int64 [T]")
         k, stride = _rows(k)
         v, v_stride = _rows(v)
         if v_stride != stride:
             k, v = k.contiguous(), v.contiguous()
             stride = k.stride(0)
-        hk, nb, bs, d = k_cache.shape
-        self._write[k_cache.dtype](k.data_ptr(), v.data_ptr(), stride, k_cache.data_ptr(), v_cache.data_ptr(),
-                                   slots.data_ptr(), k.shape[0], hk, d, nb, bs)
+        _check_code(self._write[k_cache.dtype](k.data_ptr(), v.data_ptr(), stride, k_cache.data_ptr(),
+                                               v_cache.data_ptr(), slots.data_ptr(), k.shape[0], hk, d, nb, bs),
+                    "write_kv")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
@@ -126,28 +168,45 @@ class PagedKernels:
         """Each sequence's query rows over its paged context, causal: q [T, Hq, D] (rows may be
         strided); per sequence (int32): block_tables [S, max_blocks], ctx_lens [S] (its context after
         this step), q_starts [S] (its first row in q) and q_lens [S]; without q_starts and q_lens,
-        one row per sequence (decode); scale of q.k, D^-0.5 by default. Returns [T, Hq, D] contiguous."""
+        one row per sequence (decode); scale of q.k, D^-0.5 by default. Returns [T, Hq, D] contiguous.
+        Raises ValueError on inputs the kernel cannot index safely (the per-sequence index checks run in C, O(sequences x blocks))."""
+        name = "paged_attention"
+        _require(_cache_ok(k_cache, v_cache), name, "caches must be matching contiguous CPU "
+                 "[Hk, num_blocks, block_size, D] tensors in bf16 or fp32")
+        hk, nb, bs, d = k_cache.shape
+        _require(q.dim() == 3 and q.shape[2] == d and q.shape[1] % hk == 0 and q.dtype == k_cache.dtype
+                 and q.device.type == "cpu", name, f"q must be [T, a multiple of {hk}, {d}] {k_cache.dtype} on the CPU")
+        s = ctx_lens.shape[0] if ctx_lens.dim() == 1 else -1
+        _require(_cpu_1d(ctx_lens, torch.int32, s), name, "ctx_lens must be contiguous int32 [S]")
+        _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == s
+                 and block_tables.is_contiguous() and block_tables.device.type == "cpu", name,
+                 "block_tables must be contiguous int32 [S, max_blocks]")
         q, q_stride = _rows(q)
-        t, hq, d = q.shape
-        hk, nb, bs, _ = k_cache.shape
-        s = ctx_lens.shape[0]
+        t, hq, _ = q.shape
         if q_lens is None:
             q_starts = torch.arange(s, dtype=torch.int32)
             q_lens = torch.ones(s, dtype=torch.int32)
-        assert q_starts is not None
+        _require(q_starts is not None and _cpu_1d(q_starts, torch.int32, s) and _cpu_1d(q_lens, torch.int32, s), name,
+                 "q_starts and q_lens must be contiguous int32 [S]")
+        assert q_starts is not None  # for the type checker; checked just above
         out = torch.empty(t, hq, d, dtype=q.dtype)
-        self._attention[k_cache.dtype](
+        _check_code(self._attention[k_cache.dtype](
             q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            ctx_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), s, hq, hk, d, nb, bs,
-            block_tables.shape[1], d**-0.5 if scale is None else scale, torch.get_num_threads())
+            ctx_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), t, s, hq, hk, d, nb, bs,
+            block_tables.shape[1], d**-0.5 if scale is None else scale, torch.get_num_threads()), name)
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 [T, H]: (weight * rms_norm(x + residual), x + residual); the sum is written into
         `residual` in place (the caller's old residual is dead after the call)."""
-        x = x.contiguous()
+        _require(x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu", "add_rms_norm",
+                 "x must be bf16 [T, H] on the CPU")
         t, h = x.shape
+        _require(_cpu_1d(weight, torch.bfloat16, h) and (residual is None or (
+            residual.shape == x.shape and residual.dtype == x.dtype and residual.device.type == "cpu")),
+            "add_rms_norm", f"weight must be contiguous bf16 [{h}] and residual bf16 {tuple(x.shape)}")
+        x = x.contiguous()
         has_residual = residual is not None
         res = residual.contiguous() if residual is not None else torch.empty_like(x)
         normed = torch.empty_like(x)
@@ -156,6 +215,8 @@ class PagedKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 [T, 2I] (gate | up) -> [T, I]."""
+        _require(x.dim() == 2 and x.shape[1] % 2 == 0 and x.dtype == torch.bfloat16 and x.device.type == "cpu",
+                 "silu_and_mul", "x must be bf16 [T, 2I] on the CPU")
         x = x.contiguous()
         t, width = x.shape
         out = torch.empty(t, width // 2, dtype=x.dtype)
@@ -165,12 +226,23 @@ class PagedKernels:
     def rotary_(self, qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate the first num_heads heads of each row of qkv ([T, width] bf16, contiguous) in place;
         cos, sin: contiguous fp32 with T rows of head_dim (RotaryEmbedding.tables)."""
-        assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and head_dim <= 512
-        self._rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], num_heads, head_dim)
+        name = "rotary"
+        _require(0 < head_dim <= _ROTARY_MAX_DIM and head_dim % 2 == 0, name,
+                 f"head dim {head_dim} unsupported (even, at most {_ROTARY_MAX_DIM})")
+        _require(qkv.dim() == 2 and qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and qkv.device.type == "cpu"
+                 and 0 <= num_heads * head_dim <= qkv.shape[1], name,
+                 f"qkv must be contiguous bf16 [T, >= {num_heads} x {head_dim}] on the CPU")
+        n = qkv.shape[0] * head_dim
+        _require(all(x.dtype == torch.float32 and x.numel() == n and x.shape[0] == qkv.shape[0] and x.is_contiguous()
+                     for x in (cos, sin)), name, f"cos and sin must be contiguous fp32 with {qkv.shape[0]} rows of "
+                 f"{head_dim}")
+        _check_code(self._rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+                                 num_heads, head_dim), name)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Index of each row's largest value ([R, V] bf16 -> [R] int64), first on ties, as torch.argmax."""
-        assert logits.dtype == torch.bfloat16 and logits.dim() == 2
+        _require(logits.dtype == torch.bfloat16 and logits.dim() == 2 and logits.shape[1] > 0
+                 and logits.device.type == "cpu", "argmax", "logits must be bf16 [R, V > 0] on the CPU")
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.long)
@@ -179,10 +251,10 @@ class PagedKernels:
         return out
 
 
-def _bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None) -> ctypes._CFuncPtr:
     fn = getattr(lib, name)
     fn.argtypes = argtypes
-    fn.restype = None
+    fn.restype = restype
     return fn
 
 

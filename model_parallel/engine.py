@@ -1,21 +1,19 @@
 """The engine: add_request / abort, and step() = schedule -> execute -> postprocess.
 
-`LLMEngine` is synchronous and single-threaded. `AsyncLLMEngine` runs it on a background thread
-(torch releases the GIL), or drives one in its own process (engine_process.EngineProcess), and hands
-each request an async iterator of outputs.
+`LLMEngine` is synchronous and single-threaded; `AsyncLLMEngine` (async_engine.py, re-exported here)
+drives it. A fault that belongs to one sequence (its sampling inputs, grammar matcher, adapter) aborts
+that sequence with an error for its request (`RequestOutput.error`); the step goes on for the others.
+Only a fault nobody owns (the model forward, a collective) escapes `step()` and ends the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from model_parallel.async_engine import AsyncLLMEngine
 from model_parallel.block_manager import BlockManager
 from model_parallel.config import EngineConfig
 from model_parallel.executor import make_executor
@@ -23,16 +21,15 @@ from model_parallel.guided import new_matcher, next_token_bitmask
 from model_parallel.loader import read_arch
 from model_parallel.model_files import resolve_model_path
 from model_parallel.model_runner import SeqStep, StepInput
-from model_parallel.outputs import RequestOutput, TokenLogprob
+from model_parallel.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
+from model_parallel.sampling_inputs import describe
 from model_parallel.sampling_params import SamplingParams
 from model_parallel.scheduler import ScheduledSeq, Scheduler
 from model_parallel.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats", "LLMEngine", "SequenceError"]
 
 
 @dataclass
@@ -82,6 +79,8 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
             raise ValueError("empty prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
@@ -112,7 +111,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, bm.usage,
                            bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
                            self.scheduler.num_preemptions, self.num_steps, self.step_seconds,
                            self.execute_seconds)
@@ -164,37 +163,76 @@ class LLMEngine:
         # Decode sequences first: the attention backends batch them together.
         runnable.sort(key=lambda sc: sc.num_tokens != 1)
         samples = [sc.samples for sc in runnable]
-        step_input = StepInput([self._seq_step(sc) for sc in runnable], self._finished_ids)
+        errors: dict[str, str] = {}
+        step_input = StepInput([self._safe_seq_step(sc, errors) for sc in runnable], self._finished_ids)
         self._finished_ids = []
         t_exec = time.perf_counter()
         result = self.executor.execute(step_input)
         self.execute_seconds += time.perf_counter() - t_exec
+        errors.update(result.errors)
         for sc, sampled in zip(runnable, samples, strict=True):
             seq = sc.seq
-            seq.num_computed_tokens += sc.num_tokens
-            prompt_lps = None
-            if seq.request_id in result.prompt_logprobs:
-                seq.prompt_logprobs.extend(result.prompt_logprobs[seq.request_id])
-                if seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    prompt_lps = seq.prompt_logprobs
-                    seq.prompt_logprobs_sent = True
-            if not sampled:
-                if prompt_lps is not None:
-                    outputs.append(self._output(seq, [], None, prompt_lps))
-                continue
-            token = result.sampled[seq.request_id]
-            seq.token_ids.append(token)
-            if seq.matcher is not None and not seq.matcher.accept_token(token):
-                log.warning("request %s: token %d rejected by its grammar", seq.request_id, token)
-            self._check_stop(seq, token)
-            out = self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps)
-            if seq.request_id in result.hidden_states:
-                out.hidden_states = [result.hidden_states[seq.request_id]]
-            outputs.append(out)
-            if seq.is_finished:
-                self.seqs.pop(seq.request_id, None)
-                self._finished_ids.append(seq.request_id)
+            error = errors.get(seq.request_id)
+            if error is None:
+                try:
+                    out = self._advance(sc, sampled, result)
+                except Exception as exc:  # its grammar matcher, its stop check: this sequence alone
+                    log.exception("request %s failed after its step", seq.request_id)
+                    error = describe(exc)
+                else:
+                    if out is not None:
+                        outputs.append(out)
+                    continue
+            outputs.append(self._fail(seq, error))
         return outputs
+
+    def _safe_seq_step(self, sc: ScheduledSeq, errors: dict[str, str]) -> SeqStep:
+        """The sequence's step; if building it fails, the sequence still computes its tokens (a request
+        admitted beside it may share those blocks) but samples nothing, and fails after the step."""
+        try:
+            return self._seq_step(sc)
+        except Exception as exc:
+            log.exception("request %s: preparing its step failed", sc.seq.request_id)
+            errors[sc.seq.request_id] = describe(exc)
+            seq, start = sc.seq, sc.seq.num_computed_tokens
+            return SeqStep(seq.request_id, seq.token_ids[start : start + sc.num_tokens], start, seq.block_table,
+                           False, lora_slot=seq.lora_slot)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Abort one sequence with `error` for its request; the step goes on for the others."""
+        log.warning("request %s failed: %s", seq.request_id, error)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+        if self.seqs.pop(seq.request_id, None) is not None:
+            self._finished_ids.append(seq.request_id)
+        out = self._output(seq, [], None)
+        out.error = error
+        return out
+
+    def _advance(self, sc: ScheduledSeq, sampled: bool, result) -> RequestOutput | None:
+        """Record a sequence's step: computed tokens, prompt logprobs, its sampled token and stop check."""
+        seq = sc.seq
+        seq.num_computed_tokens += sc.num_tokens
+        prompt_lps = None
+        if seq.request_id in result.prompt_logprobs:
+            seq.prompt_logprobs.extend(result.prompt_logprobs[seq.request_id])
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                prompt_lps = seq.prompt_logprobs
+                seq.prompt_logprobs_sent = True
+        if not sampled:
+            return self._output(seq, [], None, prompt_lps) if prompt_lps is not None else None
+        token = result.sampled[seq.request_id]
+        seq.token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            log.warning("request %s: token %d rejected by its grammar", seq.request_id, token)
+        self._check_stop(seq, token)
+        out = self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps)
+        if seq.request_id in result.hidden_states:
+            out.hidden_states = [result.hidden_states[seq.request_id]]
+        if seq.is_finished:
+            self.seqs.pop(seq.request_id, None)
+            self._finished_ids.append(seq.request_id)
+        return out
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -240,133 +278,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Coalesce outputs that queued up while the consumer was busy: fewer hops per token."""
-    a.new_token_ids = a.new_token_ids + b.new_token_ids
-    if b.logprobs:
-        a.logprobs = (a.logprobs or []) + b.logprobs
-    a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
-    if b.hidden_states:
-        a.hidden_states = (a.hidden_states or []) + b.hidden_states
-    a.finished, a.finish_reason, a.stop_token_id = b.finished, b.finish_reason, b.stop_token_id
-    a.num_cached_tokens = b.num_cached_tokens
-    return a
-
-
-class AsyncLLMEngine:
-    """Drives an LLMEngine from a background thread; requests are async iterators of outputs."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._in_process = getattr(engine, "is_process", False)  # an EngineProcess steps in its own process
-        self._commands: deque[tuple] = deque()
-        self._wake = threading.Event()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-        self.error: BaseException | None = None
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, eos_token_ids: list[int] | None = None) -> AsyncLLMEngine:
-        return cls(LLMEngine(config, eos_token_ids))
-
-    def _start(self) -> None:
-        started = self._loop is not None
-        self._loop = asyncio.get_running_loop()  # outputs go to the loop of the latest caller
-        if started:
-            return
-        if self._in_process:  # engine_process.EngineProcess: it steps on its own
-            self.engine.attach(self._deliver, self._on_death)
-        else:
-            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-            self._thread.start()
-
-    def _submit(self, command: tuple) -> None:
-        if self._in_process:
-            kind, *args = command
-            (self.engine.add_request if kind == "add" else self.engine.abort)(*args)
-        else:
-            self._commands.append(command)
-            self._wake.set()
-
-    def _on_death(self, exc: BaseException) -> None:
-        """The engine process exited or its step failed: fail every open request, report unhealthy."""
-        self.error = exc
-        self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in list(self._queues)])
-
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stopped:
-            while self._commands:
-                kind, *args = self._commands.popleft()
-                try:
-                    if kind == "add":
-                        engine.add_request(*args)
-                    else:
-                        engine.abort(*args)
-                except ValueError as exc:
-                    self._deliver([(args[0], exc)])
-            if not engine.has_work():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except BaseException as exc:  # the engine is unusable: fail every request, report unhealthy
-                log.exception("engine step failed")
-                self.error = exc
-                self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in list(self._queues)])
-                return
-            if outputs:
-                self._deliver([(o.request_id, o) for o in outputs])
-
-    def _deliver(self, items: list[tuple[str, object]]) -> None:
-        assert self._loop is not None
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._dispatch, items)
-
-    def _dispatch(self, items: list[tuple[str, object]]) -> None:
-        for rid, item in items:
-            q = self._queues.get(rid)
-            if q is not None:
-                q.put_nowait(item)
-
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int = 0,
-        grammar: Any = None,
-    ) -> AsyncIterator[RequestOutput]:
-        if self.error is not None:
-            raise EngineDeadError(f"engine failed: {self.error}")
-        self._start()
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        self._submit(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                # Coalesce whatever else is already here.
-                while not q.empty() and isinstance(item, RequestOutput) and not item.finished:
-                    nxt = q.get_nowait()
-                    item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished and self.error is None:  # consumer went away (client disconnect): free its blocks
-                self._submit(("abort", request_id))
-
-    def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
-
-    def shutdown(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self.engine.shutdown()

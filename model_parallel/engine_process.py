@@ -28,6 +28,8 @@ from typing import Any
 
 from model_parallel.config import EngineConfig
 from model_parallel.engine import EngineDeadError
+from model_parallel.outputs import SequenceError
+from model_parallel.sampling_inputs import describe
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +176,7 @@ class EngineProcess:
             try:
                 self._send(("stop",))
                 self._proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, EngineProcessError, subprocess.TimeoutExpired):  # died just before (not reaped yet)
                 self._proc.kill()
         self._conn.close()
 
@@ -236,8 +238,8 @@ class _EngineLoop:
 
                     grammar = xgrammar.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
                 self.engine.add_request(rid, prompt, params, lora_slot, grammar)
-            except ValueError as exc:  # refused (length, capacity): that request fails, nothing else
-                self.conn.send(("out", [(rid, exc)]))
+            except Exception as exc:  # refused (length, capacity) or failed: that request fails, nothing else
+                self.conn.send(("out", [(rid, exc if isinstance(exc, ValueError) else SequenceError(rid, describe(exc)))]))
         elif kind == "abort":
             self.engine.abort(msg[1])
         elif kind == "call":

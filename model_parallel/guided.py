@@ -87,14 +87,3 @@ def next_token_bitmask(matcher: Any, vocab_size: int) -> torch.Tensor:
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     matcher.fill_next_token_bitmask(bitmask, 0)
     return bitmask[0]
-
-
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def bitmask_to_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[W] int32 words -> [vocab_size] bool (bit j of word i allows token 32 * i + j)."""
-    bits = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).reshape(-1)[:vocab_size].bool()
-    if bits.numel() < vocab_size:  # model rows past the tokenizer's vocabulary are never allowed
-        bits = torch.cat([bits, bits.new_zeros(vocab_size - bits.numel())])
-    return bits

@@ -8,9 +8,8 @@ import torch
 
 from model_parallel.attention import AttentionMetadata, PrefillChunk, decode_gather_index
 from model_parallel.cpu_kernels import KERNEL_DTYPES
-from model_parallel.guided import bitmask_to_allowed
 from model_parallel.outputs import TokenLogprob
-from model_parallel.sampler import SamplingTensors, gather_logprobs, sample
+from model_parallel.sampling_inputs import SamplingInputs, describe, prompt_logprobs
 from model_parallel.sampling_params import SamplingParams
 
 
@@ -47,6 +46,8 @@ class StepOutput:
     # Logprobs of the prompt tokens that this chunk's rows predict.
     prompt_logprobs: dict[str, list[TokenLogprob]]
     hidden_states: dict[str, list[float]] = field(default_factory=dict)
+    # Sequences that failed on their own (their sampling inputs, their adapter): request id -> reason.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -59,7 +60,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.is_driver = is_driver
-        self.generators: dict[str, torch.Generator] = {}
+        self.sampling = SamplingInputs(vocab_size)  # per-request generators; sampling on the logits' device
         # Varlen backends (xformers) attend over every sequence's context slots in one flat batch.
         backend = getattr(model, "attn_backend", None)
         self.needs_context_slots = getattr(backend, "name", "") == "xformers"
@@ -161,10 +162,24 @@ class ModelRunner:
         )
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
 
+    def _known_adapters(self, step: StepInput, errors: dict[str, str]) -> StepInput:
+        """Drop sequences tagged with an adapter this rank does not hold (unloaded under them): each
+        fails alone. Every rank holds the same adapters, so every rank drops the same sequences."""
+        loaded = self.lora.id_to_slot if self.lora is not None else {}
+        unknown = {s.request_id for s in step.seqs if s.lora_slot and s.lora_slot not in loaded}
+        if not unknown:
+            return step
+        for rid in unknown:
+            errors[rid] = "the LoRA adapter of this request is no longer loaded"
+        return StepInput([s for s in step.seqs if s.request_id not in unknown], step.finished_request_ids)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
-        for rid in step.finished_request_ids:
-            self.generators.pop(rid, None)
+        self.sampling.forget(step.finished_request_ids)
+        errors: dict[str, str] = {}
+        step = self._known_adapters(step, errors)
+        if not step.seqs:
+            return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
         input_ids, positions, meta = self.prepare(step)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
@@ -184,73 +199,28 @@ class ModelRunner:
             offset += n
         if not rows:
             # Every rank must still join the LM head's collective in lockstep; nothing to gather here.
-            return StepOutput({}, {}, {}) if self.is_driver else None
+            return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
         # Logits stay in the model dtype (the LM head's output precision); the sampler upcasts the
         # rows that need more than an argmax. Copying [B, vocab] fp32 tensors costs ms per step.
         logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
         if not self.is_driver:
             return None
         sampling = [s for s in step.seqs if s.sample]
-        out = StepOutput({}, {}, {})
+        out = StepOutput({}, {}, {}, errors=errors)
         if sampling:
-            tensors = self.sampling_tensors(sampling)
             rows_needed = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            token_ids, logprobs = sample(rows_needed, tensors, self.argmax)
+            result = self.sampling.sample(sampling, rows_needed, self.argmax)
+            out.sampled, out.logprobs = result.sampled, result.logprobs
+            errors.update(result.errors)
             for i, s in enumerate(sampling):
-                out.sampled[s.request_id] = token_ids[i]
-                if logprobs is not None and s.params and s.params.logprobs is not None:
-                    lp = logprobs[i]
-                    lp.top = lp.top[: s.params.logprobs]
-                    out.logprobs[s.request_id] = lp
-                if s.params and s.params.return_hidden_states:
+                if s.request_id in out.sampled and s.params and s.params.return_hidden_states:
                     out.hidden_states[s.request_id] = hidden[rows[sample_rows[i]]].float().tolist()
         for s in step.seqs:
-            if s.request_id in prompt_rows and s.params is not None:
+            if s.request_id in prompt_rows and s.params is not None and s.request_id not in errors:
                 first, count = prompt_rows[s.request_id]
-                lps = logits[first : first + count].float().log_softmax(-1)
-                targets = torch.tensor(s.prompt_logprob_targets)
-                out.prompt_logprobs[s.request_id] = gather_logprobs(lps, targets, s.params.prompt_logprobs or 0)
+                try:
+                    out.prompt_logprobs[s.request_id] = prompt_logprobs(
+                        logits[first : first + count], s.prompt_logprob_targets, s.params.prompt_logprobs or 0)
+                except Exception as exc:  # this sequence's own rows: it fails alone
+                    errors[s.request_id] = describe(exc)
         return out
-
-    def sampling_tensors(self, seqs: list[SeqStep]) -> SamplingTensors:
-        params = [s.params or SamplingParams() for s in seqs]
-        v = self.vocab_size
-        generators: list[torch.Generator | None] = []
-        for s, p in zip(seqs, params, strict=True):
-            g = None
-            if p.seed is not None and not p.greedy:
-                g = self.generators.get(s.request_id)
-                if g is None:
-                    g = self.generators[s.request_id] = torch.Generator().manual_seed(p.seed)
-            generators.append(g)
-        additive = None
-        if any(s.mask_token_ids or p.logit_bias or s.allowed_bitmask is not None
-               for s, p in zip(seqs, params, strict=True)):
-            additive = torch.zeros(len(seqs), v)
-            for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
-                for tok, bias in p.logit_bias:
-                    if 0 <= tok < v:
-                        additive[i, tok] += bias
-                for tok in s.mask_token_ids:
-                    if 0 <= tok < v:
-                        additive[i, tok] = float("-inf")
-                if s.allowed_bitmask is not None:
-                    additive[i].masked_fill_(~bitmask_to_allowed(s.allowed_bitmask, v), float("-inf"))
-        penalty_rows = [
-            (i, s.history, s.num_prompt_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-            for i, (s, p) in enumerate(zip(seqs, params, strict=True))
-            if s.history is not None
-        ]
-        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingTensors(
-            temperatures=torch.tensor([p.temperature for p in params]),
-            top_ps=torch.tensor([p.top_p for p in params]),
-            top_ks=torch.tensor([p.top_k if p.top_k > 0 else v for p in params]),
-            min_ps=torch.tensor([p.min_p for p in params]),
-            generators=generators,
-            all_greedy=all(p.greedy for p in params),
-            needs_truncation=any(p.top_p < 1 or 0 < p.top_k < v or p.min_p > 0 for p in params),
-            max_logprobs=max(logprob_counts) if logprob_counts else None,
-            additive=additive,
-            penalty_rows=penalty_rows or None,
-        )

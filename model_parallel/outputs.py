@@ -29,3 +29,18 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Final-layer hidden state (after the last norm) behind each new token, when asked for.
     hidden_states: list[list[float]] | None = None
+    # Set when this request failed on its own (finish_reason "abort"); the engine serves the others on.
+    error: str | None = None
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (a step failed in the model or a collective): every request fails."""
+
+
+class SequenceError(ValueError):
+    """One request failed inside the engine (its sampling inputs, grammar, adapter or parameters) and
+    was aborted; the engine goes on serving the others. A ValueError: the request's own inputs led there."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id

@@ -2,8 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
+
+# What the step can hold: token ids and counts fit int32 tensors, seeds torch's 64 bits, and every float
+# stays finite in fp32 arithmetic after scaling, penalties and biases.
+_MAX_TOKEN_ID = 2**31 - 1
+_SEED_MODULUS = 2**64
+_MAX_FLOAT = 1e6
+_MIN_TEMPERATURE = 1e-5
+_MIN_REPETITION = 1e-6
+
+
+def _int(name: str, value: object, lo: int | None, hi: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}],"
+                         f" got {value}")
+    return int(value)
+
+
+def _finite(name: str, value: object, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
 
 GuidedKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
 
@@ -30,11 +58,11 @@ class SamplingParams:
 
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 disables
+    top_k: int = -1  # -1 or 0 disables (normalised to -1, as is anything larger than any vocabulary)
     min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
-    seed: int | None = None
+    seed: int | None = None  # reduced modulo 2**64
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # Number of top logprobs to return per generated token; None = no logprobs, 0 = chosen token only.
@@ -48,20 +76,31 @@ class SamplingParams:
     return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
+        """Refuse (ValueError) or normalise every field to what the step can hold, so no request reaches
+        the engine with a value that would raise inside it (an overflowing int, a NaN)."""
+        set_ = partial(object.__setattr__, self)
+        temperature = _finite("temperature", self.temperature, 0.0, _MAX_FLOAT)
+        set_("temperature", 0.0 if temperature < _MIN_TEMPERATURE else temperature)  # vLLM: ~0 means greedy
+        set_("top_p", _finite("top_p", self.top_p, 0.0, 1.0))
+        if self.top_p == 0:
             raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError("top_k must be -1 (disabled) or >= 0")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must be in [0, max_tokens]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
+        top_k = _int("top_k", self.top_k, -1, None)
+        set_("top_k", -1 if top_k == 0 or top_k > _MAX_TOKEN_ID else top_k)  # larger than any vocabulary: off
+        set_("min_p", _finite("min_p", self.min_p, 0.0, 1.0))
+        set_("max_tokens", _int("max_tokens", self.max_tokens, 1, _MAX_TOKEN_ID))
+        set_("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
+        if self.seed is not None:  # torch seeds are 64-bit; per-choice seeds (seed + i) wrap the same way
+            set_("seed", _int("seed", self.seed, None, None) % _SEED_MODULUS)
+        set_("stop_token_ids", tuple(_int("stop_token_ids", t, 0, _MAX_TOKEN_ID) for t in self.stop_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                set_(name, _int(name, getattr(self, name), 0, _MAX_TOKEN_ID))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(name, _finite(name, getattr(self, name), -_MAX_FLOAT, _MAX_FLOAT))
+        set_("repetition_penalty", _finite("repetition_penalty", self.repetition_penalty, _MIN_REPETITION, _MAX_FLOAT))
+        set_("logit_bias", tuple((_int("logit_bias", tok, 0, _MAX_TOKEN_ID), _finite("logit_bias", bias, -_MAX_FLOAT,
+                                                                                     _MAX_FLOAT))
+                                 for tok, bias in self.logit_bias))
 
     @property
     def greedy(self) -> bool:

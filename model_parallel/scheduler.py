@@ -31,22 +31,26 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
+        # Finished (aborted) sequences stay in `waiting` until they reach its head, where they are skipped:
+        # an abort is O(1) however long the queue (deque.remove would make aborting a fan-out quadratic).
         self.waiting: deque[Sequence] = deque()
+        self.num_waiting = 0
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.num_waiting += 1
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.num_waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a sequence out of the queues and free its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self.num_waiting -= 1  # skipped when it reaches the head of the queue
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
@@ -55,6 +59,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self.num_waiting += 1
         self.num_preemptions += 1
 
     def schedule(self) -> list[ScheduledSeq]:
@@ -79,6 +84,9 @@ class Scheduler:
         # Admitting new work while we had to preempt would only thrash.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.is_finished:  # aborted while waiting
+                self.waiting.popleft()
+                continue
             if not seq.block_table:
                 # Prompt logprobs need every prompt position computed, so those skip the cache.
                 cached = self.block_manager.match_prefix(seq) if seq.params.prompt_logprobs is None else 0
@@ -89,6 +97,7 @@ class Scheduler:
                 if not self.running:
                     # Nothing will ever free blocks for it: the request cannot fit the cache at all.
                     self.waiting.popleft()
+                    self.num_waiting -= 1
                     self.block_manager.free(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "length" if seq.num_output_tokens else "abort"
@@ -97,6 +106,7 @@ class Scheduler:
                     self.block_manager.free(seq)
                 break
             self.waiting.popleft()
+            self.num_waiting -= 1
             # Registered now, so the next waiting request can share these blocks in this same step.
             self.block_manager.commit_full_blocks(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING

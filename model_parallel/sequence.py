@@ -15,7 +15,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues find and remove a sequence by itself, never by comparing fields
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by generated tokens

@@ -15,6 +15,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Return codes of the kernels that can fail (cpu_kernels.py raises on them; nothing is written then,
+ * except that an allocation failure can leave `out` partly written). */
+#define KERNEL_OK 0
+#define KERNEL_ENOMEM 1     /* malloc / aligned_alloc returned NULL */
+#define KERNEL_ESLOT 2      /* a cache slot >= num_blocks * block_size */
+#define KERNEL_EBLOCK 3     /* a block-table entry in use outside [0, num_blocks) */
+#define KERNEL_ESEQ 4       /* a sequence's lengths or query rows are inconsistent */
+#define KERNEL_EHEAD_DIM 5  /* a head dim larger than the kernel's stack buffer */
+
 static inline float bf16_load(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -34,10 +43,12 @@ static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
 #define DEFINE_KERNELS(SUFFIX, ELEM, LOAD, STORE)                                                      \
-    void write_kv_##SUFFIX(const ELEM *k, const ELEM *v, int64_t row_stride, ELEM *k_cache,            \
-                           ELEM *v_cache, const int64_t *slots, int T, int Hk, int D, int num_blocks,  \
-                           int block_size) {                                                           \
+    int write_kv_##SUFFIX(const ELEM *k, const ELEM *v, int64_t row_stride, ELEM *k_cache,             \
+                          ELEM *v_cache, const int64_t *slots, int T, int Hk, int D, int num_blocks,   \
+                          int block_size) {                                                            \
         size_t cache_head = (size_t)num_blocks * block_size * D;                                       \
+        for (int t = 0; t < T; t++) /* negative slots are padding, skipped */                          \
+            if (slots[t] >= (int64_t)num_blocks * block_size) return KERNEL_ESLOT;                     \
         for (int t = 0; t < T; t++) {                                                                  \
             if (slots[t] < 0) continue;                                                                \
             for (int h = 0; h < Hk; h++) {                                                             \
@@ -46,6 +57,7 @@ static inline float f32_store(float x) { return x; }
                 memcpy(v_cache + dst, v + t * row_stride + (size_t)h * D, D * sizeof(ELEM));           \
             }                                                                                          \
         }                                                                                              \
+        return KERNEL_OK;                                                                              \
     }                                                                                                  \
                                                                                                        \
     /* One query row of G heads over its L context positions; scratch: G * L + 2 * G * D + D floats. */ \
@@ -101,6 +113,7 @@ static RowTile *row_tiles(int S, const int32_t *q_lens, int *count) {
     int n = 0;
     for (int s = 0; s < S; s++) n += (q_lens[s] + ROW_TILE - 1) / ROW_TILE;
     RowTile *tiles = malloc(sizeof(RowTile) * (size_t)(n ? n : 1));
+    if (tiles == NULL) return NULL;
     n = 0;
     for (int s = 0; s < S; s++)
         for (int r = 0; r < q_lens[s]; r += ROW_TILE)
@@ -109,23 +122,49 @@ static RowTile *row_tiles(int S, const int32_t *q_lens, int *count) {
     return tiles;
 }
 
+/* Every index the attention will follow, checked once per sequence and block (not per position):
+ * query rows inside [0, T), 0 <= q_len <= ctx_len <= max_blocks * block_size, and the block-table
+ * entries covering ctx_len inside [0, num_blocks). */
+static int check_sequences(int T, int S, const int32_t *block_tables, const int32_t *ctx_lens, const int32_t *q_starts,
+                           const int32_t *q_lens, int num_blocks, int block_size, int max_blocks) {
+    for (int s = 0; s < S; s++) {
+        int ctx = ctx_lens[s], q = q_lens[s];
+        if (q < 0 || ctx < q || ctx > (int64_t)max_blocks * block_size || q_starts[s] < 0 ||
+            (int64_t)q_starts[s] + q > T)
+            return KERNEL_ESEQ;
+        const int32_t *table = block_tables + (size_t)s * max_blocks;
+        for (int b = 0; b < (ctx + block_size - 1) / block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return KERNEL_EBLOCK;
+    }
+    return KERNEL_OK;
+}
+
 /* q [T, Hq, D] rows q_stride apart; sequence s owns rows q_starts[s] .. + q_lens[s] and attends to
  * ctx_lens[s] positions through its block table; out [T, Hq, D] contiguous. ATTEND_ROW(q row, K head,
  * V head, table, L, G, D, block_size, scale, scratch, out row) does one row's G heads. */
 #define DEFINE_PAGED_ATTENTION(SUFFIX, ELEM, ATTEND_ROW)                                                   \
-    void paged_attention_##SUFFIX(const ELEM *q, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache, \
-                                  const int32_t *block_tables, const int32_t *ctx_lens,                    \
-                                  const int32_t *q_starts, const int32_t *q_lens, ELEM *out, int S, int Hq, \
-                                  int Hk, int D, int num_blocks, int block_size, int max_blocks,           \
-                                  float scale, int num_threads) {                                          \
-        int G = Hq / Hk, num_tiles;                                                                        \
+    int paged_attention_##SUFFIX(const ELEM *q, int64_t q_stride, const ELEM *k_cache, const ELEM *v_cache,  \
+                                 const int32_t *block_tables, const int32_t *ctx_lens,                     \
+                                 const int32_t *q_starts, const int32_t *q_lens, ELEM *out, int T, int S,  \
+                                 int Hq, int Hk, int D, int num_blocks, int block_size, int max_blocks,    \
+                                 float scale, int num_threads) {                                           \
+        int G = Hq / Hk, num_tiles, failed = 0;                                                            \
+        int bad = check_sequences(T, S, block_tables, ctx_lens, q_starts, q_lens, num_blocks, block_size,  \
+                                  max_blocks);                                                             \
+        if (bad) return bad;                                                                               \
         RowTile *tiles = row_tiles(S, q_lens, &num_tiles);                                                 \
+        if (tiles == NULL) return KERNEL_ENOMEM;                                                           \
         size_t cache_head = (size_t)num_blocks * block_size * D;                                           \
         size_t scratch_floats = 2 * (size_t)G * ((size_t)max_blocks * block_size + 16) + 2 * (size_t)G * D + D; \
         _Pragma("omp parallel num_threads(num_threads)") {                                                 \
             float *scratch = aligned_alloc(64, (sizeof(float) * scratch_floats + 63) & ~(size_t)63);       \
             _Pragma("omp for schedule(dynamic)")                                                           \
             for (int task = 0; task < num_tiles * Hk; task++) {                                            \
+                if (scratch == NULL) { /* this thread's tasks cannot run: report, never write through NULL */ \
+                    _Pragma("omp atomic write")                                                            \
+                    failed = 1;                                                                            \
+                    continue;                                                                              \
+                }                                                                                          \
                 RowTile tile = tiles[task / Hk];                                                           \
                 int h = task % Hk, s = tile.seq;                                                           \
                 const int32_t *table = block_tables + (size_t)s * max_blocks;                              \
@@ -140,6 +179,7 @@ static RowTile *row_tiles(int S, const int32_t *q_lens, int *count) {
             free(scratch);                                                                                 \
         }                                                                                                  \
         free(tiles);                                                                                       \
+        return failed ? KERNEL_ENOMEM : KERNEL_OK;                                                         \
     }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -306,20 +346,20 @@ DEFINE_PAGED_ATTENTION(bf16_avx512, uint16_t, attend_row_bf16_avx512)
 
 /* AVX-512 BF16, specialised for head dims 64 and 128 with 1-8 query heads per KV head (Llama,
  * SmolLM2, Mistral, Qwen2) and even block sizes; anything else takes the generic path. */
-void paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                          const int32_t *block_tables, const int32_t *ctx_lens, const int32_t *q_starts,
-                          const int32_t *q_lens, uint16_t *out, int S, int Hq, int Hk, int D, int num_blocks,
-                          int block_size, int max_blocks, float scale, int num_threads) {
+int paged_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *block_tables, const int32_t *ctx_lens, const int32_t *q_starts,
+                         const int32_t *q_lens, uint16_t *out, int T, int S, int Hq, int Hk, int D, int num_blocks,
+                         int block_size, int max_blocks, float scale, int num_threads) {
     int G = Hq / Hk;
     int special = (D == 64 || D == 128) && G <= 8 && block_size % 2 == 0;
-    (special ? paged_attention_bf16_avx512 : paged_attention_bf16_generic)(
-        q, q_stride, k_cache, v_cache, block_tables, ctx_lens, q_starts, q_lens, out, S, Hq, Hk, D, num_blocks,
+    return (special ? paged_attention_bf16_avx512 : paged_attention_bf16_generic)(
+        q, q_stride, k_cache, v_cache, block_tables, ctx_lens, q_starts, q_lens, out, T, S, Hq, Hk, D, num_blocks,
         block_size, max_blocks, scale, num_threads);
 }
 
-void write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t row_stride, uint16_t *k_cache, uint16_t *v_cache,
-                   const int64_t *slots, int T, int Hk, int D, int num_blocks, int block_size) {
-    write_kv_bf16_generic(k, v, row_stride, k_cache, v_cache, slots, T, Hk, D, num_blocks, block_size);
+int write_kv_bf16(const uint16_t *k, const uint16_t *v, int64_t row_stride, uint16_t *k_cache, uint16_t *v_cache,
+                  const int64_t *slots, int T, int Hk, int D, int num_blocks, int block_size) {
+    return write_kv_bf16_generic(k, v, row_stride, k_cache, v_cache, slots, T, Hk, D, num_blocks, block_size);
 }
 #endif
 
@@ -365,8 +405,11 @@ static void silu_and_mul_scalar(const uint16_t *x, uint16_t *out, int T, int I) 
 /* Neox rotary in place on the first H heads of each row (q and k heads, side by side in the qkv
  * output; rows row_stride apart): x * cos + rotate_half(x) * sin, with cos [T, D] and sin [T, D]
  * already laid out over the whole head (sin negated on the first half), as RotaryEmbedding.tables. */
-void rotary_bf16(uint16_t *x, int64_t row_stride, const float *cos, const float *sin, int T, int H, int D) {
+#define ROTARY_MAX_DIM 512
+
+int rotary_bf16(uint16_t *x, int64_t row_stride, const float *cos, const float *sin, int T, int H, int D) {
     int half = D / 2;
+    if (D > ROTARY_MAX_DIM || D % 2) return KERNEL_EHEAD_DIM; /* f[] below is a fixed stack buffer */
 #pragma omp parallel for schedule(static) if (T >= PARALLEL_ROWS)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (size_t)t * D, *s = sin + (size_t)t * D;
@@ -385,7 +428,7 @@ void rotary_bf16(uint16_t *x, int64_t row_stride, const float *cos, const float 
                 continue;
             }
 #endif
-            float f[512];
+            float f[ROTARY_MAX_DIM];
             for (int i = 0; i < D; i++) f[i] = bf16_load(xh[i]);
             for (int i = 0; i < D; i++) {
                 float rot = i < half ? f[i + half] : f[i - half];
@@ -393,6 +436,7 @@ void rotary_bf16(uint16_t *x, int64_t row_stride, const float *cos, const float 
             }
         }
     }
+    return KERNEL_OK;
 }
 
 #ifdef HAVE_AVX512_BF16

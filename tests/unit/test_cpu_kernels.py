@@ -267,3 +267,103 @@ def test_row_kernels_split_across_threads_agree(kernels, threads):
         bf16_close(got[:, : 4 * 128].view(t, 4, 128), rotary.apply(qkv[:, : 4 * 128].view(t, 4, 128), tables))
     finally:
         torch.set_num_threads(before)
+
+
+# ---- Bad inputs raise ValueError at the boundary (or from the C kernels' own index checks) instead of
+# reading or writing outside the buffers. Each case is a valid call with one thing broken.
+
+def attention_case(dtype=torch.float32):
+    hq, hk, d, bs, num_blocks, batch = 4, 2, 64, 16, 32, 3
+    k_cache, v_cache, lens, tables = scattered_batch(batch, 40, hk, d, num_blocks, bs, dtype, seed=11)
+    q = torch.randn(batch, hq, d).to(dtype)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, ctx_lens=lens)
+
+
+def test_valid_attention_inputs_pass_the_checks_with_unused_table_entries_as_padding(kernels):
+    case = attention_case()
+    want = kernels.paged_attention(**case)
+    tables = case["block_tables"].clone()
+    used = -(-case["ctx_lens"] // 16)
+    for s in range(tables.shape[0]):
+        tables[s, int(used[s]):] = 2**30  # entries past a sequence's context are never read
+    assert torch.equal(kernels.paged_attention(**(case | {"block_tables": tables})), want)
+
+
+def _broken_attention_cases():
+    def table_entry(value):
+        def f(c):
+            c["block_tables"] = c["block_tables"].clone()
+            c["block_tables"][1, 0] = value
+        return f
+
+    def ctx_beyond_table(c):
+        c["ctx_lens"] = c["ctx_lens"].clone()
+        c["ctx_lens"][0] = c["block_tables"].shape[1] * 16 + 1
+
+    yield "block entry >= num_blocks", table_entry(32), "block table"
+    yield "negative block entry", table_entry(-1), "block table"
+    yield "context longer than its table", ctx_beyond_table, "inconsistent"
+    yield "query rows past q", lambda c: c.update(q_starts=torch.tensor([0, 1, 3], dtype=torch.int32),
+                                                  q_lens=torch.ones(3, dtype=torch.int32)), "inconsistent"
+    yield "more query rows than context", lambda c: c.update(q_starts=torch.zeros(3, dtype=torch.int32),
+                                                             q_lens=c["ctx_lens"] + 1), "inconsistent"
+    yield "int64 block table", lambda c: c.update(block_tables=c["block_tables"].long()), "block_tables"
+    yield "strided block table", lambda c: c.update(block_tables=c["block_tables"].t().contiguous().t()), \
+        "block_tables"
+    yield "int64 lengths", lambda c: c.update(ctx_lens=c["ctx_lens"].long()), "ctx_lens"
+    yield "lengths of another batch", lambda c: c.update(ctx_lens=c["ctx_lens"][:2]), "block_tables"
+    yield "q dtype differs from the cache", lambda c: c.update(q=c["q"].double()), "q must be"
+    yield "head dim differs from the cache", lambda c: c.update(q=c["q"][..., :32]), "q must be"
+    yield "query heads not a multiple of KV heads", lambda c: c.update(q=torch.randn(3, 3, 64)), "q must be"
+    yield "non-contiguous cache", lambda c: c.update(k_cache=c["k_cache"].transpose(1, 2)), "caches"
+
+
+BROKEN_ATTENTION = list(_broken_attention_cases())
+
+
+@pytest.mark.parametrize("breaks,message", [c[1:] for c in BROKEN_ATTENTION], ids=[c[0] for c in BROKEN_ATTENTION])
+def test_paged_attention_refuses_inputs_it_cannot_index(kernels, breaks, message):
+    case = attention_case()
+    breaks(case)
+    with pytest.raises(ValueError, match=message):
+        kernels.paged_attention(**case)
+
+
+def test_write_kv_refuses_out_of_range_slots_and_writes_nothing(kernels):
+    hk, nb, bs, d = 2, 8, 16, 64
+    k_cache, v_cache = torch.zeros(hk, nb, bs, d), torch.zeros(hk, nb, bs, d)
+    k, v = torch.randn(3, hk, d), torch.randn(3, hk, d)
+    with pytest.raises(ValueError, match="slot"):
+        kernels.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 5, nb * bs]))
+    assert not k_cache.any() and not v_cache.any()
+    kernels.write_kv(k, v, k_cache, v_cache, torch.tensor([0, -1, nb * bs - 1]))  # -1: padding, skipped
+    assert torch.equal(k_cache[:, -1, -1], k[2]) and not k_cache[:, 0, 1:].any()
+    for slots, kk, vv, message in [
+        (torch.tensor([0, 1, 2], dtype=torch.int32), k, v, "slots"),
+        (torch.tensor([0, 1]), k, v, "slots"),
+        (torch.tensor([0, 1, 2]), k[:, :1], v[:, :1], "k and v"),
+        (torch.tensor([0, 1, 2]), k.to(torch.bfloat16), v.to(torch.bfloat16), "k and v"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            kernels.write_kv(kk, vv, k_cache, v_cache, slots)
+
+
+def test_row_kernels_refuse_bad_shapes_and_unsupported_head_dims(kernels):
+    from model_parallel.layers import RotaryEmbedding
+
+    qkv = torch.randn(2, 4 * 576).to(torch.bfloat16)
+    big = RotaryEmbedding(576, 64, 10000.0).tables(torch.arange(2))
+    with pytest.raises(ValueError, match="head dim 576"):  # the kernel's stack buffer holds 512
+        kernels.rotary_(qkv, 4, 576, *big)
+    tables = RotaryEmbedding(64, 64, 10000.0).tables(torch.arange(2))
+    with pytest.raises(ValueError, match="qkv"):
+        kernels.rotary_(torch.randn(2, 64).to(torch.bfloat16), 4, 64, *tables)  # fewer columns than heads
+    with pytest.raises(ValueError, match="cos and sin"):
+        kernels.rotary_(torch.randn(3, 4 * 64).to(torch.bfloat16), 4, 64, *tables)  # tables of 2 rows for 3
+    with pytest.raises(ValueError, match="argmax"):
+        kernels.argmax(torch.randn(2, 10))
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        kernels.silu_and_mul(torch.randn(2, 7).to(torch.bfloat16))
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="weight"):
+        kernels.add_rms_norm(x, None, torch.ones(32, dtype=torch.bfloat16), 1e-5)

@@ -1,0 +1,145 @@
+"""Every tensor the sampler receives is on the logits' device, for each sampling feature.
+
+This machine has no CUDA, so CUDA is faked: the logits are fake CUDA tensors under torch's
+FakeTensorMode, which runs every op on shapes and devices only and raises on any op that mixes
+devices (a CPU-built temperature vector against CUDA logits, as issue 18 found). Two things that need
+a real CUDA driver are stood in for and recorded instead: pinning host memory (`sampling_inputs.pin`)
+and creating a CUDA generator (`sampling_inputs.new_generator`); FakeTensorMode also cannot draw from
+an explicit generator, so the fake draw uses the device's default stream and the seeded generator's
+device is asserted on its own. FakeTensorMode's constant propagation (one-element tensors are also run
+for real) is turned off, since running them for real would need CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+
+from model_parallel import sampling_inputs
+from model_parallel.model_runner import SeqStep
+from model_parallel.sampler import Penalties, SamplingTensors, sample_on_device, top_logprobs
+from model_parallel.sampling_inputs import SamplingInputs, allowed_tokens, to_device
+from model_parallel.sampling_params import SamplingParams
+
+VOCAB = 100
+
+
+def seq_step(rid: str, params: SamplingParams, **extra) -> SeqStep:
+    return SeqStep(rid, [5], 9, [0], True, params=params, num_prompt_tokens=6, **extra)
+
+
+def bitmask(allowed: list[int]) -> torch.Tensor:
+    words = torch.zeros(-(-VOCAB // 32), dtype=torch.int64)
+    for tok in allowed:
+        words[tok // 32] |= 1 << (tok % 32)
+    return words.to(torch.int32)  # two's complement: bit 31 is the sign bit, as in xgrammar's masks
+
+
+FEATURES: dict[str, list[SeqStep]] = {
+    "temperature": [seq_step("a", SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))],
+    "seed": [seq_step("a", SamplingParams(temperature=0.7, seed=3)), seq_step("b", SamplingParams(temperature=1))],
+    "penalties": [seq_step("a", SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
+                                               repetition_penalty=1.2), history=[1, 2, 3, 4, 5, 6, 7, 7, 8])],
+    "logit_bias": [seq_step("a", SamplingParams(temperature=0.0, logit_bias=((3, 5.0), (7, -100.0))))],
+    "min_tokens": [seq_step("a", SamplingParams(temperature=0.7, min_tokens=4), mask_token_ids=(2, 9))],
+    "grammar": [seq_step("a", SamplingParams(temperature=0.7), allowed_bitmask=bitmask([1, 31, 40, 99])),
+                seq_step("b", SamplingParams(temperature=0.0))],
+    "logprobs": [seq_step("a", SamplingParams(temperature=0.7, logprobs=5)),
+                 seq_step("b", SamplingParams(temperature=0.0, logprobs=0))],
+}
+
+
+def tensors_in(t: SamplingTensors) -> list[tuple[str, torch.Tensor]]:
+    found = []
+    for f in dataclasses.fields(t):
+        value = getattr(t, f.name)
+        if isinstance(value, torch.Tensor):
+            found.append((f.name, value))
+        elif isinstance(value, Penalties):
+            found += [(f"{f.name}.{g.name}", getattr(value, g.name)) for g in dataclasses.fields(value)]
+    return found
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> dict[str, list]:
+    """Stand-ins for what needs a CUDA driver: pinning (recorded) and CUDA generators (device recorded)."""
+    calls: dict[str, list] = {"pinned": [], "generators": []}
+
+    def pin(t: torch.Tensor) -> torch.Tensor:
+        calls["pinned"].append(t.device)
+        return t
+
+    def new_generator(seed: int, device: torch.device) -> torch.Generator:
+        calls["generators"].append(device)
+        return torch.Generator().manual_seed(seed)
+
+    monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
+    monkeypatch.setattr(sampling_inputs, "pin", pin)
+    monkeypatch.setattr(sampling_inputs, "new_generator", new_generator)
+    return calls
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_every_sampler_input_is_on_the_fake_cuda_logits_device(feature, recorded):
+    seqs = FEATURES[feature]
+    inputs = SamplingInputs(VOCAB)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        logits = torch.empty(len(seqs), VOCAB, dtype=torch.bfloat16, device="cuda")
+        rows = [inputs.row(s, logits.device) for s in seqs]
+        t = inputs.tensors(rows, logits.device)
+        for name, tensor in tensors_in(t):
+            assert tensor.device == logits.device, name
+        # The whole device computation; any CPU tensor meeting the CUDA logits raises here.
+        chosen, logprobs = sample_on_device(logits, dataclasses.replace(t, generators=[None] * len(seqs)))
+        assert chosen.device == logits.device
+        if t.max_logprobs is not None:
+            assert logprobs is not None
+            assert all(x.device == logits.device for x in top_logprobs(logprobs, chosen, t.max_logprobs) if x is not None)
+    assert recorded["pinned"] and all(d.type == "cpu" for d in recorded["pinned"])  # host copies go through pinned memory
+    if feature == "seed":
+        assert recorded["generators"] == [logits.device]
+    names = {name for name, _ in tensors_in(t)}
+    if feature in ("logit_bias", "min_tokens", "grammar"):
+        assert "additive" in names
+    if feature == "penalties":
+        assert {"penalties.seen", "penalties.counts", "penalties.repetition"} <= names
+
+
+def test_prompt_logprob_targets_are_on_the_fake_cuda_logits_device(recorded):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        logits = torch.empty(4, VOCAB, dtype=torch.bfloat16, device="cuda")
+        targets = to_device([5, 6, 7, 8], torch.long, logits.device)
+        picked, vals, ids = top_logprobs(logits.float().log_softmax(-1), targets, 3)
+        assert targets.device == picked.device == vals.device == ids.device == logits.device
+
+
+def test_the_fake_device_check_catches_a_cpu_built_input(recorded):
+    """The check above can fail: sampling tensors built on the CPU against CUDA logits raise."""
+    inputs = SamplingInputs(VOCAB)
+    seqs = FEATURES["temperature"]
+    cpu = torch.device("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        logits = torch.empty(1, VOCAB, device="cuda")
+        t = inputs.tensors([inputs.row(s, cpu) for s in seqs], cpu)
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            sample_on_device(logits, t)
+
+
+def test_on_cpu_nothing_is_pinned_or_copied(recorded):
+    inputs = SamplingInputs(VOCAB)
+    seqs = FEATURES["grammar"] + FEATURES["penalties"]
+    t = inputs.tensors([inputs.row(s, torch.device("cpu")) for s in seqs], torch.device("cpu"))
+    assert all(x.device.type == "cpu" for _, x in tensors_in(t)) and not recorded["pinned"]
+
+
+def test_grammar_bitmask_expands_to_exactly_the_allowed_tokens():
+    allowed = [0, 1, 31, 32, 63, 64, 99]
+    got = allowed_tokens(bitmask(allowed).unsqueeze(0), VOCAB)[0]
+    assert got.nonzero().flatten().tolist() == allowed
+    # A model vocabulary wider than the tokenizer's: the extra rows are never allowed.
+    wide = allowed_tokens(bitmask(allowed).unsqueeze(0), 130)[0]
+    assert wide.shape == (130,) and wide.nonzero().flatten().tolist() == allowed

@@ -1,0 +1,82 @@
+"""Scheduler queues: aborting waiting (and preempted) sequences, without torch or a model."""
+
+from __future__ import annotations
+
+import random
+
+from model_parallel.block_manager import BlockManager
+from model_parallel.config import SchedulerConfig
+from model_parallel.sampling_params import SamplingParams
+from model_parallel.scheduler import Scheduler
+from model_parallel.sequence import Sequence, SequenceStatus
+
+
+def seq(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(rid, list(tokens), len(tokens), SamplingParams(max_tokens=4))
+
+
+def admitted(sched: Scheduler) -> list[str]:
+    """Request ids in the order the scheduler admits them, one step at a time until the queue is empty."""
+    order: list[str] = []
+    while sched.num_waiting:
+        step = sched.schedule()
+        assert step, "waiting work but nothing scheduled"
+        for sc in step:
+            order.append(sc.seq.request_id)
+            sched.finish(sc.seq, "stop")  # make room for the next ones
+    return order
+
+
+def test_sequences_compare_by_identity():
+    a, b = seq("x", [1, 2, 3]), seq("x", [1, 2, 3])
+    assert a == a and a != b  # same fields, different requests
+    assert Sequence.__eq__ is object.__eq__ and hash(a) != hash(b)
+
+
+def test_aborting_thousands_of_waiting_sequences_keeps_fifo_order_of_the_rest():
+    """A fan-out request (500 prompts x n=16) queued, then half of it aborted in random order."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64), bm)
+    seqs = [seq(f"r{i}", [i % 50, 1, 2]) for i in range(8000)]
+    for s in seqs:
+        sched.add(s)
+    assert sched.num_waiting == 8000 and sched.has_work()
+    doomed = random.Random(0).sample(seqs, 4000)
+    for s in doomed:
+        sched.finish(s, "abort")
+        assert s.status is SequenceStatus.FINISHED and s.finish_reason == "abort"
+    assert sched.num_waiting == 4000
+    doomed_ids = {s.request_id for s in doomed}
+    assert admitted(sched) == [s.request_id for s in seqs if s.request_id not in doomed_ids]
+    assert not sched.has_work() and not sched.waiting and bm.num_free_blocks == 64
+
+
+def test_aborting_every_waiting_sequence_leaves_no_work():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), bm)
+    seqs = [seq(f"r{i}", [1, 2]) for i in range(8000)]
+    for s in seqs:
+        sched.add(s)
+    for s in reversed(seqs):
+        sched.finish(s, "abort")
+    assert not sched.has_work() and sched.num_waiting == 0
+    assert sched.schedule() == [] and not sched.waiting  # the skipped entries are dropped
+
+
+def test_a_preempted_sequence_can_be_aborted_while_it_waits():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), bm)
+    a, b = seq("a", list(range(8))), seq("b", list(range(20, 28)))
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        s.token_ids.append(1)  # each needs a third block: only 4 exist, so the newest (b) is preempted
+    step = sched.schedule()
+    assert [sc.seq.request_id for sc in step] == ["a"] and sched.num_preemptions == 1
+    assert sched.waiting[0] is b and sched.num_waiting == 1
+    sched.finish(b, "abort")
+    assert sched.num_waiting == 0
+    sched.finish(a, "stop")
+    assert not sched.has_work() and bm.num_free_blocks == 4
