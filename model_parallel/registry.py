@@ -15,6 +15,12 @@ MODEL_CLASSES: dict[str, str] = {
     "llama": "model_parallel.llama:LlamaForCausalLM",
     "mistral": "model_parallel.llama:LlamaForCausalLM",
     "qwen2": "model_parallel.llama:LlamaForCausalLM",
+    "qwen3": "model_parallel.models.qwen3:Qwen3ForCausalLM",
+    "mixtral": "model_parallel.models.mixtral:MixtralForCausalLM",  # GGUF: llama + expert_count (loader)
+    "qwen2_moe": "model_parallel.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "qwen2moe": "model_parallel.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "qwen3_moe": "model_parallel.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "qwen3moe": "model_parallel.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
