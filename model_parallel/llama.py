@@ -20,7 +20,8 @@ from model_parallel.parallel import (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend, qk_norm: bool = False):
+        """qk_norm: per-head RMSNorm of q and k before rotary (Qwen3, Qwen3-MoE)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.attention_bias, tp
@@ -35,11 +36,18 @@ class LlamaAttention(nn.Module):
         self.kernels = getattr(attn_backend, "kernels", None)  # C kernels (CPU), or None
         # Per-layer attention options a family sets (e.g. {"window": 2047} for sliding-window layers).
         self.attn_options: dict = {}
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if qk_norm else None
 
     def forward(self, rope, x, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         t, d = x.shape[0], self.head_dim
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if self.q_norm is not None and self.k_norm is not None:  # in place: both rotary paths read qkv
+            q_view = qkv[:, :q_size].view(t, -1, d)
+            k_view = qkv[:, q_size : q_size + kv_size].view(t, -1, d)
+            q_view.copy_(self.q_norm(q_view)[0])
+            k_view.copy_(self.k_norm(k_view)[0])
         if self.kernels is not None and qkv.dtype == torch.bfloat16 and self.rotary.rotary_dim == d:
             # Rotate q and k in place; q, k and v stay views of qkv, which the kernels read strided.
             self.kernels.rotary_(qkv, (q_size + kv_size) // d, d, rope[0], rope[1])
@@ -69,11 +77,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend,
+                 qk_norm: bool = False, mlp: nn.Module | None = None):
+        """mlp: a family's own feed-forward block (a mixture of experts); None for the dense SwiGLU."""
         super().__init__()
         kernels = getattr(attn_backend, "kernels", None)
-        self.self_attn = LlamaAttention(arch, tp, rotary, attn_backend)
-        self.mlp = LlamaMLP(arch, tp, kernels)
+        self.self_attn = LlamaAttention(arch, tp, rotary, attn_backend, qk_norm)
+        self.mlp = mlp if mlp is not None else LlamaMLP(arch, tp, kernels)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
@@ -101,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         rotary = self.make_rotary(arch)
         self.rotary = rotary  # one module shared by every layer: its tables are looked up once per step
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, rotary, attn_backend) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, arch, tp, rotary, attn_backend) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, getattr(attn_backend, "kernels", None))
         self.lm_head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, tp, self.embed_tokens if arch.tie_word_embeddings else None
@@ -111,6 +121,10 @@ class LlamaForCausalLM(nn.Module):
     def make_rotary(arch: LlamaArch) -> RotaryEmbedding:
         """A family with other rope parameters (partial rotary, LongRoPE) overrides this."""
         return RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
+
+    def make_layer(self, index: int, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend) -> nn.Module:
+        """Layer `index`; families override it (q/k norm, a mixture-of-experts MLP)."""
+        return LlamaDecoderLayer(arch, tp, rotary, attn_backend)
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; logits are computed only for rows that need them."""

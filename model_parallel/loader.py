@@ -81,7 +81,8 @@ def read_arch(model_path: str) -> LlamaArch:
             attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-            model_type=arch,
+            # llama.cpp writes Mixtral as `llama` with experts.
+            model_type="mixtral" if arch == "llama" and f("expert_count") else arch,
             hf_config=_sorted_items(gguf_hf_config(reader, arch)),
         )
     with open(os.path.join(model_path, "config.json")) as fh:
@@ -107,7 +108,7 @@ def read_arch(model_path: str) -> LlamaArch:
         rope_theta=float(theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+        attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))),
         rope_scaling=tuple(sorted(rope.items())),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -133,6 +134,11 @@ def gguf_hf_config(reader, arch: str) -> dict:
     return cfg
 
 
+# Families whose q/k rows llama.cpp's converter permutes for its interleaved rotary (LlamaModel and
+# its subclasses); Qwen-family GGUFs keep Hugging Face's layout (llama.cpp runs them with NEOX rope).
+GGUF_PERMUTED_QK = {"llama", "mistral", "mixtral"}
+
+
 def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """GGUF stores q/k rows interleaved for llama.cpp's rotary; undo it to Hugging Face's layout."""
     half = w.shape[0] // n_head // 2
@@ -150,10 +156,8 @@ def _gguf_bits(tensor_type) -> int:
 
 
 def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
-              extra_names: dict[str, str] | None = None, permuted_qk: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF.
-    permuted_qk: llama.cpp's converter interleaved q/k rows for its rotary (Llama does; Gemma and
-    Phi-3, whose llama.cpp rope is NeoX-style, do not)."""
+              extra_names: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF."""
     from gguf.quants import dequantize
 
     names = GGUF_TO_HF | (extra_names or {})
@@ -169,10 +173,8 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
             bits[name] = _gguf_bits(t.tensor_type)
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if permuted_qk and parts[0] == "blk" and parts[2] == "attn_q":
-            w = _unpermute_rotary(w, arch.num_heads)
-        elif permuted_qk and parts[0] == "blk" and parts[2] == "attn_k":
-            w = _unpermute_rotary(w, arch.num_kv_heads)
+        if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and arch.model_type in GGUF_PERMUTED_QK:
+            w = _unpermute_rotary(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are read-only memmaps
 
 
@@ -206,8 +208,7 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
     ckpt_bits: dict[str, int] = {}
     is_gguf = model_path.endswith(".gguf")
     extra_names = getattr(model, "gguf_tensor_names", None)
-    permuted_qk = getattr(model, "gguf_permuted_qk", True)
-    stream = (iter_gguf(model_path, arch, ckpt_bits, extra_names, permuted_qk) if is_gguf
+    stream = (iter_gguf(model_path, arch, ckpt_bits, extra_names) if is_gguf
               else iter_safetensors(model_path))
     # A family whose GGUF tensors differ in value from its checkpoint's (Gemma's norms are stored +1).
     adjust = getattr(model, "from_gguf", None) if is_gguf else None
@@ -225,10 +226,11 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
             unexpected.append(name)
             continue
         try:
-            param.weight_loader(param, tensor.to(param.dtype), shard)  # type: ignore[attr-defined]
+            filled = param.weight_loader(param, tensor.to(param.dtype), shard)  # type: ignore[attr-defined]
         except (ValueError, RuntimeError) as exc:  # shape checks, or a slice past a too-small tensor
             raise ValueError(f"{name} {tuple(tensor.shape)} does not fit {param_name}: {exc}") from None
-        loaded[param_name] = loaded.get(param_name, 0) + 1
+        # A loader may say it filled several shards at once (a GGUF's experts stacked in one tensor).
+        loaded[param_name] = loaded.get(param_name, 0) + (filled if isinstance(filled, int) else 1)
         if name in ckpt_bits:
             source_bits[param_name] = min(source_bits.get(param_name, 99), ckpt_bits[name])
     if unexpected:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from model_parallel.config import LlamaArch, LoRAConfig
+from model_parallel.moe import sparse_layer_ids
 
 # PEFT module name -> (attribute path of our parallel layer, index of the sub-projection in it).
 TARGETS: dict[str, tuple[str, str, int]] = {
@@ -42,6 +43,9 @@ TARGETS: dict[str, tuple[str, str, int]] = {
     "down_proj": ("mlp", "down_proj", 0),
 }
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+MOE_LORA_UNSUPPORTED = ("LoRA on mixture-of-experts MLPs (routed or shared experts, router) is not supported; "
+                        "target the attention projections (q_proj, k_proj, v_proj, o_proj)")
 
 
 class LoRAError(ValueError):
@@ -109,16 +113,21 @@ def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
     alpha = cfg.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     shapes = module_shapes(arch)
+    sparse = sparse_layer_ids(arch)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(os.path.join(path, "adapter_model.safetensors"), framework="pt") as fh:
             for key in fh.keys():
                 m = _KEY.search(key)
+                if m is None and re.search(r"\.(experts|shared_expert|block_sparse_moe)\.|\.shared_expert_gate\.", key):
+                    raise LoRAError(f"unsupported tensor {key!r}: {MOE_LORA_UNSUPPORTED}")
                 if m is None or m.group(3) not in TARGETS:
                     raise LoRAError(f"unsupported tensor {key!r}: only q/k/v/o/gate/up/down_proj LoRA weights")
                 layer, module = int(m.group(1)), m.group(3)
                 if layer >= arch.num_layers:
                     raise LoRAError(f"{key!r}: layer {layer} but the base model has {arch.num_layers} layers")
+                if layer in sparse and module in _MLP_TARGETS:
+                    raise LoRAError(f"{key!r}: layer {layer} is a mixture of experts: {MOE_LORA_UNSUPPORTED}")
                 pairs.setdefault((layer, module), {})[m.group(4)] = fh.get_tensor(key)
     except SafetensorError as exc:
         raise LoRAError(f"unreadable adapter_model.safetensors in {path!r}: {exc}") from None
@@ -251,11 +260,14 @@ class LoRAManager:
                 (qkv.q_size, qkv.ranges["k"][0], qkv.kv_size),
                 (qkv.q_size + qkv.kv_size, qkv.ranges["v"][0], qkv.kv_size),
             ], None, config, self.batch, dtype, device)
-            gu = mlp.gate_up_proj
-            gu.lora = LoRALinear(2, gu.weight.shape[1], [
-                (off, start, size) for off, (start, size) in zip(gu.offsets, gu.pieces, strict=True)
-            ], None, config, self.batch, dtype, device)
-            for row in (attn.o_proj, mlp.down_proj):
+            rows = [attn.o_proj]
+            if hasattr(mlp, "gate_up_proj"):  # a dense MLP (a mixture of experts takes no adapters)
+                gu = mlp.gate_up_proj
+                gu.lora = LoRALinear(2, gu.weight.shape[1], [
+                    (off, start, size) for off, (start, size) in zip(gu.offsets, gu.pieces, strict=True)
+                ], None, config, self.batch, dtype, device)
+                rows.append(mlp.down_proj)
+            for row in rows:
                 out_f, in_size = row.weight.shape
                 row.lora = LoRALinear(1, in_size, [(0, 0, out_f)], (row.in_start, in_size), config, self.batch,
                                       dtype, device)
@@ -278,9 +290,10 @@ class LoRAManager:
             del self.id_to_slot[lora_id]
         self.slot_rank.pop(slot, None)
         for layer in self.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                        layer.mlp.down_proj):
-                lin.lora.clear(slot)
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+                        getattr(layer.mlp, "down_proj", None)):
+                if lin is not None:
+                    lin.lora.clear(slot)
 
     def set_batch(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Per sequence: its adapter id (0 = base) and its token count this step, in batch order."""

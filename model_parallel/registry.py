@@ -19,6 +19,12 @@ MODEL_CLASSES: dict[str, str] = {
     "gemma3_text": "model_parallel.models.gemma:GemmaForCausalLM",
     "gemma3": "model_parallel.models.gemma:GemmaForCausalLM",  # GGUF's name for Gemma 3 text
     "phi3": "model_parallel.models.phi3:Phi3ForCausalLM",
+    "qwen3": "model_parallel.models.qwen3:Qwen3ForCausalLM",
+    "mixtral": "model_parallel.models.mixtral:MixtralForCausalLM",  # GGUF: llama + expert_count (loader)
+    "qwen2_moe": "model_parallel.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "qwen2moe": "model_parallel.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "qwen3_moe": "model_parallel.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "qwen3moe": "model_parallel.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -170,7 +170,6 @@ class GemmaForCausalLM(nn.Module):
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     }
-    gguf_permuted_qk = False
     torch_attention_only = True  # the C kernel has no window or soft-cap (see attention.py)
 
     def __init__(self, arch: LlamaArch, tp: TPGroup, attn_backend):

@@ -38,7 +38,6 @@ def _is_gguf(arch: LlamaArch) -> bool:
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     gguf_tensor_names = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
-    gguf_permuted_qk = False
 
     def __init__(self, arch: LlamaArch, tp: TPGroup, attn_backend):
         super().__init__(arch, tp, attn_backend)

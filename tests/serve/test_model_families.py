@@ -1,0 +1,62 @@
+"""The real app serving the added families: a tiny random Qwen3 and a tiny random Mixtral directory
+(weights random, built by transformers in the test; SmolLM2's tokenizer saved beside them so chat
+templates render) each answer a chat completion through the OpenAI SDK with the tokens transformers'
+own greedy `generate` picks for the same rendered prompt."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import API_KEY
+from ops_apps import deploy
+from tiny_families import make_checkpoint
+
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_chat_completion_on_a_tiny_random_model(server, apps, smollm2_tokenizer, tmp_path, family):
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(tmp_path / family, family, vocab_size=len(smollm2_tokenizer),
+                           bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
+    smollm2_tokenizer.save_pretrained(path)
+    name = f"family-{family}"
+    base = deploy(server, name, {
+        "api_keys": [API_KEY],
+        "engine": {"model": {"model": path, "served_model_name": f"tiny-{family}", "dtype": "float32",
+                             "max_model_len": 256},
+                   "cache": {"kv_cache_bytes": 32 << 20},
+                   "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}},
+    })
+    apps.append(name)
+    client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = client.chat.completions.create(model=f"tiny-{family}", messages=QUESTION, max_tokens=MAX_TOKENS,
+                                       temperature=0)
+
+    prompt = smollm2_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = smollm2_tokenizer(prompt, add_special_tokens=False).input_ids
+    stop = [smollm2_tokenizer.eos_token_id, smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=stop, pad_token_id=stop[0])
+    new = [t for t in out[0, len(ids):].tolist() if t not in stop]
+    assert r.model == f"tiny-{family}"
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.choices[0].finish_reason == ("length" if len(new) == MAX_TOKENS else "stop")
+    if len(new) == MAX_TOKENS:
+        assert r.usage.completion_tokens == MAX_TOKENS
+    assert r.choices[0].message.content == smollm2_tokenizer.decode(new, skip_special_tokens=True)
