@@ -69,11 +69,15 @@ class Worker:
         for layer in self.model.layers:
             layer.self_attn.rotary.float()
         source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
-        if config.model.small_batch_quant == "auto" and device.type == "cpu" and self.dtype == torch.bfloat16:
+        invariant = config.scheduler.batch_invariant
+        if (config.model.small_batch_quant == "auto" and not invariant and device.type == "cpu"
+                and self.dtype == torch.bfloat16):
             packed = pack_small_batch_weights(self.model, source_bits)
             log.info("packed %d layers for small-batch weight-only kernels", packed)
-        if config.model.cpu_weight_prepack and onednn_available(device, self.dtype):
-            log.info("reordered %d weights into oneDNN's layout", prepack_onednn_weights(self.model))
+        # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
+        if (config.model.cpu_weight_prepack or invariant) and onednn_available(device, self.dtype):
+            log.info("reordered %d weights into oneDNN's layout",
+                     prepack_onednn_weights(self.model, batch_invariant=invariant))
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None
