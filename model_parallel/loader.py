@@ -10,6 +10,7 @@ import functools
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -140,9 +141,22 @@ def _gguf_bits(tensor_type) -> int:
     return 16
 
 
+@dataclass(frozen=True)
+class RawBlocks:
+    """A GGUF tensor left in its quantized blocks (`raw_types` of iter_gguf): rows are output features.
+    unpermute_heads: q/k rows are in llama.cpp's rotary order; undo with `_unpermute_rotary(rows, n)`."""
+
+    data: np.ndarray  # uint8 [rows, bytes per row]
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # (rows, columns) of the dequantized tensor
+    unpermute_heads: int | None
+
+
 def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
-              extra_names: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF."""
+              extra_names: dict[str, str] | None = None,
+              raw_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF.
+    raw_types: GGUF type names (e.g. "Q4_K") of 2-D tensors yielded as RawBlocks, not dequantized."""
     from gguf.quants import dequantize
 
     names = GGUF_TO_HF | (extra_names or {})
@@ -156,6 +170,11 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
             name = f"{names.get(base, base)}.{suffix}"
         if bits is not None:
             bits[name] = _gguf_bits(t.tensor_type)
+        if t.tensor_type.name in raw_types and len(t.shape) == 2:
+            heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(parts[2]) if parts[0] == "blk" else None
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            yield name, RawBlocks(np.asarray(t.data).reshape(rows, -1), t.tensor_type, (rows, cols), heads)
+            continue
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         if parts[0] == "blk" and parts[2] == "attn_q":

@@ -68,7 +68,13 @@ class Worker:
         # Rotary tables stay fp32 for accuracy; they are indexed, not multiplied in bulk.
         for layer in self.model.layers:
             layer.self_attn.rotary.float()
-        source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+        if config.model.weights == "quantized":
+            from model_parallel.quant import load_quantized_weights
+
+            source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
+            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path))
+        else:
+            source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
         invariant = config.scheduler.batch_invariant
         if (config.model.small_batch_quant == "auto" and not invariant and device.type == "cpu"
                 and self.dtype == torch.bfloat16):
