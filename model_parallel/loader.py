@@ -85,6 +85,12 @@ def read_arch(model_path: str) -> LlamaArch:
     with open(os.path.join(model_path, "config.json")) as fh:
         cfg = json.load(fh)
     model_type = check_supported(cfg.get("model_type"), os.path.join(model_path, "config.json"))
+    quant = cfg.get("quantization_config")
+    if quant:  # GPTQ/AWQ int4, FP8, bitsandbytes...: their packed tensors would load as garbage
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ValueError(f"{os.path.join(model_path, 'config.json')}: quantized safetensors checkpoints "
+                         f"(quantization_config.quant_method {method!r}) are not supported; use the unquantized "
+                         "checkpoint, or a GGUF (model.weights: quantized keeps its Q4/Q5/Q6/Q8 weights quantized)")
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     # transformers 5 writes "rope_parameters" (theta inside); older configs: rope_theta + rope_scaling.
