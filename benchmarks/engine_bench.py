@@ -126,6 +126,30 @@ def _rss_mb() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
+def weight_mb(engine: LLMEngine) -> float:
+    """MB held by the model's weights in every form (parameters, oneDNN copies, quantized copies)."""
+    model = engine.executor.worker.model
+    seen, total = set(), 0
+
+    def add(t) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        key = t.data_ptr() if t.layout == torch.strided else id(t)  # oneDNN's opaque tensors have no pointer
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p)
+    for m in model.modules():
+        add(getattr(getattr(m, "onednn", None), "weight", None))
+        packed = getattr(m, "packed", None)
+        for attr in ("packed", "scales", "q", "scale", "zero"):
+            add(getattr(packed, attr, None))
+    return total / 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
@@ -185,7 +209,7 @@ def main() -> None:
                 ours = max(ours_runs[variant])
                 print(json.dumps({
                     "bench": "engine", "dtype": dtype, "batch": b, "new_tokens": args.new_tokens,
-                    "variant": variant, "rss_load_mb": rss[variant],
+                    "variant": variant, "rss_load_mb": rss[variant], "weight_mb": round(weight_mb(engines[variant])),
                     "threads": torch.get_num_threads(), "rounds": args.rounds,
                     "prefix_cache": not args.no_prefix_cache,
                     "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,

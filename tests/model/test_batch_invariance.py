@@ -151,3 +151,9 @@ def test_default_mode_varies(gguf_path, prompts, tmp_path):
     oneDNN blocking past 32 rows): the check above would catch it."""
     bad = scenarios(gguf_path, False, prompts, tmp_path)
     assert "batch24" in bad and "batch8" in bad, bad
+
+
+def test_batch_invariant_quantized_weights(gguf_path, prompts, tmp_path):
+    """`model.weights: quantized`: the int4 kernel serves every step size and its rows do not depend on
+    the row count, so with the switch (for the dense LM head) this mode is batch-invariant too."""
+    assert scenarios(gguf_path, True, prompts, tmp_path, weights="quantized") == {}
