@@ -86,8 +86,8 @@ def read_arch(model_path: str) -> LlamaArch:
         cfg = json.load(fh)
     model_type = check_supported(cfg.get("model_type"), os.path.join(model_path, "config.json"))
     quant = cfg.get("quantization_config")
-    if quant:  # GPTQ/AWQ int4, FP8, bitsandbytes...: their packed tensors would load as garbage
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    method = (quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown") if quant else None
+    if method is not None and method != "fp8":  # GPTQ/AWQ int4, bitsandbytes...: packed tensors would load as garbage
         raise ValueError(f"{os.path.join(model_path, 'config.json')}: quantized safetensors checkpoints "
                          f"(quantization_config.quant_method {method!r}) are not supported; use the unquantized "
                          "checkpoint, or a GGUF (model.weights: quantized keeps its Q4/Q5/Q6/Q8 weights quantized)")
@@ -196,10 +196,24 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    if _quant_method(model_dir) == "fp8":  # FP8 weights with scales: dequantized on CPU (model_parallel.quant)
+        from model_parallel.quant import iter_fp8_dequantized
+
+        yield from iter_fp8_dequantized(model_dir, files)
+        return
     for fname in files:
         with safe_open(os.path.join(model_dir, fname), framework="pt") as fh:  # memory-mapped
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+def _quant_method(model_dir: str) -> str | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        quant = json.load(fh).get("quantization_config")
+    return quant.get("quant_method") if isinstance(quant, dict) else None
 
 
 def count_tensors(model_path: str) -> int:

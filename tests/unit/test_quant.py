@@ -55,10 +55,10 @@ def test_decode_and_kernel_match_gguf_dequantize(name, heads):
     assert torch.equal(kernel(x[:1]), kernel(x)[:1]) or name not in ("Q4_0", "Q4_1", "Q4_K")  # int4: row-invariant
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "fp8"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
 def test_quantized_safetensors_refused_naming_the_method(tmp_path, method):
     """A config.json written by transformers for a tiny random Llama, with the quantization_config
-    that GPTQ/AWQ/FP8 exporters add: loading fails before any tensor is read, naming the method."""
+    that GPTQ/AWQ exporters add: loading fails before any tensor is read, naming the method."""
     import json
 
     from transformers import LlamaConfig
@@ -73,3 +73,60 @@ def test_quantized_safetensors_refused_naming_the_method(tmp_path, method):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=f"quant_method '{method}'"):
         read_arch(str(tmp_path))
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "channel", "block"])
+def test_fp8_checkpoint_dequantized_matches_transformers(tmp_path, scale_kind):
+    """A tiny random Llama (weights random) saved by transformers, rewritten as an FP8 checkpoint the way
+    FP8 exporters write one (e4m3 weights + weight_scale / weight_scale_inv, quant_method fp8): our
+    logits equal transformers' on the dequantized weights (weight.float() * scale)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from model_parallel.executor import make_executor
+    from model_parallel.loader import read_arch
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    fp8, dequant = {}, {}
+    for name, w in tensors.items():
+        if not (name.endswith("proj.weight")):
+            fp8[name] = dequant[name] = w
+            continue
+        if scale_kind == "tensor":
+            scale = w.abs().max() / 448
+            full = scale
+        elif scale_kind == "channel":
+            scale = w.abs().amax(1, keepdim=True) / 448
+            full = scale
+        else:  # 128 x 128 blocks, DeepSeek-style weight_scale_inv
+            blocks = w.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).abs().amax((1, 3)) / 448
+            scale, full = blocks, blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        q = (w / full).to(torch.float8_e4m3fn)
+        fp8[name] = q
+        fp8[name.removesuffix(".weight") + (".weight_scale_inv" if scale_kind == "block" else ".weight_scale")] = scale
+        dequant[name] = q.float() * full
+    save_file(fp8, str(tmp_path / "model.safetensors"))
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+
+    ref = LlamaForCausalLM(cfg).eval()
+    ref.load_state_dict(dequant)
+    ids = [int(x) for x in torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(1))]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    config = EngineConfig(model=ModelConfig(model=str(tmp_path), dtype="float32"),
+                          cache=CacheConfig(kv_cache_bytes=16 << 20), parallel=ParallelConfig(device="cpu"))
+    executor = make_executor(config, str(tmp_path), read_arch(str(tmp_path)))
+    try:
+        got = executor.score(ids)
+    finally:
+        executor.shutdown()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
