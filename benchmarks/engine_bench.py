@@ -2,12 +2,15 @@
 
     python benchmarks/engine_bench.py [--batches 1,16,64] [--new-tokens 64] [--dtypes bfloat16,float32]
                                       [--rounds 2] [--threads 0] [--no-prefix-cache]
+                                      [--variants default,batch_invariant,quantized] [--model PATH]
 
 Prints one JSON line per (dtype, batch) with our tokens/s, transformers' tokens/s and the ratio, and
 the tokens/s that the bare matmuls alone would allow (`gemm_only_*`: the ceiling for any engine that
 computes every prompt token; ours, with the prefix cache on, computes a shared prompt prefix once).
 The two run alternately, `--rounds` times each, and each side reports its best round: this machine
-is shared, and a single run of either varies by +-20 %.
+is shared, and a single run of either varies by +-20 %. `--variants` runs several engine settings
+side by side in the same run (rounds alternate between them too), each with its resident-memory
+growth at load (`rss_load_mb`).
 """
 
 from __future__ import annotations
@@ -117,6 +120,36 @@ def gemm_floor(model, batch: list[list[int]], new_tokens: int) -> float:
         return time.perf_counter() - t0
 
 
+def _rss_mb() -> float:
+    """This process's resident memory now (Linux), in MB."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def weight_mb(engine: LLMEngine) -> float:
+    """MB held by the model's weights in every form (parameters, oneDNN copies, quantized copies)."""
+    model = engine.executor.worker.model
+    seen, total = set(), 0
+
+    def add(t) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        key = t.data_ptr() if t.layout == torch.strided else id(t)  # oneDNN's opaque tensors have no pointer
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p)
+    for m in model.modules():
+        add(getattr(getattr(m, "onednn", None), "weight", None))
+        packed = getattr(m, "packed", None)
+        for attr in ("packed", "scales", "q", "scale", "zero"):
+            add(getattr(packed, attr, None))
+    return total / 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
@@ -129,52 +162,68 @@ def main() -> None:
                     help="turn prefix caching off (by default it is on, as served, and emptied before each round)")
     ap.add_argument("--threads", type=int, default=0, help="our engine's torch threads (0 = all cores, as "
                     "transformers uses); cluster.yaml serves with 1")
+    ap.add_argument("--variants", default="default",
+                    help="comma list of engine settings: default, batch_invariant, quantized (model.weights)")
+    ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path()
+    path = args.model or default_model_path()
     d, f = os.path.dirname(path), os.path.basename(path)
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
     batches = [int(b) for b in args.batches.split(",")]
     cases = [(dt, b) for dt in args.dtypes.split(",") for b in batches]
     bar = tqdm(total=len(cases), desc="engine bench", file=sys.stderr)
     for dtype in args.dtypes.split(","):
-        engine = LLMEngine(
-            EngineConfig(
-                model=ModelConfig(model=path, dtype=dtype),
-                cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_cache),
-                scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048),
-                parallel=ParallelConfig(cpu_threads_per_rank=args.threads),
+        variants = args.variants.split(",")
+        engines, rss = {}, {}
+        for variant in variants:
+            before = _rss_mb()
+            engines[variant] = LLMEngine(
+                EngineConfig(
+                    model=ModelConfig(model=path, dtype=dtype, weights="quantized" if variant == "quantized" else "auto"),
+                    cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_cache),
+                    scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048,
+                                              batch_invariant=variant == "batch_invariant"),
+                    parallel=ParallelConfig(cpu_threads_per_rank=args.threads),
+                )
             )
-        )
+            rss[variant] = round(_rss_mb() - before)
         hf = None
         if not args.skip_transformers:
             hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype)).eval()
         for b in batches:
             batch = prompts(tokenizer, b)
-            ours_runs, ref_runs, floor_runs = [], [], []
+            ours_runs: dict[str, list[float]] = {v: [] for v in variants}
+            ref_runs, floor_runs = [], []
             for _ in range(args.rounds):  # alternate, so drifting machine load hits both
-                ours_runs.append(bench_ours(engine, batch, args.new_tokens))
+                for variant, engine in engines.items():
+                    ours_runs[variant].append(bench_ours(engine, batch, args.new_tokens))
                 if hf is not None:
                     ref_runs.append(bench_transformers(hf, tokenizer, batch, args.new_tokens))
                     if not args.no_gemm_floor:
                         floor_runs.append(b * args.new_tokens / gemm_floor(hf, batch, args.new_tokens))
-            ours, ref = max(ours_runs), max(ref_runs, default=None)
+            ref = max(ref_runs, default=None)
             floor = max(floor_runs, default=None)
-            print(json.dumps({
-                "bench": "engine", "dtype": dtype, "batch": b, "new_tokens": args.new_tokens,
-                "threads": torch.get_num_threads(), "rounds": args.rounds,
-                "prefix_cache": not args.no_prefix_cache,
-                "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,
-                "ratio": round(ours / ref, 2) if ref else None,
-                # Tokens/s if the bare matmuls were the whole cost, and that over transformers: the
-                # ceiling on `ratio` for any engine computing every prompt token in this dtype here.
-                "gemm_only_tok_s": round(floor, 1) if floor else None,
-                "gemm_only_ratio": round(floor / ref, 2) if floor and ref else None,
-                "ours_runs": [round(x, 1) for x in ours_runs], "transformers_runs": [round(x, 1) for x in ref_runs],
-            }), flush=True)
+            for variant in variants:
+                ours = max(ours_runs[variant])
+                print(json.dumps({
+                    "bench": "engine", "dtype": dtype, "batch": b, "new_tokens": args.new_tokens,
+                    "variant": variant, "rss_load_mb": rss[variant], "weight_mb": round(weight_mb(engines[variant])),
+                    "threads": torch.get_num_threads(), "rounds": args.rounds,
+                    "prefix_cache": not args.no_prefix_cache,
+                    "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,
+                    "ratio": round(ours / ref, 2) if ref else None,
+                    # Tokens/s if the bare matmuls were the whole cost, and that over transformers: the
+                    # ceiling on `ratio` for any engine computing every prompt token in this dtype here.
+                    "gemm_only_tok_s": round(floor, 1) if floor else None,
+                    "gemm_only_ratio": round(floor / ref, 2) if floor and ref else None,
+                    "ours_runs": [round(x, 1) for x in ours_runs[variant]],
+                    "transformers_runs": [round(x, 1) for x in ref_runs],
+                }), flush=True)
             bar.update()
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
         del hf
     bar.close()
 

@@ -9,6 +9,8 @@ next-token distribution is compared with fp32's at every continuation position:
 - bf16: the bf16 weights with oneDNN's GEMM (what steps above 8 tokens use);
 - int4: the GGUF's own Q4 weights (weight-only int4, bf16 activations), what steps of <= 8 tokens use
   (forced here for every position);
+- quantized: `model.weights: quantized`, the GGUF's blocks kept quantized with no dense copy (int4
+  kernel at every step size);
 - w8a8: a candidate measured and rejected, defined here only: per-channel int8 weights x per-token
   int8 activations (`torch._int_mm`), ~1.3x faster than bf16 GEMMs at 16-64 tokens on this CPU.
 
@@ -38,11 +40,12 @@ from model_parallel.engine import LLMEngine  # noqa: E402
 from model_parallel.model_files import default_model_path  # noqa: E402
 from model_parallel.sampling_params import SamplingParams  # noqa: E402
 
-PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer runs)
-    "fp32": ("float32", "none", "default"),
-    "bf16": ("bfloat16", "none", "default"),
-    "int4": ("bfloat16", "auto", "small-batch"),
-    "w8a8": ("bfloat16", "auto", "w8a8"),
+PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer runs, model.weights)
+    "fp32": ("float32", "none", "default", "auto"),
+    "bf16": ("bfloat16", "none", "default", "auto"),
+    "int4": ("bfloat16", "auto", "small-batch", "auto"),
+    "quantized": ("bfloat16", "none", "default", "quantized"),
+    "w8a8": ("bfloat16", "auto", "w8a8", "auto"),
 }
 
 
@@ -69,9 +72,9 @@ def use_kernel(kind: str) -> None:
         return
     cache: dict[int, W8A8] = {}
 
-    def forced(x, weight, bias, packed):
+    def forced(x, weight, bias, packed, onednn=None):
         if packed is None:
-            return original(x, weight, bias, packed)
+            return original(x, weight, bias, packed, onednn)
         if kind == "small-batch":
             out = packed(x)
         else:
@@ -82,9 +85,9 @@ def use_kernel(kind: str) -> None:
     parallel.linear = forced  # the layers look `linear` up in their module at call time
 
 
-def make_engine(path: str, dtype: str, small: str, max_seqs: int) -> LLMEngine:
+def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=path, dtype=dtype, small_batch_quant=small),
+        model=ModelConfig(model=path, dtype=dtype, small_batch_quant=small, weights=weights),
         cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
         parallel=ParallelConfig(cpu_threads_per_rank=0),
@@ -99,6 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma list; fp32 (the reference) always runs first")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "quant-latest.jsonl"))
     args = ap.parse_args()
@@ -111,9 +115,10 @@ def main() -> None:
     ref_logp: list[torch.Tensor] = []
     ref_out: list[list[int]] = []
     lines = []
-    for name in tqdm(PATHS, desc="paths", file=sys.stderr):
-        dtype, small, kernel = PATHS[name]
-        engine = make_engine(path, dtype, small, args.prompts)
+    chosen = ["fp32"] + [p for p in args.paths.split(",") if p != "fp32"]
+    for name in tqdm(chosen, desc="paths", file=sys.stderr):
+        dtype, small, kernel, weights = PATHS[name]
+        engine = make_engine(path, dtype, small, args.prompts, weights)
         use_kernel(kernel)
         try:
             outs = engine.generate(batch, greedy)  # end to end: decode steps of len(batch) tokens

@@ -21,8 +21,14 @@ class ModelConfig:
     # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see parallel.OneDNNWeight).
     # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
     cpu_weight_prepack: bool = True
+    # auto: weights are dense in `dtype`. quantized: a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 linear
+    # weights stay quantized in memory and run quantized kernels at every batch size (model_parallel/
+    # quant.py; CPU); the embedding and other tensors stay dense.
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.weights not in ("auto", "quantized"):
+            raise ValueError("weights must be auto or quantized")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.small_batch_quant not in ("auto", "none"):
@@ -59,6 +65,11 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # the per-step token budget that chunks long prefills
+    # A sequence's logits do not depend on what shares its step (batch size, chunking, prefix cache):
+    # one weight format per layer at every step size (no small-batch int4 copies) and oneDNN weights
+    # laid out so that a row's GEMM result does not depend on the row count. Costs measured in
+    # docs/benchmarks.md (CPU; bf16 or fp32 with prepacked weights).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

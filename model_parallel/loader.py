@@ -10,6 +10,7 @@ import functools
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -88,6 +89,12 @@ def read_arch(model_path: str) -> LlamaArch:
     with open(os.path.join(model_path, "config.json")) as fh:
         cfg = json.load(fh)
     model_type = check_supported(cfg.get("model_type"), os.path.join(model_path, "config.json"))
+    quant = cfg.get("quantization_config")
+    method = (quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown") if quant else None
+    if method is not None and method != "fp8":  # GPTQ/AWQ int4, bitsandbytes...: packed tensors would load as garbage
+        raise ValueError(f"{os.path.join(model_path, 'config.json')}: quantized safetensors checkpoints "
+                         f"(quantization_config.quant_method {method!r}) are not supported; use the unquantized "
+                         "checkpoint, or a GGUF (model.weights: quantized keeps its Q4/Q5/Q6/Q8 weights quantized)")
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     # transformers 5 writes "rope_parameters" (theta inside); older configs: rope_theta + rope_scaling.
@@ -155,9 +162,22 @@ def _gguf_bits(tensor_type) -> int:
     return 16
 
 
+@dataclass(frozen=True)
+class RawBlocks:
+    """A GGUF tensor left in its quantized blocks (`raw_types` of iter_gguf): rows are output features.
+    unpermute_heads: q/k rows are in llama.cpp's rotary order; undo with `_unpermute_rotary(rows, n)`."""
+
+    data: np.ndarray  # uint8 [rows, bytes per row]
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, int]  # (rows, columns) of the dequantized tensor
+    unpermute_heads: int | None
+
+
 def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
-              extra_names: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF."""
+              extra_names: dict[str, str] | None = None,
+              raw_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
+    """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF.
+    raw_types: GGUF type names (e.g. "Q4_K") of 2-D tensors yielded as RawBlocks, not dequantized."""
     from gguf.quants import dequantize
 
     names = GGUF_TO_HF | (extra_names or {})
@@ -171,6 +191,11 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
             name = f"{names.get(base, base)}.{suffix}"
         if bits is not None:
             bits[name] = _gguf_bits(t.tensor_type)
+        if t.tensor_type.name in raw_types and len(t.shape) == 2:
+            heads = {"attn_q": arch.num_heads, "attn_k": arch.num_kv_heads}.get(parts[2]) if parts[0] == "blk" else None
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            yield name, RawBlocks(np.asarray(t.data).reshape(rows, -1), t.tensor_type, (rows, cols), heads)
+            continue
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and arch.model_type in GGUF_PERMUTED_QK:
@@ -184,10 +209,24 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    if _quant_method(model_dir) == "fp8":  # FP8 weights with scales: dequantized on CPU (model_parallel.quant)
+        from model_parallel.quant import iter_fp8_dequantized
+
+        yield from iter_fp8_dequantized(model_dir, files)
+        return
     for fname in files:
         with safe_open(os.path.join(model_dir, fname), framework="pt") as fh:  # memory-mapped
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+def _quant_method(model_dir: str) -> str | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        quant = json.load(fh).get("quantization_config")
+    return quant.get("quant_method") if isinstance(quant, dict) else None
 
 
 def count_tensors(model_path: str) -> int:

@@ -95,14 +95,49 @@ class OneDNNWeight:
     extra pass over the weights each step. Measured on 2 cores, bf16, all 30 SmolLM2 layers:
     24.0 -> 15.7 ms per decode step at 64 tokens, 19.3 -> 12.4 at 16; LM head 4.1 -> 2.1 ms at 64
     rows. Same kernel, same results (bit-equal in the tests).
+
+    Batch-invariant mode (`row_block`): with the layout hint 64, a row's result changes once the row
+    count M passes 32 (another blocking); with hint 1 it holds for small M but the reduction is split
+    differently once M x K grows (K=1536: from M ~200). So the weight is laid out with hint 1 and
+    every call runs in blocks of at most `row_block` rows, the largest size that a probe at load
+    finds bit-equal to one row at a time.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         # The batch size is only a hint for the layout; every batch size runs on the result.
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1 if batch_invariant else 64)
+        self.row_block = _probe_row_block(self, weight.shape[1], weight.dtype) if batch_invariant else 0
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        if not self.row_block or x.shape[0] <= self.row_block:
+            return self._gemm(x, bias)
+        return torch.cat([self._gemm(part, bias) for part in x.split(self.row_block)])
+
+
+ROW_BLOCKS = (128, 64, 32, 16, 8)
+
+
+def _probe_row_block(gemm: OneDNNWeight, k: int, dtype: torch.dtype) -> int:
+    """The largest row block whose every row equals the one-row GEMM of that row, at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROW_BLOCKS[0], k, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        solo = torch.cat([gemm._gemm(x[i : i + 1], None) for i in range(x.shape[0])])
+        for block in ROW_BLOCKS:
+            ok = True
+            for t in {1, 2, threads}:
+                torch.set_num_threads(t)
+                ok = ok and all(torch.equal(gemm._gemm(x[:m], None), solo[:m]) for m in (block, block - 1, block // 2 + 1))
+            if ok:
+                return block
+    finally:
+        torch.set_num_threads(threads)
+    return 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,
@@ -295,11 +330,12 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
 
 
-def prepack_onednn_weights(model: nn.Module) -> int:
-    """Give every linear layer (and the LM head) its weight in oneDNN's layout; see OneDNNWeight."""
+def prepack_onednn_weights(model: nn.Module, batch_invariant: bool = False) -> int:
+    """Give every dense linear layer (and the LM head) its weight in oneDNN's layout; see OneDNNWeight.
+    Layers whose `packed` weight serves every batch size (quantized mode) have no dense weight."""
     count = 0
     for module in model.modules():
-        if hasattr(module, "onednn"):
-            module.onednn = OneDNNWeight(module.weight.data)
+        if hasattr(module, "onednn") and not getattr(module.packed, "all_batches", False):
+            module.onednn = OneDNNWeight(module.weight.data, batch_invariant)
             count += 1
     return count

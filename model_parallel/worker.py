@@ -79,12 +79,22 @@ class Worker:
         # ever exists. Rotary tables are built in float64 and stored fp32 explicitly, so they stay fp32.
         with torch.device(device), default_dtype(self.dtype):
             self.model = model_class(arch)(arch, self.tp, self.attn_backend)
-        source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
-        if config.model.small_batch_quant == "auto" and device.type == "cpu" and self.dtype == torch.bfloat16:
+        if config.model.weights == "quantized":
+            from model_parallel.quant import load_quantized_weights
+
+            source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
+            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path))
+        else:
+            source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+        invariant = config.scheduler.batch_invariant
+        if (config.model.small_batch_quant == "auto" and not invariant and device.type == "cpu"
+                and self.dtype == torch.bfloat16):
             packed = pack_small_batch_weights(self.model, source_bits)
             log.info("packed %d layers for small-batch weight-only kernels", packed)
-        if config.model.cpu_weight_prepack and onednn_available(device, self.dtype):
-            log.info("reordered %d weights into oneDNN's layout", prepack_onednn_weights(self.model))
+        # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
+        if (config.model.cpu_weight_prepack or invariant) and onednn_available(device, self.dtype):
+            log.info("reordered %d weights into oneDNN's layout",
+                     prepack_onednn_weights(self.model, batch_invariant=invariant))
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None

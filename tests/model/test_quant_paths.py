@@ -18,9 +18,9 @@ from model_parallel.sampling_params import SamplingParams
 NEW_TOKENS = 32
 
 
-def make_engine(gguf_path: str, dtype: str) -> LLMEngine:
+def make_engine(gguf_path: str, dtype: str, weights: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype=dtype),
+        model=ModelConfig(model=gguf_path, dtype=dtype, weights=weights),
         cache=CacheConfig(kv_cache_bytes=128 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
         parallel=ParallelConfig(device="cpu"),
@@ -45,9 +45,10 @@ def agreement(engine: LLMEngine, prompts, reference) -> float:
     return float((torch.cat(got) == torch.cat(tops)).float().mean())
 
 
-@pytest.mark.parametrize("path", ["bf16", "int4"])
+@pytest.mark.parametrize("path", ["bf16", "int4", "quantized"])
 def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, path, monkeypatch):
-    engine = make_engine(gguf_path, "bfloat16")
+    """quantized: `model.weights: quantized`, the GGUF's blocks kept as they are (no dense linear weights)."""
+    engine = make_engine(gguf_path, "bfloat16", "quantized" if path == "quantized" else "auto")
     try:
         # Force one kernel for whole prompts: int4 (the GGUF's Q4 weights, what steps of <= 8 tokens
         # run), or bf16 (what larger steps run).
