@@ -58,15 +58,29 @@ def parse_query(request: Request, model: type[BaseModel]) -> BaseModel:
         raise from_validation_error(exc) from None
 
 
-async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def read_body(request: Request) -> bytes:
+    """The body, counted while it arrives: a chunked (or lying) body past the limit is a 413 as soon as
+    the limit passes, without buffering the rest."""
     limit = body_limit(request)
     declared = request.headers.get("content-length")
     if limit and declared and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit)  # before reading it
+    if getattr(request, "_body", None) is not None:  # already read (and counted) by an earlier call
+        return request._body
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if limit and size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    request._body = body = b"".join(chunks)  # as Request.body() caches it, for later readers
+    return body
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    body = await read_body(request)
     try:
-        body = await request.body()
-        if limit and len(body) > limit:
-            raise too_large(len(body), limit)
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors()
