@@ -9,13 +9,13 @@ child is killed and replaced. The model's own template never goes through here.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import resource
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
 from app.errors import APIError
+from model_parallel import child
 
 RENDER_TIMEOUT_S = 2.0
 MAX_OUTPUT_CHARS = 1 << 20  # a rendered prompt longer than this is refused (the context is far shorter)
@@ -31,9 +31,10 @@ def _vm_bytes() -> int:
     return 0
 
 
-def _child(conn: Connection, model_path: str, max_output_chars: int, memory_bytes: int) -> None:
+def _child(conn: Connection) -> None:
     from deployments.tokenizer import ChatRenderer, load_tokenizer
 
+    model_path, max_output_chars, memory_bytes = conn.recv()
     renderer = ChatRenderer(load_tokenizer(model_path))
     if memory_bytes and _vm_bytes():
         limit = _vm_bytes() + memory_bytes
@@ -76,27 +77,19 @@ class TemplateSandbox:
         self._conn: Connection | None = None
 
     def _start(self) -> Connection:
-        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
             return self._conn
         self.close()
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no Ray or asyncio state from the replica
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, args=(child, self.model_path, self.max_output_chars,
-                                                      self.memory_bytes), daemon=True, name="chat-template-sandbox")
-        self._proc.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S) or parent.recv() != "ready":
-            self.close()
-            raise APIError(503, "the chat template renderer did not start", type="server_error")
-        self._conn = parent
-        return parent
+        try:
+            self._proc, self._conn = child.start("deployments.template_sandbox",
+                                                 (self.model_path, self.max_output_chars, self.memory_bytes),
+                                                 START_TIMEOUT_S)
+        except RuntimeError:
+            raise APIError(503, "the chat template renderer did not start", type="server_error") from None
+        return self._conn
 
     def close(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
+        child.stop(self._proc, self._conn)
         self._proc = self._conn = None
 
     def render(self, messages: list[dict], **kwargs: Any) -> str:
@@ -119,3 +112,7 @@ class TemplateSandbox:
         if not ok:
             raise _refused(value)
         return value
+
+
+if __name__ == "__main__":
+    _child(child.connect())

@@ -8,10 +8,11 @@ it from the event loop. Compiled grammars come back as xgrammar's JSON serializa
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
+
+from model_parallel import child
 
 START_TIMEOUT_S = 60.0
 
@@ -24,11 +25,12 @@ class CompilerBusy(Exception):
     pass
 
 
-def _child(conn: Connection, tokenizer_info_json: str) -> None:
+def _child(conn: Connection) -> None:
     import xgrammar as xgr
 
     from model_parallel.guided import compile_spec
 
+    tokenizer_info_json = conn.recv()
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     conn.send("ready")
@@ -57,26 +59,14 @@ class CompileWorker:
         self._conn: Connection | None = None
 
     def _start(self) -> Connection:
-        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
             return self._conn
         self.close()
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, args=(child, self._info_json), daemon=True, name="grammar-compiler")
-        self._proc.start()
-        child.close()
-        if not parent.poll(START_TIMEOUT_S) or parent.recv() != "ready":
-            self.close()
-            raise RuntimeError("the grammar compiler process did not start")
-        self._conn = parent
-        return parent
+        self._proc, self._conn = child.start("model_parallel.grammar_worker", self._info_json, START_TIMEOUT_S)
+        return self._conn
 
     def close(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
+        child.stop(self._proc, self._conn)
         self._proc = self._conn = None
 
     def compile(self, spec: Any) -> Any:
@@ -101,3 +91,7 @@ class CompileWorker:
         if not ok:
             raise value
         return xgr.CompiledGrammar.deserialize_json(value, self._info)
+
+
+if __name__ == "__main__":
+    _child(child.connect())

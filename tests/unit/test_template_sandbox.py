@@ -27,7 +27,7 @@ def test_renders_like_the_in_process_renderer(sandbox, gguf_path):
 
 
 @pytest.mark.parametrize("template, code", [
-    ('{{ "x" * 10**9 }}', "invalid_chat_template"),  # memory or output bound
+    ('{{ "x" * 10**9 }}', "invalid_chat_template|chat_template_timeout"),  # memory, output or time bound
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "chat_template_timeout"),
     ("{% for i in range(99999) %}{{ 'abcdefghij' }}{% endfor %}", "invalid_chat_template"),  # 1M chars out
     ("{% if %}", "invalid_chat_template"),  # syntax error
@@ -35,5 +35,6 @@ def test_renders_like_the_in_process_renderer(sandbox, gguf_path):
 def test_hostile_templates_are_400s_and_the_sandbox_recovers(sandbox, template, code):
     with pytest.raises(APIError) as info:
         sandbox.render(MESSAGES, chat_template=template)
-    assert (info.value.status_code, info.value.param, info.value.code) == (400, "chat_template", code)
+    assert (info.value.status_code, info.value.param) == (400, "chat_template")
+    assert info.value.code in code.split("|")
     assert sandbox.render(MESSAGES, chat_template=PLAIN).startswith("<system>")
