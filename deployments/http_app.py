@@ -6,16 +6,48 @@ import logging
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from app import protocol as P
 from app.errors import APIError, from_validation_error
 from deployments.request_guards import body_limit, too_large
 
 log = logging.getLogger("ray.serve")
 
 app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
+
+
+# Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
+# the OpenAPI schema gets them from the same models here (clients, docs, and the schemathesis fuzz).
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": P.ChatCompletionRequest,
+    "/v1/completions": P.CompletionRequest,
+    "/tokenize": P.TokenizeRequest,
+    "/detokenize": P.DetokenizeRequest,
+}
+
+
+def openapi_with_bodies() -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            op = schema.get("paths", {}).get(path, {}).get("post")
+            if op is None:
+                continue
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = openapi_with_bodies  # type: ignore[method-assign]
 
 
 def request_id_of(request: Request) -> str:
