@@ -106,20 +106,20 @@ def a_token(server: str, auth: dict) -> int:
 
 
 def test_catastrophic_stop_regex_streams_forced_as_quickly(server, auth, same_replica):
-    """`(a+)+b` over 64 forced a's: Python's re would backtrack for ages on every step (24 took 2.5 s,
-    each one more doubles it); RE2 does not."""
-    body = chat(max_tokens=64, stream=True, ignore_eos=True, stop_regex=["(a+)+b", "(x+x+)+y"],
+    """`(a+)+b` over 40 forced a's: Python's re would backtrack for hours on the last steps (24 took
+    2.5 s, each one more doubles it); RE2 does not. The bound is loose: shared CPUs generate slowly."""
+    body = chat(max_tokens=40, stream=True, ignore_eos=True, stop_regex=["(a+)+b", "(x+x+)+y"],
                 logit_bias={str(a_token(server, auth)): 100})
     t0 = time.monotonic()
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth, timeout=BOUND_S) as r:
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth, timeout=5 * BOUND_S) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert time.monotonic() - t0 < BOUND_S and lines[-1] == "data: [DONE]"
+    assert time.monotonic() - t0 < 5 * BOUND_S and lines[-1] == "data: [DONE]"
     import json
 
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    assert set(text) == {"a"} and len(text) >= 64
+    assert set(text) == {"a"} and len(text) >= 40
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
 
 
@@ -217,11 +217,15 @@ def abuse(server, apps):
 
 
 @pytest.fixture(scope="module")
-def abuse_stats(abuse):
+def abuse_handle(abuse):
     from ray import serve
 
-    handle = serve.get_deployment_handle("llm", app_name="abuse")
-    return lambda: handle.stats.remote().result()
+    return serve.get_deployment_handle("llm", app_name="abuse")
+
+
+@pytest.fixture(scope="module")
+def abuse_stats(abuse_handle):
+    return lambda: abuse_handle.stats.remote().result()
 
 
 @pytest.fixture
@@ -251,7 +255,7 @@ def test_requested_tokens_are_capped(abuse, abuse_same_replica):
     assert "default" in err["message"]
 
 
-async def test_504_before_the_first_token_cancels_the_generation(abuse, abuse_stats, abuse_same_replica):
+async def test_504_before_the_first_token_cancels_the_generation(abuse, abuse_handle, abuse_same_replica):
     """Eight long requests fill the engine (max_num_seqs 8); a ninth, streamed, waits behind them and
     gets a 504 before its first token. Every one is then aborted: the engine goes idle at once, not
     after the ~1000 tokens each asked for."""
@@ -263,6 +267,6 @@ async def test_504_before_the_first_token_cancels_the_generation(abuse, abuse_st
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
         assert {(await f).status_code for f in fill} <= {200, 504}
     deadline = time.monotonic() + 5
-    while (s := abuse_stats())["num_running"] + s["num_waiting"] and time.monotonic() < deadline:
+    while (s := await abuse_handle.stats.remote())["num_running"] + s["num_waiting"] and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert s["num_running"] == s["num_waiting"] == 0, s
