@@ -5,26 +5,50 @@ Parsing checks types and ranges only; what the server can honour is decided in a
 
 from __future__ import annotations
 
-import re
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from app import limits as L
 from app.messages import ChatMessage, ResponseFormat, StreamOptions, Strict
 
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-TokenId = Annotated[int, Field(ge=0)]
+MAX_STOP_SEQUENCES = L.MAX_STOP_SEQUENCES
+TokenId = Annotated[int, Field(ge=0, le=L.INT32_MAX)]
+Count = Annotated[int, Field(ge=1, le=L.INT32_MAX)]  # token counts the engine holds in int32
 StopField = str | list[str] | None
 
 
 def compile_regexes(patterns: str | list[str] | None) -> tuple[str, ...]:
+    """The stop_regex patterns, checked: bounded in number and size, and compiled by RE2 (linear time;
+    no backreferences or lookaround, which are what make a backtracking engine's search exponential)."""
+    import re2  # google-re2
+
     rxs = (patterns,) if isinstance(patterns, str) else tuple(patterns or ())
+    if len(rxs) > L.MAX_STOP_REGEXES:
+        raise ValueError(f"at most {L.MAX_STOP_REGEXES} patterns are allowed, got {len(rxs)}")
     for rx in rxs:
+        if len(rx) > L.MAX_STOP_REGEX_CHARS:
+            raise ValueError(f"a pattern may have at most {L.MAX_STOP_REGEX_CHARS} characters, got {len(rx)}")
         try:
-            re.compile(rx)
-        except re.error as exc:
-            raise ValueError(f"{rx!r} is not a valid regular expression: {exc}") from None
+            re2.compile(rx, re2_options())
+        except re2.error as exc:
+            reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else exc
+            raise ValueError(f"{rx!r} is not a valid RE2 regular expression: {reason}") from None
     return rxs
+
+
+def re2_options() -> Any:
+    import re2
+
+    opts = re2.Options()
+    opts.log_errors = False  # a client's bad pattern is a 400, not a line in the server log
+    opts.max_mem = 8 << 20  # bounds the compiled program (and so compile time) per pattern
+    return opts
+
+
+def json_size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), default=str).encode())
 
 
 class SamplingFields(Strict):
@@ -34,15 +58,15 @@ class SamplingFields(Strict):
     # sampling
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: disabled
+    top_k: int | None = Field(None, ge=-1, le=L.INT32_MAX)  # -1 or 0: disabled; above the vocabulary: off
     min_p: float | None = Field(None, ge=0, le=1)
     n: int | None = Field(1, ge=1, le=128)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=L.INT64_MIN, le=L.INT64_MAX)
     # length and stopping
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int | None = Field(None, ge=0)
+    max_tokens: Count | None = None
+    min_tokens: int | None = Field(None, ge=0, le=L.INT32_MAX)
     stop: StopField = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=L.MAX_STOP_TOKEN_IDS)
     stop_regex: str | list[str] | None = None
     ignore_eos: bool | None = False
     no_stop_trim: bool | None = False  # SGLang's name for include_stop_str_in_output
@@ -61,7 +85,8 @@ class SamplingFields(Strict):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[Annotated[str, Field(max_length=L.MAX_GUIDED_CHOICE_CHARS)]] | None = Field(
+        None, max_length=L.MAX_GUIDED_CHOICES)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
@@ -95,8 +120,11 @@ class SamplingFields(Strict):
     @field_validator("stop")
     @classmethod
     def _stop_limit(cls, v: StopField) -> StopField:
-        if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(v)}")
+        if isinstance(v, list) and len(v) > L.MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {L.MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(v)}")
+        for s in (v,) if isinstance(v, str) else v or ():
+            if len(s) > L.MAX_STOP_CHARS:
+                raise ValueError(f"a stop sequence may have at most {L.MAX_STOP_CHARS} characters, got {len(s)}")
         return v
 
     @field_validator("stop_regex")
@@ -108,8 +136,10 @@ class SamplingFields(Strict):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and len(v) > L.MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {L.MAX_LOGIT_BIAS} entries are allowed, got {len(v)}")
         for key, val in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit() and int(key) <= L.INT32_MAX):
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
             if not -100 <= val <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {val} for token {key}")
@@ -117,20 +147,20 @@ class SamplingFields(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # wins over max_tokens
+    messages: list[ChatMessage] = Field(min_length=1, max_length=L.MAX_MESSAGES)
+    max_completion_tokens: Count | None = None  # wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # tools (app.tools)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=L.MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = Field(None, max_length=L.MAX_TOOLS)
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     # chat template
     continue_final_message: bool | None = False
     add_generation_prompt: bool | None = True
-    chat_template: str | None = None
+    chat_template: str | None = Field(None, max_length=L.MAX_CHAT_TEMPLATE_CHARS)
     chat_template_kwargs: dict[str, Any] | None = None
     # reasoning
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
@@ -157,6 +187,23 @@ class ChatCompletionRequest(SamplingFields):
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _tools_size(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v is not None and json_size(v) > L.MAX_TOOLS_BYTES:
+            raise ValueError(f"the tool definitions exceed {L.MAX_TOOLS_BYTES} bytes as JSON")
+        for i, tool in enumerate(v or ()):
+            if json_size(tool) > L.MAX_SCHEMA_BYTES:
+                raise ValueError(f"tool {i} exceeds {L.MAX_SCHEMA_BYTES} bytes as JSON")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_size(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and json_size(v) > L.MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"chat_template_kwargs exceeds {L.MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
         return v
 
     @field_validator("continue_final_message")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from app import limits as L
 from app.errors import bad_request
-from app.request_models import SamplingFields
+from app.request_models import SamplingFields, json_size
 from model_parallel.sampling_params import GuidedSpec
 
 # Any JSON object (OpenAI's json_object mode promises an object, not any JSON value).
@@ -21,7 +22,11 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
 def check_json_schema(schema: Any, param: str) -> str:
-    """The schema as compact JSON text, after checking it is a valid JSON Schema."""
+    """The schema as compact JSON text, after checking it is a valid JSON Schema (and small enough)."""
+    size = len(schema.encode()) if isinstance(schema, str) else json_size(schema)
+    if size > L.MAX_SCHEMA_BYTES:
+        raise bad_request(f"{param} is too large: {size} bytes as JSON, at most {L.MAX_SCHEMA_BYTES} are allowed",
+                          param=param.split(".")[0], code="constraint_too_large")
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -119,4 +124,16 @@ def guided_spec(req: SamplingFields) -> GuidedSpec | None:
     if len(specs) > 1:
         names = ", ".join(s.param for s in specs)
         raise bad_request(f"use one output constraint per request, got: {names}", param=specs[1].param)
+    if specs:
+        check_spec_size(specs[0])
     return specs[0] if specs else None
+
+
+def check_spec_size(spec: GuidedSpec) -> None:
+    """Grammar compilation time grows with the spec: bound its size before it reaches the compiler."""
+    limit = L.MAX_SCHEMA_BYTES if spec.kind in ("json_schema", "structural_tag") else L.MAX_GRAMMAR_CHARS
+    size = len(spec.value.encode()) if spec.kind in ("json_schema", "structural_tag") else len(spec.value)
+    if size > limit:
+        unit = "bytes as JSON" if spec.kind in ("json_schema", "structural_tag") else "characters"
+        raise bad_request(f"{spec.param} is too large: {size} {unit}, at most {limit} are allowed",
+                          param=spec.param, code="constraint_too_large")

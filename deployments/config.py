@@ -47,18 +47,28 @@ class ServerConfig:
     max_prompt_tokens: int = 0  # prompt tokens per prompt (400 beyond)
     max_total_tokens: int = 0  # prompt + max_tokens per prompt (400 beyond; also caps the default max_tokens)
     max_n: int = 0  # n and best_of (400 beyond)
-    max_request_bytes: int = 0  # HTTP body size (413 beyond)
+    max_request_bytes: int = 8 << 20  # HTTP body size (413 beyond, counted while reading)
     # Seconds a client is told to wait (Retry-After) when the model deployment's queue is full (503).
     retry_after_s: float = 1.0
     # Extra Ray Serve options for the model deployment (max_ongoing_requests, max_queued_requests,
     # autoscaling_config, graceful_shutdown_timeout_s, ...), for apps built in code; in a Serve config
     # file the `deployments` section is the place for them (it overrides these).
     llm_deployment_options: dict[str, Any] = field(default_factory=dict)
+    # ---- abuse bounds (issue 17) ---------------------------------------------------------------------
+    # Engine sequences one request may start: prompts x max(n, best_of) (400 beyond; 0 = no limit).
+    max_sequences_per_request: int = 64
+    # Output tokens one request may ask for: sequences x max_tokens, the default max_tokens (what the
+    # context leaves) included (400 beyond; 0 = no limit).
+    max_requested_tokens: int = 262144
+    # A request's own `chat_template` (vLLM's switch): off = 400. On, it renders in a child process of
+    # the tokenizer replica with a time, memory and output-size bound (deployments.template_sandbox).
+    allow_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         for key in self.api_keys:  # fail at start-up, not on the first request
             parse_key(key)
-        for name in ("max_prompt_tokens", "max_total_tokens", "max_n", "max_request_bytes"):
+        for name in ("max_prompt_tokens", "max_total_tokens", "max_n", "max_request_bytes",
+                     "max_sequences_per_request", "max_requested_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if not 0 <= self.serving_nice <= 19:

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
 
+import re2  # google-re2: linear-time matching, so no pattern can stall the replica's event loop
 from transformers import PreTrainedTokenizerBase
+
+from app.request_models import re2_options
 
 # Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
 # exists; this window makes typical (short) matches stop cleanly. Longer matches still stop
 # generation, but their beginning may already have been streamed.
 REGEX_HOLDBACK_CHARS = 64
+
+# Output text stop_regex is matched against: the last this many characters. RE2 runs in linear time, so a
+# step costs at most one pass over this window (microseconds), whatever the pattern; a match longer than
+# the window is not seen.
+REGEX_WINDOW_CHARS = 16384
 
 # Prompt tokens decoded as context before the first output token (as vLLM): a token's leading
 # space or a UTF-8 character split across the prompt/output boundary decodes as it would in place.
@@ -67,7 +74,7 @@ class IncrementalDetokenizer:
     Decoding uses a sliding window (prefix/read offsets): each step re-decodes only the tokens since
     the last emitted one plus the previous few, and text ending in an incomplete UTF-8 character
     (U+FFFD) waits for the next token. Emitted text is never revisited, so a step is O(new tokens)
-    plus the stop search over the held-back tail (and, with stop_regex, a search of the full text).
+    plus the stop search over the held-back tail (and, with stop_regex, a linear-time search of the output's last REGEX_WINDOW_CHARS).
     """
 
     def __init__(
@@ -83,7 +90,7 @@ class IncrementalDetokenizer:
     ):
         self._decode = _make_decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.stop = tuple(s for s in stop if s)
-        self.stop_regex = tuple(re.compile(r) for r in stop_regex)
+        self.stop_regex = tuple(re2.compile(r, re2_options()) for r in stop_regex)
         self.include_stop = include_stop_str_in_output
         # For the hold-back check: last character -> (k, prefix) for every proper stop prefix ending in
         # it, so a step whose text ends in a character that no stop contains costs O(1).
@@ -97,7 +104,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._ids) if self._ids else ""
         self._pending = ""  # decoded text not yet returned (possible start of a stop string)
-        self._text = ""  # the whole output text, kept only when stop_regex needs it
+        self._text = ""  # the output's last REGEX_WINDOW_CHARS (at least all of pending), for stop_regex
         self.stopped = False
 
     def _step(self, token_ids: list[int]) -> str:
@@ -138,6 +145,8 @@ class IncrementalDetokenizer:
         pending = self._pending + new_text
         if self.stop_regex:
             self._text += new_text
+            if len(self._text) > 2 * REGEX_WINDOW_CHARS:  # trimmed now and then, not on every step
+                self._text = self._text[-max(REGEX_WINDOW_CHARS, len(pending)):]
         # The earliest stop wins. With the hold-back below, a stop string can only start inside
         # `pending`, so only that tail is searched.
         best: tuple[int, int, str] | None = None  # (start, end) in pending coordinates, matched
@@ -145,9 +154,10 @@ class IncrementalDetokenizer:
             i = pending.find(s)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, i + len(s), s)
-        base = len(self._text) - len(pending)  # pending's offset inside the full text
+        window = self._text[-max(REGEX_WINDOW_CHARS, len(pending)):] if self.stop_regex else ""
+        base = len(window) - len(pending)  # pending's offset inside the window
         for rx in self.stop_regex:
-            m = rx.search(self._text)
+            m = rx.search(window)
             if m and (best is None or m.start() - base < best[0]):
                 best = (m.start() - base, m.end() - base, m.group(0))
         if best is not None:

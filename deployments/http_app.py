@@ -6,16 +6,48 @@ import logging
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from app import protocol as P
 from app.errors import APIError, from_validation_error
 from deployments.request_guards import body_limit, too_large
 
 log = logging.getLogger("ray.serve")
 
 app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
+
+
+# Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
+# the OpenAPI schema gets them from the same models here (clients, docs, and the schemathesis fuzz).
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": P.ChatCompletionRequest,
+    "/v1/completions": P.CompletionRequest,
+    "/tokenize": P.TokenizeRequest,
+    "/detokenize": P.DetokenizeRequest,
+}
+
+
+def openapi_with_bodies() -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            op = schema.get("paths", {}).get(path, {}).get("post")
+            if op is None:
+                continue
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = openapi_with_bodies  # type: ignore[method-assign]
 
 
 def request_id_of(request: Request) -> str:
@@ -58,15 +90,29 @@ def parse_query(request: Request, model: type[BaseModel]) -> BaseModel:
         raise from_validation_error(exc) from None
 
 
-async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def read_body(request: Request) -> bytes:
+    """The body, counted while it arrives: a chunked (or lying) body past the limit is a 413 as soon as
+    the limit passes, without buffering the rest."""
     limit = body_limit(request)
     declared = request.headers.get("content-length")
     if limit and declared and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit)  # before reading it
+    if getattr(request, "_body", None) is not None:  # already read (and counted) by an earlier call
+        return request._body
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if limit and size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    request._body = body = b"".join(chunks)  # as Request.body() caches it, for later readers
+    return body
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    body = await read_body(request)
     try:
-        body = await request.body()
-        if limit and len(body) > limit:
-            raise too_large(len(body), limit)
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors()

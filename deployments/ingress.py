@@ -32,11 +32,12 @@ from deployments.auth import KeyRing
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
-from deployments.http_app import app, error_response, parse, parse_query, request_id_of
+from deployments.http_app import app, error_response, parse, parse_query, read_body, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import CONTENT_TYPE, server_metrics
 from deployments.request_guards import (
-    check_n,
+    check_request,
+    check_sampling,
     check_tokens,
     conversation_not_found,
     flatten,
@@ -115,6 +116,9 @@ class Ingress:
             first = await anext(deltas)
         except StopAsyncIteration:
             first = None
+        except BaseException:  # a 504 or an error before the first token: nothing will read gen again
+            gen.cancel()
+            raise
 
         async def replay() -> AsyncIterator[GenerationDelta]:
             if first is not None:
@@ -207,7 +211,7 @@ class Ingress:
         owner = self.check_auth(request)
         req = await parse(request, P.ChatCompletionRequest)
         lora = self.adapters.resolve(req.model, req.lora_path)
-        check_n(self.config, req.n)
+        seqs = check_request(self.config, req, 1)
         P.check_supported(req)
         guided = guided_spec(req)
         tool_format = self.config.tool_parser
@@ -232,6 +236,7 @@ class Ingress:
         info = await self.info()
         context = check_tokens(self.config, req, len(ids), "messages", info["max_model_len"])
         params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context)
+        check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
                                lora=lora[0], lora_path=lora[1],
@@ -252,7 +257,8 @@ class Ingress:
         self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
         lora = self.adapters.resolve(req.model, req.lora_path)
-        check_n(self.config, req.n, req.best_of)
+        raw_prompts = P.completion_prompts(req)
+        seqs = check_request(self.config, req, len(raw_prompts))
         P.check_supported(req)
         info = await self.info()
         prompts: list[list[int]] = []
@@ -260,7 +266,7 @@ class Ingress:
         if req.suffix is not None and not (await self.tokenizer_info())["has_fim_tokens"]:
             raise APIError(400, "this model has no fill-in-the-middle tokens, so `suffix` cannot be used",
                            param="suffix")
-        for p in P.completion_prompts(req):
+        for p in raw_prompts:
             if req.suffix is not None:
                 if not isinstance(p, str):
                     raise APIError(400, "suffix needs text prompts, not token ids", param="suffix")
@@ -273,8 +279,6 @@ class Ingress:
                 prompts.append(list(p))
                 texts.append(await self.tokenizer.decode.remote(list(p), False) if req.echo else "")
         vocab = (await self.tokenizer_info())["vocab_size"]
-        if any(t < 0 or t >= vocab for p in prompts for t in p):
-            raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
         # Each prompt is validated against the context on its own; the strictest sets max_tokens.
         params = min(
             (P.to_sampling_params(req, prompt_len=len(p),
@@ -282,6 +286,7 @@ class Ingress:
              for p in prompts),
             key=lambda s: s.max_tokens,
         )
+        check_sampling(self.config, req, seqs, params.max_tokens, vocab, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
         if best_of is not None and req.stream:
@@ -335,7 +340,7 @@ class Ingress:
     @app.post("/v1/conversations")
     async def create_conversation(self, request: Request) -> JSONResponse:
         owner = self.check_auth(request)
-        body = await request.body()
+        body = await read_body(request)
         req = await parse(request, C.ConversationCreate) if body.strip() else C.ConversationCreate()
         items = [C.client_item(it, i) for i, it in enumerate(req.items or [])]
         return JSONResponse(await asyncio.to_thread(self.store.create, owner, req.metadata, items))

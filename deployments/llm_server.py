@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ray import serve
@@ -23,13 +24,16 @@ from deployments.lora_registry import AdapterEntry, LoRARegistry
 from deployments.metrics import publish_engine_stats
 from deployments.tokenizer import TokenizerService
 from model_parallel.config import EngineConfig
-from model_parallel.guided import GrammarCompiler
+from model_parallel.guided import CompilerBusyError, GrammarCompiler
 from model_parallel.outputs import RequestOutput, TokenLogprob
 from model_parallel.sampling_params import GuidedSpec, SamplingParams
 
 log = logging.getLogger("ray.serve")
 
 GIL_SWITCH_INTERVAL_S = 0.0002
+# A constraint's compile (in a child process) past this is a 400; the compiled-grammar cache holds this much.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+GRAMMAR_CACHE_BYTES = 256 << 20
 
 
 @dataclass
@@ -113,21 +117,26 @@ class LLMServer:
             self.engine = AsyncLLMEngine((engine_cls or LLMEngine)(engine_config, eos_token_ids=eos))
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
+        self._compile_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
         self.loras = self._start_loras(engine_config)
         publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
 
     def _compile(self, spec: GuidedSpec):
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.engine.arch.vocab_size,
-                                             self.tokenizer.eos_token_ids)
+                                             self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
+                                             timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
         return self._grammars.compile(spec)
 
     async def compile_grammar(self, spec: GuidedSpec):
-        """Compile in a worker thread (cached): a new schema never stalls the engine or other streams."""
+        """Compile in a child process (cached), waited on from a pool of its own: a new schema never
+        stalls the engine or other streams, and a slow one never holds the threads check_health uses."""
         try:
-            return await asyncio.to_thread(self._compile, spec)
+            return await asyncio.get_running_loop().run_in_executor(self._compile_pool, self._compile, spec)
         except ValueError as exc:
             raise APIError(400, f"invalid {spec.param}: {exc}", param=spec.param, code="invalid_grammar") from None
+        except CompilerBusyError as exc:
+            raise APIError(503, str(exc), type="server_error", code="grammar_compiler_busy") from None
 
     def model_info(self) -> dict:
         eng = self.engine.engine

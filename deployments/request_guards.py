@@ -97,6 +97,64 @@ def check_tokens(config: ServerConfig, req: P.SamplingFields, prompt_len: int, p
     return min(max_model_len, config.max_total_tokens or max_model_len)
 
 
+def check_request(config: ServerConfig, req: P.SamplingFields, num_prompts: int) -> int:
+    """The server's per-request bounds that need no tokenizing; returns the engine sequences it starts."""
+    best_of = getattr(req, "best_of", None)
+    check_n(config, req.n, best_of)
+    check_chat_template(config, getattr(req, "chat_template", None))
+    return check_fanout(config, num_prompts, req.n, best_of)
+
+
+def check_sampling(config: ServerConfig, req: P.SamplingFields, seqs: int, max_tokens: int, vocab: int,
+                   prompts: list[list[int]] = ()) -> None:
+    """The bounds that need the vocabulary and the final max_tokens."""
+    check_vocab(req, vocab, prompts)
+    check_requested_tokens(config, req, seqs, max_tokens)
+
+
+def check_fanout(config: ServerConfig, num_prompts: int, n: int | None, best_of: int | None = None) -> int:
+    """Engine sequences the request starts (prompts x max(n, best_of)); a 400 beyond the server's cap."""
+    per_prompt = max(n or 1, best_of or 1)
+    seqs = num_prompts * per_prompt
+    if config.max_sequences_per_request and seqs > config.max_sequences_per_request:
+        param = "prompt" if num_prompts > 1 else ("best_of" if (best_of or 0) > (n or 1) else "n")
+        raise APIError(400, f"This request asks for {seqs} sequences ({num_prompts} prompt(s) x {per_prompt} "
+                       f"choices); this server allows at most {config.max_sequences_per_request} per request "
+                       "(max_sequences_per_request).", param=param, code="too_many_sequences")
+    return seqs
+
+
+def check_requested_tokens(config: ServerConfig, req: P.SamplingFields, seqs: int, max_tokens: int) -> None:
+    """Output tokens the request may generate in all (sequences x max_tokens); a 400 beyond the cap."""
+    total = seqs * max_tokens
+    if config.max_requested_tokens and total > config.max_requested_tokens:
+        name, given = P._requested_max_tokens(req)
+        how = "" if given is not None else " (the default: what the context leaves; set it lower)"
+        raise APIError(400, f"This request may generate {total} tokens ({seqs} sequences x {name} "
+                       f"{max_tokens}{how}); this server allows at most {config.max_requested_tokens} per "
+                       "request (max_requested_tokens).", param=name, code="too_many_requested_tokens")
+
+
+def check_chat_template(config: ServerConfig, chat_template: str | None) -> None:
+    if chat_template is not None and not config.allow_request_chat_template:
+        raise APIError(400, "Request-level chat templates are disabled on this server "
+                       "(allow_request_chat_template); the model's own template is used without it.",
+                       param="chat_template", code="chat_template_not_allowed")
+
+
+def check_vocab(req: P.SamplingFields, vocab: int, prompts: list[list[int]] = ()) -> None:
+    """Token ids a request names must exist (the engine would ignore the rest; say so instead)."""
+    if any(t < 0 or t >= vocab for p in prompts for t in p):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    bad = [k for k in req.logit_bias or {} if int(k) >= vocab]
+    if bad:
+        raise APIError(400, f"logit_bias token {bad[0]} is not in the vocabulary [0, {vocab})", param="logit_bias")
+    bad_ids = [t for t in req.stop_token_ids or () if t >= vocab]
+    if bad_ids:
+        raise APIError(400, f"stop_token_ids: {bad_ids[0]} is not in the vocabulary [0, {vocab})",
+                       param="stop_token_ids")
+
+
 def body_limit(request: Request) -> int:
     return getattr(request.app.state, "max_request_bytes", 0)
 

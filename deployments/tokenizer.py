@@ -6,6 +6,7 @@ own CPU replicas. Detokenizing (`deployments.detokenizer`) runs beside the engin
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from app.tools import detect_tool_format, inline_tools, template_knows_tools
 from deployments.cpu_priority import lower_process_priority
 from deployments.detokenizer import fast_backend
+from deployments.template_sandbox import TemplateSandbox
 
 # Roles some chat templates do not know, mapped onto ones they do.
 ROLE_FALLBACK = {"developer": "system", "function": "tool"}
@@ -282,3 +284,17 @@ class TokenizerDeployment(TokenizerService):
     def __init__(self, model_path: str, serving_nice: int = 0):
         lower_process_priority(serving_nice)
         super().__init__(model_path)
+        self.sandbox = TemplateSandbox(model_path)  # its process starts with the first request template
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, chat_template: str | None = None,
+                          chat_template_kwargs: dict | None = None,
+                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The model's template renders here; a request's own (the ingress lets one through only when the
+        operator allows it) renders in the sandbox, off this replica's event loop."""
+        kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                  chat_template_kwargs=chat_template_kwargs, tools=tools)
+        if chat_template is None:
+            return super().render_chat(messages, **kw)
+        text = await asyncio.to_thread(self.sandbox.render, messages, chat_template=chat_template, **kw)
+        return text, self.encode(text, add_special_tokens=False)

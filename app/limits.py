@@ -1,0 +1,28 @@
+"""Per-request bounds fixed by the protocol or the engine (not by the operator: those are in ServerConfig).
+
+Every number a client sends must fit what the engine holds (token ids and counts in int32 tensors,
+seeds in torch's 64-bit generator state); every list and map has a length bound, every string that
+is compiled or searched a size bound. A breach is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: as vLLM (n seeded choices use seed + i, still < 2**64)
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024  # one stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_REGEXES = 4
+MAX_STOP_REGEX_CHARS = 512  # one stop_regex pattern
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_SCHEMA_BYTES = 64 << 10  # one JSON schema (response_format, guided_json, a tool's parameters), as JSON
+MAX_TOOLS_BYTES = 512 << 10  # all tools together, as JSON
+MAX_GRAMMAR_CHARS = 64 << 10  # a regex or EBNF grammar, or the grammar built from guided_choice
+MAX_GUIDED_CHOICES = 256
+MAX_GUIDED_CHOICE_CHARS = 1024
+MAX_MESSAGES = 4096
+MAX_PROMPTS = 1024  # completions: prompts in one request (the fan-out cap in ServerConfig is usually lower)
+MAX_CHAT_TEMPLATE_CHARS = 64 << 10  # a request's own chat_template (only when the operator allows them)
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # chat_template_kwargs, as JSON

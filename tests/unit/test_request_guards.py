@@ -1,0 +1,68 @@
+"""The ingress's per-request bounds (deployments.request_guards) on real parsed requests and ServerConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import protocol as P
+from app.errors import APIError
+from deployments.config import ServerConfig
+from deployments.request_guards import check_request, check_sampling
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> P.ChatCompletionRequest:
+    return P.ChatCompletionRequest(messages=MSG, **kw)
+
+
+def completion(**kw) -> P.CompletionRequest:
+    return P.CompletionRequest(prompt="hi", **kw)
+
+
+def refusal(fn, *args) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    assert info.value.status_code == 400
+    return info.value
+
+
+def test_sequences_are_prompts_times_n_or_best_of():
+    cfg = ServerConfig(max_sequences_per_request=16)
+    assert check_request(cfg, completion(n=4), 4) == 16
+    assert check_request(cfg, completion(n=2, best_of=8), 2) == 16
+    err = refusal(check_request, cfg, completion(n=2), 9)
+    assert (err.param, err.code) == ("prompt", "too_many_sequences") and "max_sequences_per_request" in err.message
+    assert refusal(check_request, cfg, completion(n=2, best_of=17), 1).param == "best_of"
+    assert refusal(check_request, cfg, chat(n=17), 1).param == "n"
+    assert check_request(ServerConfig(max_sequences_per_request=0), completion(n=128), 500) == 64000
+
+
+def test_requested_tokens_count_the_default_max_tokens():
+    cfg = ServerConfig(max_requested_tokens=1000)
+    check_sampling(cfg, chat(max_tokens=100), 10, 100, 50)
+    err = refusal(check_sampling, cfg, chat(max_tokens=101), 10, 101, 50)
+    assert (err.param, err.code) == ("max_tokens", "too_many_requested_tokens")
+    err = refusal(check_sampling, cfg, chat(), 10, 2000, 50)  # no max_tokens: what the context leaves
+    assert "default" in err.message
+    assert refusal(check_sampling, cfg, chat(max_completion_tokens=200), 10, 200, 50).param == "max_completion_tokens"
+
+
+def test_token_ids_must_be_in_the_vocabulary():
+    cfg = ServerConfig()
+    assert refusal(check_sampling, cfg, chat(logit_bias={"50": 1}), 1, 4, 50).param == "logit_bias"
+    assert refusal(check_sampling, cfg, chat(stop_token_ids=[50]), 1, 4, 50).param == "stop_token_ids"
+    assert refusal(check_sampling, cfg, completion(), 1, 4, 50, [[1, 50]]).param == "prompt"
+    check_sampling(cfg, chat(logit_bias={"49": 1}, stop_token_ids=[49]), 1, 4, 50, [[0, 49]])
+
+
+def test_request_chat_template_needs_the_switch():
+    err = refusal(check_request, ServerConfig(), chat(chat_template="{{ messages }}"), 1)
+    assert (err.param, err.code) == ("chat_template", "chat_template_not_allowed")
+    assert check_request(ServerConfig(allow_request_chat_template=True), chat(chat_template="{{ messages }}"), 1) == 1
+
+
+def test_config_refuses_negative_bounds():
+    with pytest.raises(ValueError, match="max_sequences_per_request"):
+        ServerConfig(max_sequences_per_request=-1)
+    assert ServerConfig().max_request_bytes == 8 << 20  # bounded by default
