@@ -25,7 +25,7 @@ from deployments.metrics import publish_engine_stats
 from deployments.tokenizer import TokenizerService
 from model_parallel.config import EngineConfig
 from model_parallel.guided import CompilerBusyError, GrammarCompiler
-from model_parallel.outputs import RequestOutput, TokenLogprob
+from model_parallel.outputs import RequestOutput, SequenceError, TokenLogprob
 from model_parallel.sampling_params import GuidedSpec, SamplingParams
 
 log = logging.getLogger("ray.serve")
@@ -207,6 +207,9 @@ class LLMServer:
         except asyncio.CancelledError:  # client gone: leaving the generator aborted it in the engine
             log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
             raise
+        except SequenceError as exc:  # this sequence's own fault inside a step; the others went on
+            out.put_nowait(APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
+                                    code="sequence_failed"))
         except ValueError as exc:  # the engine refused the request (length, capacity)
             out.put_nowait(APIError(400, str(exc), param="max_tokens"))
         except Exception as exc:

@@ -44,3 +44,6 @@ class SequenceError(ValueError):
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+    def __reduce__(self) -> tuple:  # crosses the engine process's pipe: both arguments, not just args
+        return SequenceError, (self.request_id, str(self))

@@ -90,3 +90,13 @@ def test_issue_17_inputs_are_normalised_not_fatal():
 def test_values_the_engine_cannot_hold_are_refused_with_the_field_name(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_sequence_error_crosses_a_process_boundary():
+    """The engine process sends a request's own failure over its pipe (pickled)."""
+    import pickle
+
+    from model_parallel.outputs import SequenceError
+
+    err = pickle.loads(pickle.dumps(SequenceError("req-1", "bad seed")))
+    assert isinstance(err, SequenceError) and err.request_id == "req-1" and str(err) == "bad seed"
