@@ -73,3 +73,11 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         if errors and errors[0].get("type") == "json_invalid":
             raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
         raise from_validation_error(errors) from None
+
+
+def close_schema() -> None:
+    """Serve no /openapi.json (with API keys on: the schema maps every route and field for a prober).
+    `app.openapi()` still builds it in-process (tests, tooling)."""
+    path = app.openapi_url
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != path]
+    app.openapi_url = None

@@ -17,7 +17,6 @@ from app import conversations as C
 from app import protocol as P
 from app.chat_output import output_parser_factory
 from app.errors import APIError, not_found
-from app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from app.sse import (
     GenerationDelta,
     collect_chat,
@@ -27,14 +26,15 @@ from app.sse import (
 )
 from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
+from deployments import ops_routes as ops
 from deployments.adapter_table import AdapterTable
-from deployments.auth import KeyRing
+from deployments.auth import Access
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
-from deployments.http_app import app, error_response, parse, parse_query, request_id_of
+from deployments.http_app import app, close_schema, parse, parse_query, request_id_of
 from deployments.llm_server import GenerateRequest
-from deployments.metrics import CONTENT_TYPE, server_metrics
+from deployments.metrics import server_metrics
 from deployments.request_guards import (
     check_n,
     check_tokens,
@@ -60,9 +60,12 @@ class Ingress:
         self.model_name = config.served_model_name
         self.created = int(time.time())
         self._info: dict | None = None
-        self.keys = KeyRing.from_entries(config.api_keys)
+        self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
+        if self.keys.enabled:
+            close_schema()
         self.store = ConversationStore(config.storage_url)
-        self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created)
+        self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created,
+                                     config.engine.lora.allowed_roots)
         self.metrics = server_metrics()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
 
@@ -134,24 +137,11 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        try:  # bounded: while the only replica is being replaced, the call would otherwise queue
-            await asyncio.wait_for(self.llm.check_health.remote(), timeout=10)
-        except TimeoutError:
-            return error_response(APIError(503, "model unavailable: no healthy replica answered within 10 s",
-                                           type="server_error"))
-        except Exception as exc:
-            return error_response(APIError(503, f"model unavailable: {exc}", type="server_error"))
-        return Response(status_code=200)
+        return await ops.health(self.llm)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Prometheus text format (vLLM's names); engine gauges from one model replica per scrape."""
-        try:
-            stats = await asyncio.wait_for(self.llm.stats.remote(), timeout=5)
-            self.metrics.set_engine_stats(stats, self.model_name)
-        except Exception:  # no replica right now: the request metrics are still worth serving
-            log.info("engine stats unavailable for /metrics", exc_info=True)
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(self, request: Request) -> Response:
+        return await ops.metrics(request, self.keys, self.llm, self.metrics, self.model_name)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -182,25 +172,11 @@ class Ingress:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        """vLLM's route and body: {"lora_name", "lora_path"}; the adapter is loaded (and checked) on one
-        replica now, and on other replicas when requests reach them."""
-        self.check_auth(request)
-        req = await parse(request, LoadLoRAAdapterRequest)
-        name = self.adapters.check_new(req.lora_name)
-        card = await self.llm_for(name).load_lora_adapter.remote(name, req.lora_path)
-        self.adapters.paths[name] = req.lora_path
-        headers = {"x-replica-id": card["replica_id"]} if card.get("replica_id") else None
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain",
-                        headers=headers)
+        return await ops.load_adapter(request, self.keys, self.adapters, self.llm_for)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
-        self.check_auth(request)
-        req = await parse(request, UnloadLoRAAdapterRequest)
-        name = self.adapters.remove(req.lora_name)  # from here on requests for it get 404
-        # The replica that holds it frees its slot (others free theirs by LRU).
-        await self.llm_for(name).unload_lora_adapter.remote(name)
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+        return await ops.unload_adapter(request, self.keys, self.adapters, self.llm_for)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
