@@ -111,3 +111,11 @@ class Access:
     def metrics(self, authorization: str | None) -> None:
         if self.metrics_require_key:
             self.keys.owner(authorization)
+
+
+def cache_salt(owner: str, requested: str | None) -> str | None:
+    """The prefix-cache namespace of a request: its key's owner (with keys on) plus the client's own
+    `cache_salt`; None (the shared cache) with keys off and no salt asked for."""
+    if not owner and requested is None:
+        return None
+    return f"{owner}\x00{requested or ''}"

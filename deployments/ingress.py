@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +29,7 @@ from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
 from deployments import ops_routes as ops
 from deployments.adapter_table import AdapterTable
-from deployments.auth import Access
+from deployments.auth import Access, cache_salt
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
@@ -207,7 +208,8 @@ class Ingress:
         )
         info = await self.info()
         context = check_tokens(self.config, req, len(ids), "messages", info["max_model_len"])
-        params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context)
+        params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
+                         cache_salt=cache_salt(owner, req.cache_salt))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
                                lora=lora[0], lora_path=lora[1],
@@ -225,7 +227,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        self.check_auth(request)
+        owner = self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
         lora = self.adapters.resolve(req.model, req.lora_path)
         check_n(self.config, req.n, req.best_of)
@@ -258,6 +260,7 @@ class Ingress:
              for p in prompts),
             key=lambda s: s.max_tokens,
         )
+        params = replace(params, cache_salt=cache_salt(owner, req.cache_salt))  # per tenant (block_manager)
         rid = f"cmpl-{uuid.uuid4().hex}"
         best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
         if best_of is not None and req.stream:

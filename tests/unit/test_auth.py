@@ -55,3 +55,12 @@ def test_metrics_key_switch():
     assert status(closed.metrics, None) == 401
     assert status(closed.metrics, bearer("wrong")) == 401
     closed.metrics(bearer("user-key"))
+
+
+def test_cache_salt_separates_owners_and_client_salts():
+    from deployments.auth import cache_salt
+
+    assert cache_salt("", None) is None  # keys off, no salt: the shared cache
+    salts = {cache_salt("aa", None), cache_salt("bb", None), cache_salt("", "x"), cache_salt("aa", "x")}
+    assert len(salts) == 4 and None not in salts
+    assert cache_salt("aa", "x") == cache_salt("aa", "x")
