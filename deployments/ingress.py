@@ -64,7 +64,7 @@ class Ingress:
         self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
         if self.keys.enabled:
             close_schema()
-        self.store = ConversationStore(config.storage_url)
+        self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
         self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created,
                                      config.engine.lora.allowed_roots)
         self.metrics = server_metrics()
