@@ -15,7 +15,9 @@ from deployments.request_guards import body_limit, too_large
 
 log = logging.getLogger("ray.serve")
 
-app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
+# /openapi.json is the ingress's own route (deployments/ops_routes.py: off with API keys on);
+# `app.openapi()` builds the schema in-process either way.
+app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def request_id_of(request: Request) -> str:
@@ -74,10 +76,3 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
             raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
         raise from_validation_error(errors) from None
 
-
-def close_schema() -> None:
-    """Serve no /openapi.json (with API keys on: the schema maps every route and field for a prober).
-    `app.openapi()` still builds it in-process (tests, tooling)."""
-    path = app.openapi_url
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != path]
-    app.openapi_url = None

@@ -33,7 +33,7 @@ from deployments.auth import Access, cache_salt
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
-from deployments.http_app import app, close_schema, parse, parse_query, request_id_of
+from deployments.http_app import app, parse, parse_query, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import server_metrics
 from deployments.request_guards import (
@@ -62,8 +62,6 @@ class Ingress:
         self.created = int(time.time())
         self._info: dict | None = None
         self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
-        if self.keys.enabled:
-            close_schema()
         self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
         self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created,
                                      config.engine.lora.allowed_roots)
@@ -139,6 +137,10 @@ class Ingress:
     @app.get("/health")
     async def health(self) -> Response:
         return await ops.health(self.llm)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        return ops.openapi(self.keys)
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:

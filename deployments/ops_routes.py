@@ -9,14 +9,14 @@ import asyncio
 import logging
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from ray.serve.handle import DeploymentHandle
 
 from app.errors import APIError
 from app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from deployments.adapter_table import AdapterTable
 from deployments.auth import Access
-from deployments.http_app import error_response, parse
+from deployments.http_app import app, error_response, parse
 from deployments.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("ray.serve")
@@ -32,6 +32,13 @@ async def health(llm: DeploymentHandle) -> Response:
         log.warning("/health: model unavailable: %s", (str(exc).splitlines() or [type(exc).__name__])[0][:500])
         return error_response(APIError(503, UNHEALTHY, type="server_error", code="model_unavailable"))
     return Response(status_code=200)
+
+
+def openapi(access: Access) -> JSONResponse:
+    """The API schema, for local use; with API keys on it maps every route and field for a prober: 404."""
+    if access.enabled:
+        raise APIError(404, "Not Found")
+    return JSONResponse(app.openapi())
 
 
 async def metrics(request: Request, access: Access, llm: DeploymentHandle, server_metrics: ServerMetrics,
