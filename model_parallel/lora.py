@@ -130,17 +130,13 @@ def check_safetensors_header(file: str, arch: LlamaArch, max_rank: int) -> None:
             header = json.loads(fh.read(n))
     except (OSError, ValueError) as exc:
         raise LoRAError(f"unreadable adapter_model.safetensors: {exc}") from None
-    if not isinstance(header, dict):
-        raise LoRAError("adapter_model.safetensors has no valid header")
     total = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
+    for key, info in (header.items() if isinstance(header, dict) else [("?", None)]):
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
+        if key != "__metadata__" and not (isinstance(offsets, list) and len(offsets) == 2
+                                          and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
             raise LoRAError(f"adapter_model.safetensors: tensor {key[:80]!r} has no valid data_offsets")
-        total += offsets[1] - offsets[0]
+        total += offsets[1] - offsets[0] if key != "__metadata__" else 0
     if total > cap or size - 8 - n > cap:
         raise LoRAError(f"adapter_model.safetensors holds {max(total, size - 8 - n)} bytes of tensors; an adapter "
                         f"of rank <= {max_rank} for this model holds at most {cap}")
