@@ -92,6 +92,7 @@ class SamplingFields(Strict):
     guided_grammar: str | None = None
     # SGLang extensions
     lora_path: str | list[str | None] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM: a private prefix-cache namespace
     custom_logit_processor: str | None = None
     return_hidden_states: bool | None = False
     return_routed_experts: bool | None = False

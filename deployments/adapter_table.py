@@ -7,6 +7,7 @@ adapters are loaded and unloaded; the replicas hold the weights (deployments/lor
 from __future__ import annotations
 
 from app.errors import APIError
+from deployments.adapter_paths import resolve_allowed
 
 
 def _unknown_model(model: str | None) -> APIError:
@@ -15,10 +16,15 @@ def _unknown_model(model: str | None) -> APIError:
 
 
 class AdapterTable:
-    def __init__(self, base_model: str, adapters: dict[str, str], created: int):
+    def __init__(self, base_model: str, adapters: dict[str, str], created: int, allowed_roots: tuple[str, ...] = ()):
         self.base_model = base_model
         self.paths: dict[str, str] = dict(adapters)  # name -> PEFT directory (cluster.yaml, then the load route)
         self.created = created
+        self.allowed_roots = allowed_roots  # where clients may name directories (deployments/adapter_paths.py)
+
+    def allowed(self, path: str) -> str:
+        """A client-named directory's canonical path, or the uniform 400 (see adapter_paths)."""
+        return resolve_allowed(path, self.allowed_roots)
 
     def __contains__(self, name: str) -> bool:
         return name in self.paths
@@ -34,8 +40,9 @@ class AdapterTable:
         return None if model == self.base_model else model
 
     def card(self, name: str) -> dict:
+        # `root` is the adapter's name, not its directory: clients learn nothing of the server's files.
         return {"id": name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
-                "root": self.paths[name], "parent": self.base_model}
+                "root": name, "parent": self.base_model}
 
     def resolve(self, model: str | None, lora_path: str | list[str | None] | None) -> tuple[str | None, str | None]:
         """(adapter name, its path) for a request's `model` and `lora_path`, or (None, None) for the
@@ -52,7 +59,10 @@ class AdapterTable:
         if lora_path is None:
             return (name, self.paths[name]) if name is not None else (None, None)
         if name is None:  # a registered adapter's name, or a directory loaded on demand (named by its path)
-            return lora_path, self.paths.get(lora_path, lora_path)
+            if lora_path in self.paths:
+                return lora_path, self.paths[lora_path]
+            real = self.allowed(lora_path)
+            return real, real
         if lora_path not in (name, self.paths[name]):
             raise APIError(400, f"model names adapter {name!r} but lora_path asks for {lora_path!r}",
                            param="lora_path")

@@ -50,6 +50,17 @@ class ServerConfig:
     max_request_bytes: int = 8 << 20  # HTTP body size (413 beyond, counted while reading)
     # Seconds a client is told to wait (Retry-After) when the model deployment's queue is full (503).
     retry_after_s: float = 1.0
+    # ---- files, keys and tenants (issue 17) --------------------------------------------------------------
+    # Keys that may also load and unload LoRA adapters (same forms as api_keys; also ADMIN_API_KEYS). With
+    # api_keys set and none here, those routes answer 403. Admin keys are accepted API keys too.
+    admin_api_keys: tuple[str, ...] = ()
+    # /metrics needs an API key (it names adapters and shows load); default open, for Prometheus scrapers.
+    metrics_require_key: bool = False
+    # Seconds a storage call waits for a locked SQLite database / a PostgreSQL connection or statement
+    # before the request answers 503 storage_unavailable.
+    storage_timeout_s: float = 5.0
+    # PostgreSQL connections per ingress replica (a pool; SQLite opens one per call).
+    storage_pool_size: int = 4
     # Extra Ray Serve options for the model deployment (max_ongoing_requests, max_queued_requests,
     # autoscaling_config, graceful_shutdown_timeout_s, ...), for apps built in code; in a Serve config
     # file the `deployments` section is the place for them (it overrides these).
@@ -65,8 +76,10 @@ class ServerConfig:
     allow_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
-        for key in self.api_keys:  # fail at start-up, not on the first request
+        for key in self.api_keys + self.admin_api_keys:  # fail at start-up, not on the first request
             parse_key(key)
+        if self.storage_timeout_s <= 0 or self.storage_pool_size < 1:
+            raise ValueError("storage_timeout_s must be > 0 and storage_pool_size >= 1")
         for name in ("max_prompt_tokens", "max_total_tokens", "max_n", "max_request_bytes",
                      "max_sequences_per_request", "max_requested_tokens"):
             if getattr(self, name) < 0:
@@ -86,6 +99,10 @@ class ServerConfig:
         engine = EngineConfig.from_dict(args.pop("engine", {}) or {})
         keys = tuple(args.pop("api_keys", None) or ())
         env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())
+        admin = tuple(args.pop("admin_api_keys", None) or ())
+        admin += tuple(k.strip() for k in os.environ.get("ADMIN_API_KEYS", "").split(",") if k.strip())
+        if admin:
+            args["admin_api_keys"] = admin
         url = args.pop("storage_url", None) or os.environ.get("STORAGE_URL")
         if url:
             args["storage_url"] = url

@@ -4,15 +4,21 @@ Plain DB-API (sqlite3 from the standard library, psycopg 3 for PostgreSQL) rathe
 tables and a dozen statements do not need an ORM, and the two backends then differ only in how a
 connection is opened, the placeholder style and the auto-increment column type.
 
-Every method is synchronous and opens its own connection (the ingress calls them through
-asyncio.to_thread); every write is one transaction, committed before the method returns, so whatever
-the HTTP response acknowledges is on disk. Rows are scoped by `owner` (a digest of the caller's API key):
+Every method is synchronous (the ingress calls them through asyncio.to_thread) and runs in one
+connection: a fresh one for SQLite, one from a pool for PostgreSQL. Every write is one transaction,
+committed before the method returns, so whatever the HTTP response acknowledges is on disk.
+
+A database that is locked, full, down or slow costs a request at most `timeout_s` (SQLite's busy
+timeout; PostgreSQL's connect, pool-wait and statement timeouts), then raises `StorageUnavailable`, a
+503 with code `storage_unavailable`. Rows are scoped by `owner` (a digest of the caller's API key):
 another owner's conversation reads exactly like a missing one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import sqlite3
 import time
@@ -20,6 +26,10 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from app.errors import APIError
+
+log = logging.getLogger("ray.serve")
 
 # Dialect differences: the auto-increment column (items keep their insertion order by it).
 _SERIAL = {"sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT", "postgresql": "BIGSERIAL PRIMARY KEY"}
@@ -41,9 +51,28 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+class StorageUnavailable(APIError):
+    """The database could not be reached or written in time (503). `completion` is the generation that
+    could not be stored: it goes out inside the error object, so a client loses nothing it paid for;
+    `x-should-retry: false` keeps OpenAI's SDKs from generating again on their own."""
+
+    def __init__(self, message: str = "storage is unavailable; retry later", completion: dict | None = None):
+        super().__init__(503, message, type="server_error", code="storage_unavailable")
+        self.completion = completion
+        self.headers = {"x-should-retry": "false"} if completion is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        body = super().to_dict()
+        if self.completion is not None:
+            body["error"]["completion"] = self.completion
+        return body
+
+
 class ConversationStore:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, pool_size: int = 4) -> None:
         self.url = url
+        self.timeout_s = timeout_s
+        self._pool: Any = None
         if url.startswith("sqlite:///"):
             self.dialect = "sqlite"
             self.path = url[len("sqlite:///"):]
@@ -52,10 +81,15 @@ class ConversationStore:
         elif url.startswith(("postgresql://", "postgres://")):
             self.dialect = "postgresql"
             try:  # fail at start-up, not on the first request, when the driver is missing
-                import psycopg  # noqa: F401
+                from psycopg_pool import ConnectionPool
             except ImportError as exc:
                 raise RuntimeError("storage_url is PostgreSQL: install the driver with "
-                                   "`pip install -e '.[postgres]'` (psycopg 3)") from exc
+                                   "`pip install -e '.[postgres]'` (psycopg 3 and psycopg_pool)") from exc
+            # connect_timeout is whole seconds; statement_timeout is the server's bound on each statement.
+            kwargs = {"connect_timeout": max(1, math.ceil(timeout_s)),
+                      "options": f"-c statement_timeout={int(timeout_s * 1000)}"}
+            self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, kwargs=kwargs, timeout=timeout_s,
+                                        check=ConnectionPool.check_connection, open=True, name="rayllm-store")
         else:
             raise ValueError(f"storage_url must start with sqlite:/// or postgresql://, got {url!r}")
         with self._tx() as cur:
@@ -64,33 +98,52 @@ class ConversationStore:
 
     # ---- connections -------------------------------------------------------------------------
 
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Any]:
-        """One transaction: committed when the block ends, rolled back (nothing stored) when it raises."""
+        """One transaction: committed when the block ends, rolled back (nothing stored) when it raises.
+        A database fault (locked, full, down, timed out) becomes StorageUnavailable."""
         if self.dialect == "sqlite":
-            # WAL: readers never block the writer, and several ingress replicas on one node share the
-            # file; synchronous=FULL makes a commit durable before it returns (acknowledged = kept).
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
             try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=FULL")
-                # A writer takes the lock up front (no read-to-write upgrade deadlock); readers never wait.
-                conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-                cur = conn.cursor()
-                try:
-                    yield _Cursor(cur, "?")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                conn.execute("COMMIT")
-            finally:
-                conn.close()
+                with self._sqlite_tx(write) as cur:
+                    yield cur
+            except sqlite3.OperationalError as exc:  # locked past the busy timeout, disk full, I/O error
+                log.warning("storage unavailable (sqlite): %s", exc)
+                raise StorageUnavailable() from None
         else:
             import psycopg
+            from psycopg_pool import PoolTimeout
 
-            with psycopg.connect(self.url) as conn:  # commits on success, rolls back on an exception
-                with conn.cursor() as cur:
+            try:
+                # commits on success, rolls back on an exception; the connection goes back to the pool
+                with self._pool.connection(timeout=self.timeout_s) as conn, conn.cursor() as cur:
                     yield _Cursor(cur, "%s")
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                log.warning("storage unavailable (postgresql): %s", str(exc).splitlines()[0] if str(exc) else exc)
+                raise StorageUnavailable() from None
+
+    @contextmanager
+    def _sqlite_tx(self, write: bool) -> Iterator[Any]:
+        # WAL: readers never block the writer, and several ingress replicas on one node share the
+        # file; synchronous=FULL makes a commit durable before it returns (acknowledged = kept).
+        conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            # A writer takes the lock up front (no read-to-write upgrade deadlock); readers never wait.
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            cur = conn.cursor()
+            try:
+                yield _Cursor(cur, "?")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
 
     # ---- conversations -----------------------------------------------------------------------
 

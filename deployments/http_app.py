@@ -17,7 +17,9 @@ from deployments.request_guards import body_limit, too_large
 
 log = logging.getLogger("ray.serve")
 
-app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None)
+# /openapi.json is the ingress's own route (deployments/ops_routes.py: off with API keys on);
+# `app.openapi()` builds the schema in-process either way.
+app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 # Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
@@ -119,3 +121,4 @@ async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
         if errors and errors[0].get("type") == "json_invalid":
             raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
         raise from_validation_error(errors) from None
+

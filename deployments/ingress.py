@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,7 +18,6 @@ from app import conversations as C
 from app import protocol as P
 from app.chat_output import output_parser_factory
 from app.errors import APIError, not_found
-from app.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from app.sse import (
     GenerationDelta,
     collect_chat,
@@ -27,14 +27,15 @@ from app.sse import (
 )
 from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
+from deployments import ops_routes as ops
 from deployments.adapter_table import AdapterTable
-from deployments.auth import KeyRing
+from deployments.auth import Access, cache_salt
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
-from deployments.http_app import app, error_response, parse, parse_query, read_body, request_id_of
+from deployments.http_app import app, parse, parse_query, read_body, request_id_of
 from deployments.llm_server import GenerateRequest
-from deployments.metrics import CONTENT_TYPE, server_metrics
+from deployments.metrics import server_metrics
 from deployments.request_guards import (
     check_request,
     check_sampling,
@@ -61,9 +62,10 @@ class Ingress:
         self.model_name = config.served_model_name
         self.created = int(time.time())
         self._info: dict | None = None
-        self.keys = KeyRing.from_entries(config.api_keys)
-        self.store = ConversationStore(config.storage_url)
-        self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created)
+        self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
+        self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
+        self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created,
+                                     config.engine.lora.allowed_roots)
         self.metrics = server_metrics()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
 
@@ -138,24 +140,15 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        try:  # bounded: while the only replica is being replaced, the call would otherwise queue
-            await asyncio.wait_for(self.llm.check_health.remote(), timeout=10)
-        except TimeoutError:
-            return error_response(APIError(503, "model unavailable: no healthy replica answered within 10 s",
-                                           type="server_error"))
-        except Exception as exc:
-            return error_response(APIError(503, f"model unavailable: {exc}", type="server_error"))
-        return Response(status_code=200)
+        return await ops.health(self.llm)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        return ops.openapi(self.keys)
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Prometheus text format (vLLM's names); engine gauges from one model replica per scrape."""
-        try:
-            stats = await asyncio.wait_for(self.llm.stats.remote(), timeout=5)
-            self.metrics.set_engine_stats(stats, self.model_name)
-        except Exception:  # no replica right now: the request metrics are still worth serving
-            log.info("engine stats unavailable for /metrics", exc_info=True)
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(self, request: Request) -> Response:
+        return await ops.metrics(request, self.keys, self.llm, self.metrics, self.model_name)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -186,25 +179,11 @@ class Ingress:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        """vLLM's route and body: {"lora_name", "lora_path"}; the adapter is loaded (and checked) on one
-        replica now, and on other replicas when requests reach them."""
-        self.check_auth(request)
-        req = await parse(request, LoadLoRAAdapterRequest)
-        name = self.adapters.check_new(req.lora_name)
-        card = await self.llm_for(name).load_lora_adapter.remote(name, req.lora_path)
-        self.adapters.paths[name] = req.lora_path
-        headers = {"x-replica-id": card["replica_id"]} if card.get("replica_id") else None
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain",
-                        headers=headers)
+        return await ops.load_adapter(request, self.keys, self.adapters, self.llm_for)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
-        self.check_auth(request)
-        req = await parse(request, UnloadLoRAAdapterRequest)
-        name = self.adapters.remove(req.lora_name)  # from here on requests for it get 404
-        # The replica that holds it frees its slot (others free theirs by LRU).
-        await self.llm_for(name).unload_lora_adapter.remote(name)
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+        return await ops.unload_adapter(request, self.keys, self.adapters, self.llm_for)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -235,7 +214,8 @@ class Ingress:
         )
         info = await self.info()
         context = check_tokens(self.config, req, len(ids), "messages", info["max_model_len"])
-        params = P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context)
+        params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
+                         cache_salt=cache_salt(owner, req.cache_salt))
         check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
@@ -254,7 +234,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        self.check_auth(request)
+        owner = self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
         lora = self.adapters.resolve(req.model, req.lora_path)
         raw_prompts = P.completion_prompts(req)
@@ -287,6 +267,7 @@ class Ingress:
             key=lambda s: s.max_tokens,
         )
         check_sampling(self.config, req, seqs, params.max_tokens, vocab, prompts)
+        params = replace(params, cache_salt=cache_salt(owner, req.cache_salt))  # per tenant (block_manager)
         rid = f"cmpl-{uuid.uuid4().hex}"
         best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
         if best_of is not None and req.stream:

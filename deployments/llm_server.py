@@ -230,9 +230,9 @@ class LLMServer:
             yield await self._best_of(req)
             return
         grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
-        adapter = await self._acquire_lora(req)
-        lora_id = adapter.lora_id if adapter is not None else 0
         queue: asyncio.Queue = asyncio.Queue()
+        adapter = await self._acquire_lora(req, queue)
+        lora_id = adapter.lora_id if adapter is not None else 0
         total = len(req.prompts) * req.n
         tasks = [
             asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar, lora_id))
@@ -263,8 +263,9 @@ class LLMServer:
         finally:
             for t in tasks:  # client gone or error: cancel every choice, which aborts it in the engine
                 t.cancel()
-            if adapter is not None:
-                self.loras.release(adapter)  # type: ignore[union-attr]
+            if adapter is not None:  # the adapter's slot may be freed once every choice's abort is submitted
+                done = asyncio.gather(*tasks, return_exceptions=True)
+                done.add_done_callback(lambda _: self.loras.release(adapter, queue))  # type: ignore[union-attr]
 
     # ---- LoRA adapters ----------------------------------------------------------------------------
 
@@ -298,14 +299,14 @@ class LLMServer:
         if isinstance(models, dict) and models.pop(name, None) is not None:
             wrapper._push_multiplexed_replica_info = True  # type: ignore[union-attr]
 
-    async def _acquire_lora(self, req: GenerateRequest) -> AdapterEntry | None:
+    async def _acquire_lora(self, req: GenerateRequest, queue: asyncio.Queue) -> AdapterEntry | None:
         if req.lora is None:
             return None
-        registry = self._registry()
-        if serve.get_multiplexed_model_id() == req.lora:
-            await self._multiplexed_adapter(req.lora)
         assert req.lora_path is not None
-        return await registry.acquire(req.lora, req.lora_path)
+        entry = await self._registry().acquire(req.lora, req.lora_path, queue)
+        if serve.get_multiplexed_model_id() == req.lora:  # only once it loaded: Serve's table never forgets
+            await self._multiplexed_adapter(req.lora)
+        return entry
 
     async def load_lora_adapter(self, name: str, path: str) -> dict:
         """Load on this replica (the ingress routes the call with multiplexed_model_id=name)."""
@@ -315,9 +316,9 @@ class LLMServer:
         return entry.card() | {"replica_id": replica_id()}
 
     async def unload_lora_adapter(self, name: str) -> bool:
-        found = self._registry().unload(name)
+        """Aborts the requests using it; returns once the engine has dropped them and the slot is free."""
         self._forget_multiplexed(name)
-        return found
+        return await self._registry().unload(name)
 
     def lora_adapters(self) -> dict:
         """This replica's resident adapters (debugging, tests)."""

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.errors import APIError
+from deployments.adapter_paths import resolve_allowed
 from model_parallel.config import LoRAConfig
 from model_parallel.lora import LoRAError, read_peft_adapter
 
@@ -32,8 +34,11 @@ class AdapterEntry:
     slot: int  # 1..max_loras
     rank: int
     active: int = 0  # requests in flight
-    unloading: bool = False  # unload asked while in use: freed when the last request ends
+    unloading: bool = False  # unload asked: its requests are being aborted, the slot is freed after them
     loaded_at: float = field(default_factory=time.time)
+    # Queues of the requests in flight: an unload pushes an error into each (they end, aborting their sequences).
+    holders: set[asyncio.Queue] = field(default_factory=set)
+    dropped: asyncio.Future | None = None  # set once the slot is free (unload waits on it)
 
     def card(self) -> dict:
         return {"name": self.name, "path": self.path, "slot": self.slot, "rank": self.rank, "active": self.active}
@@ -43,34 +48,66 @@ def invalid_adapter(message: str) -> APIError:
     return APIError(400, message, param="lora_path", code="invalid_lora_adapter")
 
 
+def unloaded(name: str) -> APIError:
+    return APIError(409, f"The lora adapter '{name}' was unloaded while this request ran.", type="conflict_error",
+                    param="model", code="lora_adapter_unloaded")
+
+
 class LoRARegistry:
-    """Adapters resident on one replica; `engine` is the replica's LLMEngine (arch + executor)."""
+    """Adapters resident on one replica; `engine` is the replica's LLMEngine (arch + executor) or its
+    EngineProcess.
+
+    A slot is freed (or refilled) only once the engine holds no sequence of the adapter it held: a
+    request counts as active until every one of its sequences has ended and its abort has reached the
+    engine (release() after the choices' tasks are done), and then `_drained` waits for the engine to
+    have dropped them. An engine in its own process gets the aborts and the unload over one pipe, in
+    that order, and answers the unload after it processed both; an engine in a thread is polled.
+    """
 
     def __init__(self, config: LoRAConfig, engine, on_evict: Callable[[str], None] | None = None):
         self.config = config
         self.engine = engine
         self.on_evict = on_evict  # tells Serve's multiplexing cache that the name is gone
         self.entries: OrderedDict[str, AdapterEntry] = OrderedDict()  # least recently used first
+        self.trusted = {os.path.realpath(p) for _, p in config.adapters}  # the operator's: no root needed
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load at a time: slot choice and weight copies do not interleave
 
     def names(self) -> list[str]:
         return [n for n, e in self.entries.items() if not e.unloading]
 
-    def _take_slot(self) -> int | None:
-        """A free slot, or the slot of the least recently used idle adapter (evicted)."""
+    def check_path(self, path: str) -> str:
+        """The canonical path of an adapter a client named; the uniform 400 outside lora.allowed_roots."""
+        real = os.path.realpath(path)
+        return real if real in self.trusted else resolve_allowed(path, self.config.allowed_roots)
+
+    def _take_slot(self) -> tuple[int, int] | None:
+        """(a free slot, the adapter id it held or 0), evicting the least recently used idle adapter."""
         used = {e.slot for e in self.entries.values()}
         for slot in range(1, self.config.max_loras + 1):
             if slot not in used:
-                return slot
+                return slot, 0
         for name, entry in self.entries.items():
-            if entry.active == 0:
+            if entry.active == 0 and not entry.unloading:
                 del self.entries[name]
                 log.info("LoRA adapter %r evicted (least recently used) from slot %d", name, entry.slot)
                 if self.on_evict is not None:
                     self.on_evict(name)
-                return entry.slot
+                return entry.slot, entry.lora_id
         return None
+
+    async def _drained(self, lora_id: int, timeout_s: float = 60.0) -> None:
+        """Until the engine holds no sequence of `lora_id` (engines in a thread: their aborts are queued
+        commands). An engine process needs no wait: see the class docstring."""
+        seqs = getattr(self.engine, "seqs", None)
+        if not isinstance(seqs, dict):
+            return
+        deadline = time.monotonic() + timeout_s
+        while any(s.lora_slot == lora_id for s in list(seqs.values())):
+            if time.monotonic() > deadline:
+                raise APIError(503, "the adapter's sequences did not end in time; retry later", type="server_error",
+                               code="lora_slots_busy")
+            await asyncio.sleep(0.01)
 
     def _validate(self, name: str, path: str) -> int:
         """Read and check the files here first (clear errors, and nothing is evicted for a bad adapter)."""
@@ -92,67 +129,103 @@ class LoRARegistry:
     def load_now(self, name: str, path: str) -> AdapterEntry:
         """Synchronous load at replica start (adapters named in cluster.yaml); errors fail the replica."""
         rank = self._validate(name, path)
-        slot = self._take_slot()
-        if slot is None:
+        taken = self._take_slot()
+        if taken is None:
             raise ValueError(f"no free LoRA slot for {name!r} (lora.max_loras={self.config.max_loras})")
-        entry = self._write(name, path, slot, rank)
+        entry = self._write(name, path, taken[0], rank)
         self.entries[name] = entry
         return entry
 
-    async def load(self, name: str, path: str) -> AdapterEntry:
-        """Make `name` resident (from `path`); a no-op when it already is, from the same path."""
+    def _resident(self, name: str, path: str) -> AdapterEntry | None:
         entry = self.entries.get(name)
-        if entry is not None and entry.path == path:
-            entry.unloading = False
+        if entry is not None and entry.path == path and not entry.unloading:
             self.entries.move_to_end(name)
             return entry
+        return None
+
+    async def load(self, name: str, path: str) -> AdapterEntry:
+        """Make `name` resident (from `path`); a no-op when it already is, from the same path."""
+        path = self.check_path(path)
+        entry = self._resident(name, path)
+        if entry is not None:
+            return entry
         async with self._lock:
-            entry = self.entries.get(name)
-            if entry is not None and entry.path == path:
-                entry.unloading = False
-                self.entries.move_to_end(name)
+            entry = self._resident(name, path)
+            if entry is not None:
                 return entry
+            old = self.entries.get(name)
+            if old is not None and old.unloading and old.dropped is not None:
+                await asyncio.shield(old.dropped)  # an unload of the same name is finishing
+                old = None
             rank = await asyncio.to_thread(self._validate, name, path)
-            if entry is not None:  # same name, new files
-                if entry.active:
+            if old is not None:  # same name, new files
+                if old.active:
                     raise APIError(409, f"LoRA adapter {name!r} is in use with other files; retry later",
                                    type="conflict_error", param="lora_path")
                 del self.entries[name]
-                slot: int | None = entry.slot
+                taken: tuple[int, int] | None = (old.slot, old.lora_id)
             else:
-                slot = self._take_slot()
-            if slot is None:
+                taken = self._take_slot()
+            if taken is None:
                 raise APIError(503, f"all {self.config.max_loras} LoRA adapter slots are in use by running "
                                "requests; retry later", type="server_error", code="lora_slots_busy")
+            slot, previous = taken
+            if previous:
+                await self._drained(previous)
             new = await asyncio.to_thread(self._write, name, path, slot, rank)
             self.entries[name] = new
-            log.info("LoRA adapter %r (rank %d) loaded into slot %d from %s", name, new.rank, slot, path)
+            log.info("LoRA adapter %r (rank %d) loaded into slot %d", name, new.rank, slot)
             return new
 
-    async def acquire(self, name: str, path: str) -> AdapterEntry:
-        """Load if needed and count one request in flight; pair with release()."""
+    async def acquire(self, name: str, path: str, queue: asyncio.Queue | None = None) -> AdapterEntry:
+        """Load if needed and count one request in flight; pair with release(). An unload pushes an
+        error into `queue` (the request's output queue), which ends the request."""
         entry = await self.load(name, path)
         entry.active += 1
+        if queue is not None:
+            entry.holders.add(queue)
         return entry
 
-    def release(self, entry: AdapterEntry) -> None:
+    def release(self, entry: AdapterEntry, queue: asyncio.Queue | None = None) -> None:
+        """Call once every sequence of the request has ended (its abort submitted to the engine)."""
         entry.active -= 1
+        entry.holders.discard(queue)  # type: ignore[arg-type]
         if entry.active == 0 and entry.unloading:
-            self._drop(entry)
+            self._schedule_drop(entry)
 
-    def unload(self, name: str) -> bool:
-        """Forget `name` now, or once its running requests end; False when it is not here."""
+    async def unload(self, name: str) -> bool:
+        """Abort the requests using `name`, then free its slot once the engine has dropped their
+        sequences; returns when the slot is free. False when it is not here."""
         entry = self.entries.get(name)
-        if entry is None or entry.unloading:
+        if entry is None:
             return False
-        if entry.active:
+        if not entry.unloading:
             entry.unloading = True
-        else:
-            self._drop(entry)
+            entry.dropped = asyncio.get_running_loop().create_future()
+            for queue in entry.holders:
+                queue.put_nowait(unloaded(name))
+            if entry.active == 0:
+                self._schedule_drop(entry)
+        assert entry.dropped is not None
+        await asyncio.shield(entry.dropped)
         return True
 
-    def _drop(self, entry: AdapterEntry) -> None:
-        if self.entries.get(entry.name) is entry:
-            del self.entries[entry.name]
-        # The slot is free from here on; zeroing it is hygiene (a later load overwrites it anyway).
-        self.engine.executor.unload_lora(entry.slot)
+    def _schedule_drop(self, entry: AdapterEntry) -> None:
+        task = asyncio.get_running_loop().create_task(self._drop(entry))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors land in entry.dropped
+
+    async def _drop(self, entry: AdapterEntry) -> None:
+        assert entry.dropped is not None
+        try:
+            await self._drained(entry.lora_id)
+            await asyncio.to_thread(self.engine.executor.unload_lora, entry.slot)
+        except BaseException as exc:
+            log.warning("unloading LoRA adapter %r failed: %s", entry.name, exc)
+            if not entry.dropped.done():
+                entry.dropped.set_exception(exc)
+            raise
+        finally:
+            if self.entries.get(entry.name) is entry:
+                del self.entries[entry.name]
+        if not entry.dropped.done():
+            entry.dropped.set_result(None)

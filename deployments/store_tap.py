@@ -10,7 +10,7 @@ from app import conversations as C
 from app import protocol as P
 from app.chat_output import merge_deltas
 from app.sse import GenerationDelta, UsageCounter
-from deployments.conversation_store import ConversationStore
+from deployments.conversation_store import ConversationStore, StorageUnavailable
 from deployments.request_guards import conversation_not_found
 
 
@@ -20,7 +20,8 @@ def storing_tap(store: ConversationStore, model: str, owner: str, req: P.ChatCom
 
     The write happens after the last delta and before the response ends (the stream's [DONE] or the
     JSON body), in one transaction: a failed or aborted generation stores nothing, and a client that
-    saw the end of its response can rely on it being stored.
+    saw the end of its response can rely on it being stored. When the write fails, the response is a
+    503 `storage_unavailable` whose error object carries the completion (`error.completion`).
     """
     async def tap(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
         usage = UsageCounter(req.n or 1)
@@ -55,5 +56,8 @@ def storing_tap(store: ConversationStore, model: str, owner: str, req: P.ChatCom
             await asyncio.to_thread(store.save_completion, owner, body, req.metadata, cid, items)
         except KeyError:
             raise conversation_not_found(cid or "") from None
+        except StorageUnavailable:  # the 503 carries what was generated (a stream has sent it already)
+            raise StorageUnavailable("the completion was generated but could not be stored (storage is "
+                                     "unavailable); it is in error.completion", completion=body) from None
 
     return tap

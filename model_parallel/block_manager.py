@@ -1,7 +1,8 @@
 """Logical KV blocks: allocation, reference counts and chained-hash prefix reuse. No torch.
 
 A full block is identified by the hash of (previous block's hash, adapter key, its token ids), so a
-hit on block i implies blocks 0..i-1 match too. Freed blocks keep their hash and stay reusable until
+hit on block i implies blocks 0..i-1 match too; the first block hashes the request's cache salt in
+place of a previous hash. Freed blocks keep their hash and stay reusable until
 the allocator needs them again, oldest-freed first (LRU).
 
 A block is registered when it is scheduled to be filled, not after: within one forward pass every
@@ -48,7 +49,10 @@ class BlockManager:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
     def _block_hash(self, prev: int | None, seq: Sequence, tokens: tuple[int, ...]) -> int:
-        return hash((prev, seq.lora_slot, tokens))
+        # The first block carries the sequence's cache salt (its tenant); later blocks inherit it through
+        # the chain, so sequences with different salts never share a block and cannot probe each other's
+        # prompts through cached-token counts or timing.
+        return hash((seq.params.cache_salt if prev is None else prev, seq.lora_slot, tokens))
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence; returns tokens reused.

@@ -119,10 +119,16 @@ class LoRAConfig:
     max_lora_rank: int = 16  # every slot is padded to this rank: memory grows with it
     # name -> PEFT adapter directory, loaded when a replica starts (kept as sorted pairs: frozen + hashable).
     adapters: tuple[tuple[str, str], ...] = ()
+    # Directories under which clients may name adapters (a request's lora_path, the load route); empty =
+    # clients may name none (deployments/adapter_paths.py). `adapters` above load whatever this says.
+    allowed_roots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.adapters, dict):
             object.__setattr__(self, "adapters", tuple(sorted(self.adapters.items())))
+        if isinstance(self.allowed_roots, (list, str)):
+            roots = [self.allowed_roots] if isinstance(self.allowed_roots, str) else self.allowed_roots
+            object.__setattr__(self, "allowed_roots", tuple(roots))
         if self.max_loras < 0:
             raise ValueError("lora.max_loras must be >= 0")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:

@@ -42,6 +42,7 @@ TARGETS: dict[str, tuple[str, str, int]] = {
     "up_proj": ("mlp", "gate_up_proj", 1),
     "down_proj": ("mlp", "down_proj", 0),
 }
+MAX_HEADER_BYTES = 1 << 20  # a full adapter's header (2 x 7 tensors per layer) is a few tens of KB
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 _MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 MOE_LORA_UNSUPPORTED = ("LoRA on mixture-of-experts MLPs (routed or shared experts, router) is not supported; "
@@ -50,6 +51,15 @@ MOE_LORA_UNSUPPORTED = ("LoRA on mixture-of-experts MLPs (routed or shared exper
 
 class LoRAError(ValueError):
     """An adapter that cannot be used with this model (unreadable, mismatched, unsupported)."""
+
+
+class UnknownAdapterError(LoRAError):
+    """A step named adapter ids that are not loaded: the fault of the sequences carrying them (their
+    adapter was unloaded under them), not of the engine. `lora_ids` lets the engine fail just those."""
+
+    def __init__(self, lora_ids: set[int]):
+        super().__init__(f"adapter ids {sorted(lora_ids)} are not loaded on this rank")
+        self.lora_ids = frozenset(lora_ids)
 
 
 @dataclass
@@ -82,6 +92,8 @@ def read_peft_config(path: str) -> dict:
                             "(convert it with safetensors.torch.save_file)")
         raise LoRAError(f"{path!r} has no adapter_model.safetensors")
     try:
+        if os.path.getsize(cfg_path) > MAX_HEADER_BYTES:
+            raise LoRAError(f"adapter_config.json in {path!r} is too large")
         with open(cfg_path) as fh:
             cfg = json.load(fh)
     except (OSError, ValueError) as exc:
@@ -102,6 +114,38 @@ def read_peft_config(path: str) -> dict:
     return cfg
 
 
+def max_adapter_bytes(arch: LlamaArch, max_rank: int) -> int:
+    """The largest tensor data a usable adapter can hold: every target module of every layer at max_rank, fp32."""
+    per_layer = sum(fan_in + fan_out for fan_in, fan_out in module_shapes(arch).values())
+    return arch.num_layers * per_layer * max_rank * 4
+
+
+def check_safetensors_header(file: str, arch: LlamaArch, max_rank: int) -> None:
+    """Sizes from the header alone, before any tensor is read: a huge or malformed file is refused
+    without being loaded into memory."""
+    cap = max_adapter_bytes(arch, max_rank)
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                raise LoRAError("adapter_model.safetensors has no valid header")
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError) as exc:
+        raise LoRAError(f"unreadable adapter_model.safetensors: {exc}") from None
+    total = 0
+    for key, info in (header.items() if isinstance(header, dict) else [("?", None)]):
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if key != "__metadata__" and not (isinstance(offsets, list) and len(offsets) == 2
+                                          and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise LoRAError(f"adapter_model.safetensors: tensor {key[:80]!r} has no valid data_offsets")
+        total += offsets[1] - offsets[0] if key != "__metadata__" else 0
+    if total > cap or size - 8 - n > cap:
+        raise LoRAError(f"adapter_model.safetensors holds {max(total, size - 8 - n)} bytes of tensors; an adapter "
+                        f"of rank <= {max_rank} for this model holds at most {cap}")
+
+
 def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
     """Read and validate a PEFT LoRA adapter against the base model; raises LoRAError."""
     from safetensors import SafetensorError, safe_open
@@ -110,6 +154,7 @@ def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
     rank = cfg["r"]
     if rank > max_rank:
         raise LoRAError(f"adapter rank {rank} exceeds this server's max_lora_rank {max_rank}")
+    check_safetensors_header(os.path.join(path, "adapter_model.safetensors"), arch, max_rank)
     alpha = cfg.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     shapes = module_shapes(arch)
@@ -297,14 +342,14 @@ class LoRAManager:
 
     def set_batch(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Per sequence: its adapter id (0 = base) and its token count this step, in batch order."""
+        unknown = {i for i in lora_ids if i and i not in self.id_to_slot}
+        if unknown:  # checked before any state changes: the batch is left as it was
+            raise UnknownAdapterError(unknown)
         groups: dict[int, list[int]] = {}
         offset = 0
         for lora_id, n in zip(lora_ids, num_tokens, strict=True):
             if lora_id:
-                slot = self.id_to_slot.get(lora_id)
-                if slot is None:
-                    raise LoRAError(f"adapter id {lora_id} is not loaded on this rank")
-                groups.setdefault(slot, []).extend(range(offset, offset + n))
+                groups.setdefault(self.id_to_slot[lora_id], []).extend(range(offset, offset + n))
             offset += n
         batch = self.batch
         dev = self.device

@@ -74,6 +74,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
+    cache_salt: str | None = None  # prefix-cache namespace (tenant, vLLM's cache_salt): see block_manager
 
     def __post_init__(self) -> None:
         """Refuse (ValueError) or normalise every field to what the step can hold, so no request reaches

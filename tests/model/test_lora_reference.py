@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -192,7 +193,7 @@ async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
     arch = read_arch(base)
     paths = {n: random_peft_adapter(str(tmp_path / n), arch, rank=4, seed=i) for i, n in enumerate("abcd")}
     config = EngineConfig(model=ModelConfig(model=base, dtype="float32"), cache=CacheConfig(kv_cache_bytes=8 << 20),
-                          lora=LoRAConfig(max_loras=2, max_lora_rank=4))
+                          lora=LoRAConfig(max_loras=2, max_lora_rank=4, allowed_roots=(str(tmp_path),)))
     executor = make_executor(config, base, arch)
     evicted: list[str] = []
     registry = LoRARegistry(config.lora, SimpleNamespace(arch=arch, executor=executor), on_evict=evicted.append)
@@ -206,9 +207,15 @@ async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
         with pytest.raises(APIError) as err:  # both slots busy
             await registry.load("d", paths["d"])
         assert err.value.status_code == 503
-        assert registry.unload("a") and registry.names() == ["c"]  # deferred: a still runs
+        queue: asyncio.Queue = asyncio.Queue()
+        a.holders.add(queue)
+        unloading = asyncio.create_task(registry.unload("a"))
+        await asyncio.sleep(0.05)
+        assert not unloading.done() and registry.names() == ["c"]  # deferred: a still runs
+        assert queue.get_nowait().code == "lora_adapter_unloaded"  # its request is told to end
         assert executor.score(ids, a.lora_id) is not None
-        registry.release(a)  # last request of a: its slot is freed now
+        registry.release(a, queue)  # last request of a ended: its slot is freed now
+        assert await unloading
         d = await registry.load("d", paths["d"])
         assert d.slot == a.slot and d.lora_id not in (a.lora_id, c.lora_id)
         with pytest.raises(APIError) as err:

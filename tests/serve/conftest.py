@@ -13,6 +13,8 @@ import pytest
 API_KEY = "test-key-123"
 # A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.
 API_KEY_2 = "test-key-456"
+# May load and unload LoRA adapters (admin_api_keys); also an ordinary API key.
+ADMIN_KEY = "test-admin-789"
 
 
 def _free_port() -> int:
@@ -38,6 +40,7 @@ def server(tmp_path_factory):
     # fp32 so that greedy outputs do not depend on batch composition (bf16 GEMMs round per batch shape).
     app = build_app({
         "api_keys": [API_KEY, "sha256:" + hashlib.sha256(API_KEY_2.encode()).hexdigest()],
+        "admin_api_keys": [ADMIN_KEY],
         "stream_interval_s": 0.05,  # the coalescing path that cluster.yaml enables
         "engine": {"model": {"dtype": "float32", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},

@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import API_KEY
+from deployments.adapter_paths import REFUSED
+from tests.serve.conftest import ADMIN_KEY, API_KEY
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -33,7 +34,7 @@ def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def lora_server(server, adapters) -> str:
+def lora_server(server, adapters, tmp_path_factory) -> str:
     """A second app on the session's Serve instance: two model replicas with two adapter slots each."""
     from ray import serve
 
@@ -42,10 +43,13 @@ def lora_server(server, adapters) -> str:
 
     config = ServerConfig.from_args({
         "api_keys": [API_KEY],
+        "admin_api_keys": [ADMIN_KEY],
         "engine": {"model": {"dtype": "float32", "max_model_len": 1024},
                    "cache": {"kv_cache_bytes": 48 << 20},
                    "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
-                   "lora": {"max_loras": 2, "max_lora_rank": 8, "adapters": {"pre": adapters["pre"]}}},
+                   # The tests' temporary directories hold the adapters clients name (lora_path, load route).
+                   "lora": {"max_loras": 2, "max_lora_rank": 8, "adapters": {"pre": adapters["pre"]},
+                            "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
     })
     serve.run(build_app_with(config, llm_options={"num_replicas": 2}), name="lora", route_prefix="/lora",
               blocking=False)
@@ -70,7 +74,9 @@ def lclient(lora_server):
 
 
 def post(base: str, route: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{base}/v1/{route}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+    """The adapter routes need an admin key."""
+    return httpx.post(f"{base}/v1/{route}", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                      timeout=120)
 
 
 def chat(client, model: str, **kw) -> str:
@@ -82,6 +88,7 @@ def test_load_use_unload_through_http(lclient, lora_server, adapters, model_name
     cards = {m.id: m for m in lclient.models.list().data}
     assert set(cards) == {model_name, "pre"}
     assert cards["pre"].parent == model_name and cards[model_name].parent is None
+    assert cards["pre"].root == "pre" and adapters["pre"] not in str(lclient.models.list().model_dump())
 
     base_text = chat(lclient, model_name)
     assert "Paris" in base_text
@@ -114,7 +121,7 @@ def test_load_use_unload_through_http(lclient, lora_server, adapters, model_name
 
 
 @pytest.mark.parametrize("case, message", [
-    ("missing", "does not exist"), ("bin", "adapter_model.safetensors"), ("big", "max_lora_rank"),
+    ("missing", REFUSED), ("bin", "adapter_model.safetensors"), ("big", "max_lora_rank"),
     ("other_base", "another model"),
 ])
 def test_bad_adapters_are_400_and_the_server_keeps_serving(lclient, lora_server, adapters, tmp_path, case,
@@ -152,3 +159,34 @@ def test_adapter_requests_stick_to_the_replica_that_loaded_it(lclient, lora_serv
     assert [served_by("sticky", stream=True) for _ in range(2)] == [holder] * 2
     # Base-model requests carry no multiplexed id: they spread over both replicas.
     assert len({served_by(model_name) for _ in range(16)}) == 2
+
+
+def test_unloading_an_adapter_mid_stream_ends_its_streams_and_the_replica_serves_on(lclient, lora_server, adapters,
+                                                                                     model_name):
+    """An admin unloads an adapter while a stream uses it: that stream ends with an error event
+    (lora_adapter_unloaded), the unload answers once the slot is free, and the same replica answers
+    the next requests (no engine restart)."""
+    r = post(lora_server, "load_lora_adapter", {"lora_name": "busy", "lora_path": adapters["fresh"]})
+    assert r.status_code == 200, r.text
+    holder = r.headers["x-replica-id"]
+    base_text = chat(lclient, model_name)
+    stream = lclient.chat.completions.create(model=f"{model_name}:busy", messages=QUESTION, temperature=0,
+                                             max_tokens=600, stream=True, extra_body={"ignore_eos": True})
+    pieces = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            if len(pieces) == 3:
+                assert post(lora_server, "unload_lora_adapter", {"lora_name": "busy"}).status_code == 200
+    assert err.value.body["code"] == "lora_adapter_unloaded"
+    assert len(pieces) < 600
+    served = set()
+    for _ in range(12):  # base requests spread over both replicas: the holder is among them, not replaced
+        raw = lclient.chat.completions.with_raw_response.create(model=model_name, messages=QUESTION, temperature=0,
+                                                                max_tokens=12)
+        assert raw.parse().choices[0].message.content == base_text
+        served.add(raw.headers["x-replica-id"])
+    assert holder in served
+    assert post(lora_server, "load_lora_adapter", {"lora_name": "busy", "lora_path": adapters["fresh"]}
+                ).status_code == 200

@@ -25,14 +25,49 @@ def test_model_names_address_the_base_or_an_adapter(table):
     assert err.value.status_code == 404 and err.value.code == "model_not_found"
 
 
-def test_lora_path_loads_on_demand_and_must_agree_with_the_model(table):
-    assert table.resolve(BASE, "/elsewhere") == ("/elsewhere", "/elsewhere")  # named by its path
+def test_lora_path_loads_on_demand_and_must_agree_with_the_model(tmp_path):
+    (tmp_path / "poet").mkdir()
+    table = AdapterTable(BASE, {"pirate": "/adapters/pirate"}, created=123, allowed_roots=(str(tmp_path),))
+    poet = str(tmp_path / "poet")
+    assert table.resolve(BASE, poet) == (poet, poet)  # named by its (canonical) path
     assert table.resolve(BASE, "pirate") == ("pirate", "/adapters/pirate")  # a registered name
     assert table.resolve("pirate", ["/adapters/pirate", "/adapters/pirate"]) == ("pirate", "/adapters/pirate")
     for model, path in (("pirate", "/other"), (BASE, ["/a", "/b"])):
         with pytest.raises(APIError) as err:
             table.resolve(model, path)
         assert err.value.status_code == 400 and err.value.param == "lora_path"
+
+
+def test_client_paths_are_off_without_allowed_roots(table):
+    """Default: no roots, so no request may name a directory (the configured adapter still resolves)."""
+    with pytest.raises(APIError) as err:
+        table.resolve(BASE, "/etc")
+    assert err.value.status_code == 400 and err.value.code == "lora_path_disabled"
+    assert table.resolve(BASE, "pirate") == ("pirate", "/adapters/pirate")
+
+
+def test_paths_outside_the_roots_get_one_uniform_error(tmp_path):
+    """Outside the root, `..`, a symlink out, a missing directory, a file: the same 400, so a client
+    cannot tell which paths exist."""
+    root = tmp_path / "root"
+    (root / "ok").mkdir(parents=True)
+    (root / "file").write_text("x")
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    (root / "inner").symlink_to(root / "ok")
+    table = AdapterTable(BASE, {}, created=1, allowed_roots=(str(root),))
+    assert table.allowed(str(root / "ok")) == str((root / "ok").resolve())
+    assert table.allowed(str(root / "inner")) == str((root / "ok").resolve())  # a link that stays inside
+    refused = [str(outside), str(root / ".." / "secret"), str(root / "link"), str(root / "missing"),
+               str(root / "file"), "/etc", "/nonexistent/dir", "relative/path", "/", str(tmp_path)]
+    bodies = set()
+    for path in refused:
+        with pytest.raises(APIError) as err:
+            table.resolve(BASE, path)
+        bodies.add(repr(err.value.to_dict()))
+        assert err.value.status_code == 400 and err.value.param == "lora_path"
+    assert len(bodies) == 1 and "secret" not in bodies.pop()
 
 
 def test_load_and_unload_checks(table):
@@ -42,7 +77,7 @@ def test_load_and_unload_checks(table):
         assert err.value.status_code == 400
     assert table.check_new("poet") == "poet"
     assert table.card("pirate") == {"id": "pirate", "object": "model", "created": 123, "owned_by": "rayllm-tp",
-                                    "root": "/adapters/pirate", "parent": BASE}
+                                    "root": "pirate", "parent": BASE}  # no path on disk
     assert table.remove("pirate") == "pirate" and "pirate" not in table and list(table) == []
     with pytest.raises(APIError) as err:
         table.remove("pirate")

@@ -119,3 +119,34 @@ def test_reset_prefix_cache_forgets_only_free_blocks():
     assert bm.reset_prefix_cache() == 2  # a's two full blocks; b's stay registered while in use
     assert bm.match_prefix(seq("a2", list(range(9)))) == 0
     assert bm.match_prefix(seq("b2", [9] * 9)) == 8
+
+
+def test_cache_salts_never_share_blocks_and_equal_salts_do():
+    """Prefix caching per tenant: a prompt cached under one salt is a miss under another (or none),
+    and a hit under the same salt; the salt of the first block carries through the chain."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(13))
+
+    def salted(rid: str, salt: str | None) -> Sequence:
+        return Sequence(rid, list(prompt), len(prompt), SamplingParams(max_tokens=4, cache_salt=salt))
+
+    def run(s: Sequence) -> int:
+        reused = bm.match_prefix(s)
+        assert bm.allocate_slots(s, s.num_tokens - reused)
+        s.num_computed_tokens = s.num_tokens
+        bm.commit_full_blocks(s, s.num_tokens)
+        return reused
+
+    a = salted("a", "tenant-a")
+    assert run(a) == 0
+    others = [salted("b", "tenant-b"), salted("none", None), salted("prefix", "tenant-")]
+    for other in others:
+        assert run(other) == 0
+        assert not set(other.block_table) & set(a.block_table)
+    again = salted("a2", "tenant-a")
+    assert run(again) == 12
+    assert again.block_table[:3] == a.block_table[:3]
+    for s in [a, again, *others]:
+        bm.free(s)
+    # Freed blocks stay cached per salt.
+    assert run(salted("b2", "tenant-b")) == 12 and run(salted("none2", None)) == 12

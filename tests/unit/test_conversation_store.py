@@ -187,3 +187,59 @@ def test_client_items_are_text_messages():
         with pytest.raises(APIError) as e:
             C.client_item(bad, 0)
         assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_locked_sqlite_answers_503_within_the_timeout_and_recovers(tmp_path):
+    """Another connection holds the write lock: writes give up after the busy timeout with a 503
+    storage_unavailable (not a 30 s wait and a 500); reads go on (WAL); the lock's release heals it."""
+    import time
+
+    from deployments.conversation_store import StorageUnavailable
+
+    url = f"sqlite:///{tmp_path}/conv.db"
+    store = ConversationStore(url, timeout_s=0.5)
+    cid = store.create(ALICE)["id"]
+    holder = sqlite3.connect(tmp_path / "conv.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        for write in (lambda: store.create(ALICE), lambda: store.save_completion(ALICE, completion("c1", "x"), None)):
+            t0 = time.monotonic()
+            with pytest.raises(StorageUnavailable) as err:
+                write()
+            assert time.monotonic() - t0 < 5
+            assert err.value.status_code == 503 and err.value.to_dict()["error"]["code"] == "storage_unavailable"
+        assert store.get(ALICE, cid) is not None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    store.save_completion(ALICE, completion("c1", "x"), None)
+    assert store.get_completion(ALICE, "c1")["choices"][0]["message"]["content"] == "x"
+
+
+def test_stopped_postgresql_answers_503_within_the_timeout(postgres_url):
+    """A pooled PostgreSQL store whose server goes away: each call fails within its timeout with a 503,
+    instead of hanging on a dead connection or a connect without a timeout."""
+    import os
+    import time
+    from urllib.parse import parse_qs, urlparse
+
+    from pg_server import _as_user, find_bin_dir, postgres_server
+
+    from deployments.conversation_store import StorageUnavailable
+
+    with postgres_server() as url:  # a server of its own, to stop (the session's keeps serving others)
+        store = ConversationStore(url, timeout_s=1.0, pool_size=2)
+        try:
+            cid = store.create(ALICE)["id"]
+            assert store.get(ALICE, cid) is not None
+            host = parse_qs(urlparse(url).query)["host"][0]
+            subprocess.run([*_as_user(), os.path.join(find_bin_dir(), "pg_ctl"), "-D", os.path.join(host, "data"),
+                            "-m", "immediate", "-w", "stop"], check=True, capture_output=True)
+            for call in (lambda: store.create(ALICE), lambda: store.get(ALICE, cid),
+                         lambda: store.save_completion(ALICE, completion("c1", "x"), None)):
+                t0 = time.monotonic()
+                with pytest.raises(StorageUnavailable):
+                    call()
+                assert time.monotonic() - t0 < 10
+        finally:
+            store.close()
