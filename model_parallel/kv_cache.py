@@ -13,6 +13,17 @@ def blocks_for_budget(budget_bytes: int, per_block: int) -> int:
     return max(0, budget_bytes // per_block)
 
 
+def require_blocks(num_blocks: int, config) -> int:
+    """Fail at start, naming the knobs, rather than run with no KV cache (0 blocks divide by zero later)."""
+    if num_blocks < 2:
+        cache = config.cache
+        where = (f"gpu_memory_utilization {cache.gpu_memory_utilization} of the GPU (is another replica or "
+                 "process using it?)" if config.parallel.device == "cuda" else f"kv_cache_bytes {cache.kv_cache_bytes}")
+        raise RuntimeError(f"the KV cache budget holds {num_blocks} blocks (at least 2 needed): {where} leaves "
+                           "too little memory once the model is loaded")
+    return num_blocks
+
+
 def cuda_budget(utilization: float, device: torch.device) -> int:
     """Bytes left for KV once the model is loaded, keeping (1 - utilization) of the GPU free."""
     free, total = torch.cuda.mem_get_info(device)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -29,9 +31,40 @@ from model_parallel.parallel import (
 log = logging.getLogger(__name__)
 
 
-def resolve_device(choice: str) -> torch.device:
+def cuda_index(visible: str | None, assigned: Sequence[str | int]) -> int:
+    """Index, among the devices this process can see, of the GPU Ray assigned it.
+
+    Ray normally sets CUDA_VISIBLE_DEVICES to exactly the assigned ids, so this is 0; with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES the assigned id is found in the visible list (or is the
+    physical index when every device is visible). Without a Ray assignment (a local engine, or the
+    engine's child process, which inherits its replica's CUDA_VISIBLE_DEVICES): the first visible one.
+    """
+    if not assigned:
+        return 0
+    gpu = str(assigned[0])
+    if not visible:
+        return int(gpu)
+    ids = [v.strip() for v in visible.split(",")]
+    if gpu not in ids:
+        raise RuntimeError(f"Ray assigned GPU {gpu} but CUDA_VISIBLE_DEVICES is {visible!r}")
+    return ids.index(gpu)
+
+
+def ray_gpu_ids() -> list[str]:
+    """GPU ids Ray assigned this process ([] outside a Ray worker; Ray is not imported for this)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return []
+    return [str(g) for g in ray.get_gpu_ids()]
+
+
+def select_device(choice: str) -> torch.device:
+    """The device of this process for a resolved `parallel.device` (the builder or make_executor
+    resolves `auto` once, before any worker starts)."""
     if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        raise ValueError("parallel.device must be resolved before a worker starts")
+    if choice == "cuda":
+        return torch.device("cuda", cuda_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray_gpu_ids()))
     return torch.device(choice)
 
 
@@ -40,11 +73,9 @@ class Worker:
         self.config = config
         self.rank = rank
         world = config.parallel.tensor_parallel_size
-        device = resolve_device(config.parallel.device)
+        device = select_device(config.parallel.device)
         self.step_threads = self.single_sequence_threads = 0
         if device.type == "cuda":
-            # Under Ray each rank sees only its own GPU; otherwise pick by rank.
-            device = torch.device("cuda", 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else rank)
             torch.cuda.set_device(device)
         else:
             threads = config.parallel.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // world)
