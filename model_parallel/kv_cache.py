@@ -1,4 +1,4 @@
-"""KV cache sizing and allocation: one tensor per rank, viewed per layer as [Hk, blocks, block_size, D]."""
+"""KV cache sizing and allocation: one tensor per rank, viewed per layer in the attention backend's layout."""
 
 from __future__ import annotations
 
@@ -32,9 +32,18 @@ def cuda_budget(utilization: float, device: torch.device) -> int:
 
 
 def allocate(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device,
+    layout: str = "head_major",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Head-major: each head's blocks are contiguous [block_size, D] rows, so decode attention gathers
-    # every sequence's context for all heads with one index_select (see attention.decode_attention).
-    cache = torch.zeros(num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype, device=device)
+    """head_major [Hk, blocks, block_size, D] (CPU): each head's blocks are contiguous [block_size, D]
+    rows, so decode attention gathers every sequence's context for all heads with one index_select
+    (attention.decode_attention). block_major [blocks, block_size, Hk, D] (xformers): the key layout
+    its paged attention biases read in place."""
+    if layout == "head_major":
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+    elif layout == "block_major":
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    else:
+        raise ValueError(f"unknown KV cache layout {layout!r}")
+    cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]

@@ -135,6 +135,7 @@ class Worker:
             self.arch.head_dim,
             self.dtype,
             self.device,
+            self.attn_backend.cache_layout,
         )
         self.runner = ModelRunner(
             self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device, self.rank == 0,
