@@ -24,11 +24,30 @@ def require_blocks(num_blocks: int, config) -> int:
     return num_blocks
 
 
-def cuda_budget(utilization: float, device: torch.device) -> int:
-    """Bytes left for KV once the model is loaded, keeping (1 - utilization) of the GPU free."""
+def cuda_budget(utilization: float, device: torch.device, activation_bytes: int) -> int:
+    """Bytes left for KV once the model is loaded and the largest step's activations are set aside,
+    keeping (1 - utilization) of the GPU free. The allocator's cached blocks are released first, so
+    they do not count as used."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return int(total * utilization - used)
+    used = total - free  # weights, the CUDA context, other processes on this GPU
+    return int(total * utilization - used - activation_bytes)
+
+
+def profile_step(max_tokens: int, max_seqs: int, block_size: int):
+    """The largest step the scheduler can form: max_tokens prompt tokens over max_seqs sequences, each
+    sampling (so the LM head runs for every one), on disjoint blocks; returns it and the blocks used."""
+    from model_parallel.model_runner import SeqStep, StepInput
+
+    seqs, first_block = [], 0
+    n = min(max_seqs, max_tokens)
+    for i in range(n):
+        length = max_tokens // n + (1 if i < max_tokens % n else 0)
+        blocks = -(-length // block_size)
+        table = list(range(first_block, first_block + blocks))
+        seqs.append(SeqStep(f"profile-{i}", [0] * length, 0, table, sample=True))
+        first_block += blocks
+    return StepInput(seqs), first_block
 
 
 def allocate(

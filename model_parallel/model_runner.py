@@ -62,6 +62,7 @@ class ModelRunner:
         self.is_driver = is_driver
         self.generators: dict[str, torch.Generator] = {}
         self.buffers = InputBuffers(device)
+        self.graphs = None  # a cuda_graphs.DecodeGraphs, set by the worker once captured
         backend = getattr(model, "attn_backend", None)
         # xformers reads the paged cache in place through block tables; when its kernels cannot serve a
         # step's mix of query lengths it falls back to a varlen batch gathered from these context slots.
@@ -170,12 +171,23 @@ class ModelRunner:
         )
         return ids_t, positions_t, meta
 
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Hidden states of the step's tokens: a captured decode graph when one covers it, else eager."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(step.seqs)
+            if hidden is not None:
+                return hidden
+        input_ids, positions, meta = self.prepare(step)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
         for rid in step.finished_request_ids:
             self.generators.pop(rid, None)
-        input_ids, positions, meta = self.prepare(step)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.forward(step)
         # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
         rows: list[int] = []
         sample_rows: list[int] = []

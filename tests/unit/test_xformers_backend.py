@@ -1,15 +1,10 @@
 """The xformers backend's glue (paged biases over the block-major cache, block tables, offsets, GQA
 grouping, the gathered fallback) on CPU.
 
-xformers has no CPU ops and needs CUDA, which this machine lacks, so `xformers.ops.fmha` is replaced by a
-CPU stand-in that computes what xformers documents for memory_efficient_attention_forward with its
-PagedBlockDiagonalCausalWithOffsetPaddedKeysMask (K/V [1, pages * page_size, G, H, D]; sequence b reads
-logical key j from page block_tables[b, j // page_size]; query i of a q_len-row block attends keys
-j <= i + kv_len - q_len) and its BlockDiagonalCausalFromBottomRightMask (the gathered fallback). The
-stand-in reads the bias's tensors (what the CUDA kernels read), and checks the Python-side fields agree.
-It can refuse what a given xformers build refuses (its split-k kernel: paged steps of equal query
-lengths <= 16 only), so the fallbacks run too. Everything of ours around the call runs for real, and
-must equal the SDPA backend. Backend selection is checked with a CUDA *device object* (no CUDA touched).
+xformers has no CPU ops and needs CUDA, which this machine lacks, so `xformers.ops.fmha` is replaced by
+the CPU stand-in in xformers_standin.py, which computes what xformers documents for its paged and
+bottom-right causal biases and can refuse what a given build refuses, so the fallbacks run too.
+Everything of ours around the call runs for real, and must equal the SDPA backend. Backend selection is checked with a CUDA *device object* (no CUDA touched).
 """
 
 from __future__ import annotations
@@ -17,108 +12,13 @@ from __future__ import annotations
 import logging
 import sys
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
+from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
 from model_parallel.attention import SDPAAttention, XformersAttention, make_attention_backend
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
-
-
-@dataclass
-class _SeqLenInfo:  # xformers.ops.fmha.attn_bias._SeqLenInfo's fields
-    seqstart: torch.Tensor
-    max_seqlen: int
-    min_seqlen: int
-    seqstart_py: list[int]
-
-
-@dataclass
-class _PaddedSeqLenInfo(_SeqLenInfo):
-    seqlen: torch.Tensor
-    seqlen_py: list[int]
-    padding: int
-
-
-@dataclass
-class _PagedCausalMask:  # PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
-    q_seqinfo: _SeqLenInfo
-    k_seqinfo: _PaddedSeqLenInfo
-    block_tables: torch.Tensor
-    page_size: int
-
-
-class _BottomRightMask:
-    def __init__(self, q_lens: list[int], kv_lens: list[int]) -> None:
-        self.q_lens, self.kv_lens = q_lens, kv_lens
-
-    @classmethod
-    def from_seqlens(cls, q_seqlen: list[int], kv_seqlen: list[int]) -> _BottomRightMask:
-        return cls(list(q_seqlen), list(kv_seqlen))
-
-
-def _attend(qs, ks, vs):
-    """[ql, G, H, K] queries over [kl, G, H, K] keys, causal aligned bottom-right."""
-    ql, kl = qs.shape[0], ks.shape[0]
-    scores = torch.einsum("qghd,kghd->ghqk", qs, ks) * qs.shape[-1] ** -0.5
-    allowed = torch.arange(kl)[None, :] <= (torch.arange(ql)[:, None] + kl - ql)
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("ghqk,kghd->qghd", probs, vs)
-
-
-class FakeFmha:
-    def __init__(self, refuse: str = "") -> None:
-        self.refuse = refuse  # "": every paged step; "splitk": equal q lengths <= 16 only; "all": none
-        self.calls: list[str] = []
-        self.attn_bias = types.SimpleNamespace(
-            _SeqLenInfo=_SeqLenInfo, _PaddedSeqLenInfo=_PaddedSeqLenInfo,
-            PagedBlockDiagonalCausalWithOffsetPaddedKeysMask=_PagedCausalMask,
-            BlockDiagonalCausalFromBottomRightMask=_BottomRightMask)
-
-    def memory_efficient_attention_forward(self, q, k, v, attn_bias):
-        if isinstance(attn_bias, _PagedCausalMask):
-            return self._paged(q, k, v, attn_bias)
-        self.calls.append("gathered")
-        out = torch.empty_like(q)
-        qo = ko = 0
-        for ql, kl in zip(attn_bias.q_lens, attn_bias.kv_lens, strict=True):
-            out[0, qo:qo + ql] = _attend(q[0, qo:qo + ql], k[0, ko:ko + kl], v[0, ko:ko + kl])
-            qo, ko = qo + ql, ko + kl
-        return out
-
-    def _paged(self, q, k, v, bias: _PagedCausalMask):
-        qi, ki, ps = bias.q_seqinfo, bias.k_seqinfo, bias.page_size
-        if self.refuse == "all" or (self.refuse == "splitk" and (qi.min_seqlen != qi.max_seqlen or qi.max_seqlen > 16)):
-            raise NotImplementedError("No operator found for `memory_efficient_attention_forward` with inputs: ...")
-        self.calls.append("paged")
-        starts, lens = qi.seqstart.tolist(), ki.seqlen.tolist()
-        assert starts == qi.seqstart_py and starts[-1] == q.shape[1] and lens == ki.seqlen_py
-        assert bias.block_tables.dtype == torch.int32 and ki.padding == bias.block_tables.shape[1] * ps
-        assert ki.seqstart.tolist() == ki.seqstart_py == [b * ki.padding for b in range(len(lens) + 1)]
-        assert k.shape[1] % ps == 0 and max(lens) <= ki.padding
-        out = torch.empty_like(q)
-        for b, kl in enumerate(lens):
-            logical = torch.arange(kl)
-            rows = bias.block_tables[b].long()[logical // ps] * ps + logical % ps
-            out[0, starts[b]:starts[b + 1]] = _attend(q[0, starts[b]:starts[b + 1]], k[0, rows], v[0, rows])
-        return out
-
-
-@pytest.fixture
-def fake_xformers(monkeypatch):
-    def install(refuse: str = "") -> FakeFmha:
-        fmha = FakeFmha(refuse)
-        ops = types.ModuleType("xformers.ops")
-        ops.fmha = fmha  # type: ignore[attr-defined]
-        pkg = types.ModuleType("xformers")
-        pkg.ops = ops  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "xformers", pkg)
-        monkeypatch.setitem(sys.modules, "xformers.ops", ops)
-        return fmha
-
-    return install
-
 
 STEPS_TABLES = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
 
@@ -136,8 +36,8 @@ def _steps():
 
 
 @pytest.mark.parametrize("refuse", ["", "splitk", "all"])
-def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers, refuse):
-    fmha = fake_xformers(refuse)
+def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(monkeypatch, refuse):
+    fmha = install_fake_xformers(monkeypatch, refuse)
     torch.manual_seed(0)
     hq, hk, d, bs, num_blocks = 6, 2, 8, 4, 32
     head_major = (torch.randn(hk, num_blocks, bs, d), torch.randn(hk, num_blocks, bs, d))
@@ -166,8 +66,8 @@ def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers, 
         torch.testing.assert_close(xf_cache.permute(2, 0, 1, 3), sdpa_cache)
 
 
-def test_paged_bias_is_built_once_per_step(fake_xformers):
-    fmha = fake_xformers()
+def test_paged_bias_is_built_once_per_step(monkeypatch):
+    fmha = install_fake_xformers(monkeypatch)
     built = []
     attn = XformersAttention()
     original = attn.paged_bias
@@ -181,8 +81,8 @@ def test_paged_bias_is_built_once_per_step(fake_xformers):
     assert built == [1] and fmha.calls == ["paged"] * 3
 
 
-def test_backend_choice(fake_xformers, monkeypatch, caplog):
-    fake_xformers()
+def test_backend_choice(monkeypatch, caplog):
+    install_fake_xformers(monkeypatch)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert make_attention_backend("auto", cpu).name == "sdpa"
     with pytest.raises(ValueError, match="needs CUDA"):
