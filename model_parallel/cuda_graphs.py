@@ -121,12 +121,14 @@ class DecodeGraphs:
         assert self.forward is not None
         return self.forward(self.ids[:size], self.positions[:size], self.metadata(size))
 
-    def capture(self, forward: Forward) -> None:
+    def capture(self, forward: Forward, capturable: Callable[[], bool] = lambda: True) -> bool:
         """Warm each size up eagerly (lazy initialisation, kernel choices), then capture it, largest first
-        so the smaller graphs reuse its memory pool."""
+        so the smaller graphs reuse its memory pool. `capturable` is asked after each warm-up (the
+        attention backend may have fallen back to a path that copies from Python lists); False stops
+        and leaves the graphs off. Returns whether the graphs (or, without capture, the path) are on."""
         self.forward = forward
         if not self.capture_enabled:
-            return
+            return True
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
@@ -136,12 +138,16 @@ class DecodeGraphs:
                 for _ in range(2):
                     self._run(size)
             torch.cuda.current_stream().wait_stream(stream)
+            if not capturable():
+                self.forward, self.graphs, self.outputs = None, {}, {}
+                return False
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self._run(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        return True
 
     def run(self, seqs) -> torch.Tensor | None:
         """Hidden states of a decode step's rows (a view valid until the next run), or None when the

@@ -173,13 +173,12 @@ class Worker:
         max_len = self.config.model.max_model_len or self.arch.max_position_embeddings
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
                               self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device)
-        graphs.capture(self.runner.model_forward)
-        if getattr(self.attn_backend, "paged_decode", True) is False:
-            # xformers refused paged decode during warm-up: its fallback copies from Python lists each
-            # step, which a graph cannot replay.
+        # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
+        # step, which a graph cannot replay.
+        if graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True)):
+            self.runner.graphs = graphs
+        else:
             log.warning("no paged decode kernel in xformers here: CUDA graphs off")
-            return
-        self.runner.graphs = graphs
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"
