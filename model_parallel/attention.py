@@ -49,7 +49,8 @@ class AttentionMetadata:
     seq_ctx_lens: torch.Tensor | None = None
     seq_q_starts: torch.Tensor | None = None
     seq_q_lens: torch.Tensor | None = None
-    # Per-step masks derived for windowed layers, built by the first such layer and reused by the rest.
+    # Built once per step from the fields above (windowed layers' masks, xformers' biases) by the first
+    # layer that needs them, and reused by the rest.
     derived: dict = field(default_factory=dict)
 
 
@@ -59,10 +60,9 @@ def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     cache[:, slots // bs, slots % bs] = values.transpose(0, 1)
 
 
-def read_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows [n, Hk, D] of the given slots, in order."""
-    bs = cache.shape[2]
-    return cache[:, slots // bs, slots % bs].transpose(0, 1)
+def write_cache_block_major(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache: [num_blocks, block_size, Hk, D] (the xformers layout); values: [T, Hk, D]."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
 
 
 def decode_gather_index(block_tables: torch.Tensor, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
@@ -150,6 +150,7 @@ class SDPAAttention:
     above, and torch SDPA per prefill chunk."""
 
     name = "sdpa"
+    cache_layout = "head_major"
 
     def __init__(self, kernels: PagedKernels | None = None) -> None:
         self.kernels = kernels
@@ -201,53 +202,137 @@ class SDPAAttention:
 
 
 class XformersAttention:
-    """xformers memory-efficient attention over all sequences at once (CUDA only).
+    """xformers on CUDA, reading the paged cache in place.
 
-    Context keys/values are gathered from the paged cache into one flat varlen batch; a
-    bottom-right-aligned block-diagonal causal mask covers decode (q_len 1) and chunked prefill alike.
+    The cache is block-major, [num_blocks, block_size, Hk, D] (kv_cache.allocate), which is the
+    [1, pages * page_size, Hk, D] key layout of xformers' paged biases. One call per layer covers the
+    whole step with `PagedBlockDiagonalCausalWithOffsetPaddedKeysMask`: each sequence's queries attend
+    to its context through its block table, causal from the bottom right (a prefill chunk after a
+    cached prefix, or a decode row). xformers serves mixed query lengths with its flash kernels (FA3 on
+    Hopper); its split-k kernel serves paged decode only (equal query lengths, pages a multiple of 64).
+    What xformers refuses on the first try is not tried again: decode rows stay paged when they can and
+    the rest is gathered into one varlen batch (BlockDiagonalCausalFromBottomRightMask).
+    Sliding-window layers use xformers' local bottom-right mask over the gathered context (a key k is
+    seen from query q when q - window < k <= q); soft-capped logits, which xformers' kernels do not
+    support, take a per-sequence torch path over the same gathered context.
     """
 
     name = "xformers"
+    cache_layout = "block_major"
 
     def __init__(self) -> None:
         from xformers.ops import fmha  # imported only on CUDA: xformers has no CPU ops
 
         self.fmha = fmha
+        self.paged_mixed = True  # one paged call for every sequence of the step
+        self.paged_decode = True  # paged call for a step's decode rows
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale: float | None = None,
                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """As SDPAAttention.__call__. Sliding windows use xformers' local bottom-right mask (a key k is
-        seen from query q when q - window < k <= q); soft-capped logits, which xformers' kernels do not
-        support, take a per-sequence torch path over the same gathered context."""
-        write_cache(k_cache, meta.slot_mapping, k)
-        write_cache(v_cache, meta.slot_mapping, v)
+        """As SDPAAttention.__call__."""
+        write_cache_block_major(k_cache, meta.slot_mapping, k)
+        write_cache_block_major(v_cache, meta.slot_mapping, v)
         t, hq, d = q.shape
-        hk = k.shape[1]
-        group = hq // hk
-        scale = d**-0.5 if scale is None else scale
-        kc = read_cache(k_cache, meta.ctx_slots)  # [sum ctx, Hk, D]
-        vc = read_cache(v_cache, meta.ctx_slots)
-        if softcap is not None:
-            return self._softcapped(q, kc, vc, meta, scale, window, softcap).reshape(t, hq * d)
-        masks = self.fmha.attn_bias
-        if window is None:
-            bias = masks.BlockDiagonalCausalFromBottomRightMask.from_seqlens(meta.q_lens, meta.ctx_lens)
-        else:
-            bias = masks.BlockDiagonalCausalLocalAttentionFromBottomRightMask.from_seqlens(
-                meta.q_lens, meta.ctx_lens, window_size=window)
-        # GQA via the 5-D [B, M, G, H, K] layout: KV heads are groups, expanded without copying.
-        q5 = q.view(1, t, hk, group, d)
-        k5 = kc.view(1, -1, hk, 1, d).expand(-1, -1, -1, group, -1)
-        v5 = vc.view(1, -1, hk, 1, d).expand(-1, -1, -1, group, -1)
-        out = self.fmha.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias, scale=scale)
+        if window is not None or softcap is not None:
+            return self._gathered(q, k_cache, v_cache, meta, 0, scale, window, softcap).reshape(t, hq * d)
+        nd = meta.num_decode
+        if self.paged_mixed or (nd == t and self.paged_decode):
+            out = self._try_paged(q, k_cache, v_cache, meta, 0, len(meta.q_lens), "mixed" if nd < t else "decode",
+                                  scale)
+            if out is not None:
+                return out.reshape(t, hq * d)
+        out = torch.empty_like(q)
+        rest = 0
+        if nd and self.paged_decode:
+            paged = self._try_paged(q[:nd], k_cache, v_cache, meta, 0, nd, "decode", scale)
+            if paged is not None:
+                out[:nd], rest = paged, nd
+        out[rest:] = self._gathered(q[rest:], k_cache, v_cache, meta, rest, scale)
         return out.reshape(t, hq * d)
 
+    def _try_paged(self, q, k_cache, v_cache, meta, first: int, last: int, kind: str,
+                   scale: float | None) -> torch.Tensor | None:
+        try:
+            return self._paged(q, k_cache, v_cache, meta, first, last, scale)
+        except NotImplementedError as exc:  # "No operator found": this GPU/build has no kernel for it
+            if kind == "mixed":
+                self.paged_mixed = False
+            else:
+                self.paged_decode = False
+            log.warning("xformers has no paged kernel for %s steps here; gathering the context (%s)", kind,
+                        str(exc).splitlines()[0])
+            return None
+
+    def _paged(self, q, k_cache, v_cache, meta: AttentionMetadata, first: int, last: int,
+               scale: float | None) -> torch.Tensor:
+        """Sequences first..last-1 (their queries are q) over the cache in place."""
+        bias = meta.derived.get(("paged", first, last))
+        if bias is None:
+            bias = meta.derived[("paged", first, last)] = self.paged_bias(meta, first, last)
+        num_blocks, bs, hk, d = k_cache.shape
+        group = q.shape[1] // hk
+        q5 = q.view(1, q.shape[0], hk, group, d)
+        k5 = k_cache.view(1, num_blocks * bs, hk, 1, d).expand(-1, -1, -1, group, -1)
+        v5 = v_cache.view(1, num_blocks * bs, hk, 1, d).expand(-1, -1, -1, group, -1)
+        return self.fmha.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias, scale=scale).view_as(q)
+
+    def paged_bias(self, meta: AttentionMetadata, first: int, last: int):
+        """The paged causal-with-offset bias of sequences first..last-1, from tensors already on the
+        device (xformers' from_seqlens would copy Python lists to it, a host sync per step)."""
+        assert meta.seq_block_tables is not None and meta.seq_ctx_lens is not None
+        assert meta.seq_q_starts is not None
+        ab = self.fmha.attn_bias
+        q_lens, ctx_lens = meta.q_lens[first:last], meta.ctx_lens[first:last]
+        tables = meta.seq_block_tables[first:last]
+        starts = meta.seq_q_starts[first:last]
+        q_start_py = [0]
+        for n in q_lens:
+            q_start_py.append(q_start_py[-1] + n)
+        q_seqstart = torch.cat([starts - starts[:1], starts.new_full((1,), q_start_py[-1])])
+        pad = tables.shape[1] * meta.block_size
+        n = last - first
+        k_info = ab._PaddedSeqLenInfo(
+            seqstart=torch.arange(0, (n + 1) * pad, pad, dtype=torch.int32, device=tables.device),
+            max_seqlen=max(ctx_lens), min_seqlen=min(ctx_lens), seqstart_py=list(range(0, (n + 1) * pad, pad)),
+            seqlen=meta.seq_ctx_lens[first:last], seqlen_py=list(ctx_lens), padding=pad,
+        )
+        q_info = ab._SeqLenInfo(seqstart=q_seqstart, max_seqlen=max(q_lens), min_seqlen=min(q_lens),
+                                seqstart_py=q_start_py)
+        return ab.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(
+            q_seqinfo=q_info, k_seqinfo=k_info, block_tables=tables, page_size=meta.block_size)
+
+    def _gathered(self, q, k_cache, v_cache, meta: AttentionMetadata, first_seq: int, scale: float | None,
+                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Sequences from first_seq on, their contexts copied out of the cache into one varlen batch."""
+        assert meta.ctx_slots is not None
+        hk, d = k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // hk
+        skip = sum(meta.ctx_lens[:first_seq])
+        slots = meta.ctx_slots[skip:]
+        kc = k_cache.view(-1, hk, d).index_select(0, slots)
+        vc = v_cache.view(-1, hk, d).index_select(0, slots)
+        q_lens, ctx_lens = meta.q_lens[first_seq:], meta.ctx_lens[first_seq:]
+        if softcap is not None:
+            return self._softcapped(q, kc, vc, q_lens, ctx_lens, d**-0.5 if scale is None else scale, window,
+                                    softcap)
+        masks = self.fmha.attn_bias
+        if window is None:
+            bias = masks.BlockDiagonalCausalFromBottomRightMask.from_seqlens(q_lens, ctx_lens)
+        else:
+            bias = masks.BlockDiagonalCausalLocalAttentionFromBottomRightMask.from_seqlens(
+                q_lens, ctx_lens, window_size=window)
+        # GQA via the 5-D [B, M, G, H, K] layout: KV heads are groups, expanded without copying.
+        q5 = q.view(1, q.shape[0], hk, group, d)
+        k5 = kc.view(1, -1, hk, 1, d).expand(-1, -1, -1, group, -1)
+        v5 = vc.view(1, -1, hk, 1, d).expand(-1, -1, -1, group, -1)
+        return self.fmha.memory_efficient_attention_forward(q5, k5, v5, attn_bias=bias, scale=scale).view_as(q)
+
     @staticmethod
-    def _softcapped(q, kc, vc, meta: AttentionMetadata, scale: float, window: int | None,
+    def _softcapped(q, kc, vc, q_lens: list[int], ctx_lens: list[int], scale: float, window: int | None,
                     softcap: float) -> torch.Tensor:
         out = torch.empty_like(q)
         q_start = k_start = 0
-        for n, ctx in zip(meta.q_lens, meta.ctx_lens, strict=True):
+        for n, ctx in zip(q_lens, ctx_lens, strict=True):
             chunk = PrefillChunk(q_start, n, ctx, None, None)
             mask = prefill_mask(chunk, window, q.device)
             o = attend(q[q_start : q_start + n].transpose(0, 1).unsqueeze(0),

@@ -94,6 +94,8 @@ class ParallelConfig:
     # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
     # keeps the model off the serving replica's GIL and event loop.
     executor: str = "auto"
+    # CUDA: capture decode steps as CUDA graphs for a ladder of batch sizes (cuda_graphs.py). Ignored on CPU.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.executor not in ("auto", "ray"):

@@ -5,13 +5,17 @@ Each engine step is one `execute` per rank; rank 0's result carries the sampled 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import uuid
 
+import torch
+
+from model_parallel import kv_cache
 from model_parallel.config import EngineConfig, LlamaArch
 from model_parallel.model_runner import StepInput, StepOutput
-from model_parallel.worker import Worker, resolve_device
+from model_parallel.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +23,7 @@ log = logging.getLogger(__name__)
 class LocalExecutor:
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch):
         self.worker = Worker(config, model_path, arch, rank=0, dist_init=None)
-        self.num_blocks = self.worker.available_kv_blocks()
+        self.num_blocks = kv_cache.require_blocks(self.worker.available_kv_blocks(), config)
         self.worker.init_cache(self.num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
@@ -61,6 +65,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_actor_resources(on_gpu: bool) -> dict[str, float]:
+    """What each rank actor reserves inside its bundle: one GPU each on CUDA (Ray then sets the actor's
+    CUDA_VISIBLE_DEVICES to that GPU, which Worker picks up through worker.select_device)."""
+    return {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": 1}
+
+
 class RayExecutor:
     """One actor per rank, placed in the caller's placement group (a Serve replica's bundles) or a new one."""
 
@@ -71,8 +81,8 @@ class RayExecutor:
 
         self.ray = ray
         tp = config.parallel.tensor_parallel_size
-        on_gpu = resolve_device(config.parallel.device).type == "cuda"
-        resources = {"num_gpus": 1, "num_cpus": 1} if on_gpu else {"num_cpus": 1}
+        on_gpu = config.parallel.device == "cuda"
+        resources = rank_actor_resources(on_gpu)
         pg = get_current_placement_group()
         first_bundle = 1  # inside a Serve replica, bundle 0 is the replica itself
         if pg is None:
@@ -100,7 +110,8 @@ class RayExecutor:
             for rank in range(tp)
         ]
         ray.get([w.ping.remote() for w in self.workers])
-        self.num_blocks = min(ray.get([w.available_kv_blocks.remote() for w in self.workers]))
+        blocks = min(ray.get([w.available_kv_blocks.remote() for w in self.workers]))
+        self.num_blocks = kv_cache.require_blocks(blocks, config)
         ray.get([w.init_cache.remote(self.num_blocks) for w in self.workers])
         log.info("tensor-parallel workers ready: %d ranks, %d KV blocks", tp, self.num_blocks)
 
@@ -136,7 +147,17 @@ class RayExecutor:
             remove_placement_group(self._own_pg)
 
 
+def resolve_local_device(config: EngineConfig) -> EngineConfig:
+    """An engine started outside build_app (tests, benchmarks) decides `device: auto` here, once, from
+    this machine; under Serve the builder has already replaced it from the cluster's resources."""
+    if config.parallel.device != "auto":
+        return config
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device=device))
+
+
 def make_executor(config: EngineConfig, model_path: str, arch: LlamaArch) -> LocalExecutor | RayExecutor:
+    config = resolve_local_device(config)
     if config.parallel.tensor_parallel_size == 1 and config.parallel.executor == "auto":
         return LocalExecutor(config, model_path, arch)
     return RayExecutor(config, model_path, arch)

@@ -8,6 +8,7 @@ import torch
 
 from model_parallel.attention import AttentionMetadata, PrefillChunk, decode_gather_index
 from model_parallel.cpu_kernels import KERNEL_DTYPES
+from model_parallel.input_buffers import InputBuffers
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampling_inputs import SamplingInputs, describe, prompt_logprobs
 from model_parallel.sampling_params import SamplingParams
@@ -61,8 +62,11 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver
         self.sampling = SamplingInputs(vocab_size)  # per-request generators; sampling on the logits' device
-        # Varlen backends (xformers) attend over every sequence's context slots in one flat batch.
+        self.buffers = InputBuffers(device)
+        self.graphs = None  # a cuda_graphs.DecodeGraphs, set by the worker once captured
         backend = getattr(model, "attn_backend", None)
+        # xformers reads the paged cache in place through block tables; when its kernels cannot serve a
+        # step's mix of query lengths it falls back to a varlen batch gathered from these context slots.
         self.needs_context_slots = getattr(backend, "name", "") == "xformers"
         # The C kernel reads block tables and lengths directly, for decode and prefill alike; the torch
         # path needs masks, gather indices and context slots built from them.
@@ -70,6 +74,7 @@ class ModelRunner:
         self.paged_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
                               and kv_caches[0][0].dtype in KERNEL_DTYPES
                               and not getattr(model, "torch_attention_only", False))
+        self.seq_tables = self.paged_kernels or self.needs_context_slots  # every sequence's block table, int32
         kernels = getattr(backend, "kernels", None)
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
 
@@ -77,23 +82,22 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _context_slots(self, block_table: list[int], ctx_len: int) -> torch.Tensor:
-        """Cache slots of positions 0..ctx_len-1, built with tensor ops (no per-position Python)."""
+    def _context_slots(self, blocks: torch.Tensor, ctx_len: int) -> torch.Tensor:
+        """Cache slots of positions 0..ctx_len-1 from a sequence's blocks, on the device."""
         bs = self.block_size
-        blocks = torch.tensor(block_table[: -(-ctx_len // bs)], device=self.device)
-        return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).flatten()[:ctx_len]
+        return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=blocks.device)).flatten()[:ctx_len]
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Per-step tensors; Python work is O(new tokens + blocks), never O(context length)."""
+        """Per-step tensors; Python work is O(new tokens + blocks), never O(context length). Every
+        integer input goes to the device in one copy (input_buffers.py); the rest is built there."""
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []  # prefill: q_start, q_len, ctx_len, blocks
         q_lens: list[int] = []
         ctx_lens: list[int] = []
-        dev = self.device
         bs = self.block_size
         if self.lora is not None:  # each token's adapter slot, for the LoRA deltas inside the linears
             self.lora.set_batch([s.lora_slot for s in step.seqs], [len(s.token_ids) for s in step.seqs])
@@ -108,47 +112,55 @@ class ModelRunner:
             slot_mapping.extend(self._slots(s.block_table, s.start_pos, end))
             q_lens.append(n)
             ctx_lens.append(end)
-            is_decode = n == 1 and not prefills and len(decode_lens) == len(q_lens) - 1
-            if self.paged_kernels:
-                seq_tables.append(s.block_table[: -(-end // bs)])
+            blocks = s.block_table[: -(-end // bs)]
+            is_decode = n == 1 and not chunks and len(decode_lens) == len(q_lens) - 1
+            if self.seq_tables:
+                seq_tables.append(blocks)
                 q_starts.append(q_start)
                 if is_decode:
                     decode_lens.append(end)
             elif is_decode:
-                decode_tables.append(s.block_table[: -(-end // bs)])
+                decode_tables.append(blocks)
                 decode_lens.append(end)
             else:
-                fresh = s.start_pos == 0
-                mask = None
-                if not fresh:
-                    q_pos = torch.arange(s.start_pos, end, device=dev).unsqueeze(1)
-                    mask = torch.arange(end, device=dev).unsqueeze(0) <= q_pos
-                slots = None if fresh else self._context_slots(s.block_table, end)
-                prefills.append(PrefillChunk(q_start, n, end, slots, mask))
-        tables_t = mask_t = gather_t = None
+                chunks.append((q_start, n, end, blocks))
+        parts: list[list[int]] = [ids, positions, slot_mapping]
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            tables_t = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
-                                    device=dev)
-            mask_t = torch.arange(width * bs, device=dev).unsqueeze(0) < torch.tensor(decode_lens, device=dev).unsqueeze(1)
+            parts += [[b for t in decode_tables for b in t + [0] * (width - len(t))], decode_lens]
+        if seq_tables:
+            width = max(len(t) for t in seq_tables)
+            parts += [[b for t in seq_tables for b in t + [0] * (width - len(t))], ctx_lens, q_starts, q_lens]
+        parts += [c[3] for c in chunks if c[1] != c[2]]  # blocks of chunks after a cached prefix
+        if self.needs_context_slots:
+            parts += [s.block_table[: -(-c // bs)] for s, c in zip(step.seqs, ctx_lens, strict=True)]
+        tensors = iter(self.buffers.upload(parts))
+        ids_t, positions_t, slots_t = next(tensors), next(tensors), next(tensors)
+        tables_t = mask_t = gather_t = None
+        if decode_tables:
+            tables_t = next(tensors).view(len(decode_tables), -1)
+            lens_t = next(tensors)
+            mask_t = torch.arange(tables_t.shape[1] * bs, device=lens_t.device).unsqueeze(0) < lens_t.unsqueeze(1)
             num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
             gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
         kernel_args = {}
         if seq_tables:
-            width = max(len(t) for t in seq_tables)
-            i32 = dict(dtype=torch.int32, device=dev)
-            kernel_args = dict(
-                seq_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in seq_tables], **i32),
-                seq_ctx_lens=torch.tensor(ctx_lens, **i32),
-                seq_q_starts=torch.tensor(q_starts, **i32),
-                seq_q_lens=torch.tensor(q_lens, **i32),
-            )
+            table, lens, starts, qlens = (next(tensors).int() for _ in range(4))
+            kernel_args = dict(seq_block_tables=table.view(len(seq_tables), -1), seq_ctx_lens=lens,
+                               seq_q_starts=starts, seq_q_lens=qlens)
+        prefills = []
+        for q_start, n, end, _ in chunks:
+            if n == end:  # the chunk is the whole context: attends to its own keys, causally
+                prefills.append(PrefillChunk(q_start, n, end, None, None))
+                continue
+            dev = slots_t.device
+            mask = torch.arange(end, device=dev).unsqueeze(0) <= torch.arange(end - n, end, device=dev).unsqueeze(1)
+            prefills.append(PrefillChunk(q_start, n, end, self._context_slots(next(tensors), end), mask))
         ctx_slots = None
         if self.needs_context_slots:
-            ctx_slots = torch.cat([self._context_slots(s.block_table, c) for s, c in zip(step.seqs, ctx_lens,
-                                                                                          strict=True)])
+            ctx_slots = torch.cat([self._context_slots(next(tensors), c) for c in ctx_lens])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=dev),
+            slot_mapping=slots_t,
             num_decode=len(decode_lens),
             block_size=bs,
             decode_block_tables=tables_t,
@@ -160,7 +172,19 @@ class ModelRunner:
             ctx_slots=ctx_slots,
             **kernel_args,
         )
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
+        return ids_t, positions_t, meta
+
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Hidden states of the step's tokens: a captured decode graph when one covers it, else eager."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(step.seqs)
+            if hidden is not None:
+                return hidden
+        input_ids, positions, meta = self.prepare(step)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _known_adapters(self, step: StepInput, errors: dict[str, str]) -> StepInput:
         """Drop sequences tagged with an adapter this rank does not hold (unloaded under them): each
@@ -180,8 +204,7 @@ class ModelRunner:
         step = self._known_adapters(step, errors)
         if not step.seqs:
             return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
-        input_ids, positions, meta = self.prepare(step)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.forward(step)
         # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
         rows: list[int] = []
         sample_rows: list[int] = []

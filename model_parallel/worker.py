@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -41,9 +42,40 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def resolve_device(choice: str) -> torch.device:
+def cuda_index(visible: str | None, assigned: Sequence[str | int]) -> int:
+    """Index, among the devices this process can see, of the GPU Ray assigned it.
+
+    Ray normally sets CUDA_VISIBLE_DEVICES to exactly the assigned ids, so this is 0; with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES the assigned id is found in the visible list (or is the
+    physical index when every device is visible). Without a Ray assignment (a local engine, or the
+    engine's child process, which inherits its replica's CUDA_VISIBLE_DEVICES): the first visible one.
+    """
+    if not assigned:
+        return 0
+    gpu = str(assigned[0])
+    if not visible:
+        return int(gpu)
+    ids = [v.strip() for v in visible.split(",")]
+    if gpu not in ids:
+        raise RuntimeError(f"Ray assigned GPU {gpu} but CUDA_VISIBLE_DEVICES is {visible!r}")
+    return ids.index(gpu)
+
+
+def ray_gpu_ids() -> list[str]:
+    """GPU ids Ray assigned this process ([] outside a Ray worker; Ray is not imported for this)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return []
+    return [str(g) for g in ray.get_gpu_ids()]
+
+
+def select_device(choice: str) -> torch.device:
+    """The device of this process for a resolved `parallel.device` (the builder or make_executor
+    resolves `auto` once, before any worker starts)."""
     if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        raise ValueError("parallel.device must be resolved before a worker starts")
+    if choice == "cuda":
+        return torch.device("cuda", cuda_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray_gpu_ids()))
     return torch.device(choice)
 
 
@@ -52,11 +84,9 @@ class Worker:
         self.config = config
         self.rank = rank
         world = config.parallel.tensor_parallel_size
-        device = resolve_device(config.parallel.device)
+        device = select_device(config.parallel.device)
         self.step_threads = self.single_sequence_threads = 0
         if device.type == "cuda":
-            # Under Ray each rank sees only its own GPU; otherwise pick by rank.
-            device = torch.device("cuda", 0 if os.environ.get("CUDA_VISIBLE_DEVICES") else rank)
             torch.cuda.set_device(device)
         else:
             threads = config.parallel.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // world)
@@ -112,24 +142,63 @@ class Worker:
             return cache.num_blocks_override
         per_block = self.kv_bytes_per_block()
         if self.device.type == "cuda":
-            return kv_cache.blocks_for_budget(kv_cache.cuda_budget(cache.gpu_memory_utilization, self.device), per_block)
+            activations = self.profile_activation_bytes()
+            budget = kv_cache.cuda_budget(cache.gpu_memory_utilization, self.device, activations)
+            return kv_cache.blocks_for_budget(budget, per_block)
         return kv_cache.blocks_for_budget(cache.kv_cache_bytes, per_block)
 
-    def init_cache(self, num_blocks: int) -> None:
+    def _allocate(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         attn = self.model.layers[0].self_attn.qkv_proj
-        caches = kv_cache.allocate(
-            self.arch.num_layers,
-            num_blocks,
-            self.config.cache.block_size,
-            attn.num_kv_heads,
-            self.arch.head_dim,
-            self.dtype,
-            self.device,
-        )
-        self.runner = ModelRunner(
-            self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device, self.rank == 0,
-            lora=self.lora,
-        )
+        return kv_cache.allocate(self.arch.num_layers, num_blocks, self.config.cache.block_size, attn.num_kv_heads,
+                                 self.arch.head_dim, self.dtype, self.device, self.attn_backend.cache_layout)
+
+    def _runner(self, caches) -> ModelRunner:
+        return ModelRunner(self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device,
+                           self.rank == 0, lora=self.lora)
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self) -> int:
+        """CUDA: peak bytes that a forward of the largest step (max_num_batched_tokens tokens over
+        max_num_seqs sequences, logits for each) adds on top of what is resident, measured by running it.
+        Every rank runs it at once (the executor asks them together), so the collectives match."""
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        step, num_blocks = kv_cache.profile_step(sched.max_num_batched_tokens, sched.max_num_seqs, bs)
+        caches = self._allocate(num_blocks)
+        runner = self._runner(caches)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
+        hidden = runner.forward(step)
+        self.model.compute_logits(hidden[: len(step.seqs)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - resident
+        del caches, runner, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def init_cache(self, num_blocks: int) -> None:
+        graphs = self.device.type == "cuda" and self.config.parallel.cuda_graphs and self.lora is None
+        # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
+        self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
+        if graphs:
+            self._capture_graphs(scratch_block=num_blocks)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, scratch_block: int) -> None:
+        from model_parallel.cuda_graphs import DecodeGraphs
+
+        assert self.runner is not None
+        bs = self.config.cache.block_size
+        max_len = self.config.model.max_model_len or self.arch.max_position_embeddings
+        graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
+                              self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device)
+        # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
+        # step, which a graph cannot replay.
+        if graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True)):
+            self.runner.graphs = graphs
+        else:
+            log.warning("no paged decode kernel in xformers here: CUDA graphs off")
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"

@@ -1,9 +1,10 @@
-"""The xformers backend's glue (varlen layout, paged context gather, GQA grouping, mask choice) on CPU.
+"""The xformers backend's glue (paged biases over the block-major cache, block tables, offsets, GQA
+grouping, the gathered fallback) on CPU.
 
-xformers has no CPU ops and needs CUDA, which this machine lacks, so `xformers.ops.fmha` is replaced by a
-CPU stand-in that computes exactly what xformers documents for memory_efficient_attention_forward with
-a BlockDiagonalCausalFromBottomRightMask. Everything of ours around that call runs for real, and must
-equal the SDPA backend. Backend selection is checked with a CUDA *device object* (no CUDA is touched).
+xformers has no CPU ops and needs CUDA, which this machine lacks, so `xformers.ops.fmha` is replaced by
+the CPU stand-in in xformers_standin.py, which computes what xformers documents for its paged and
+bottom-right causal biases and can refuse what a given build refuses, so the fallbacks run too.
+Everything of ours around the call runs for real, and must equal the SDPA backend. Backend selection is checked with a CUDA *device object* (no CUDA touched).
 """
 
 from __future__ import annotations
@@ -14,95 +15,84 @@ import types
 
 import pytest
 import torch
+from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
 from model_parallel.attention import SDPAAttention, XformersAttention, make_attention_backend
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
 
-
-class _BottomRightMask:
-    def __init__(self, q_lens: list[int], kv_lens: list[int]) -> None:
-        self.q_lens, self.kv_lens = q_lens, kv_lens
-
-    window: int | None = None
-
-    @classmethod
-    def from_seqlens(cls, q_seqlen: list[int], kv_seqlen: list[int]) -> _BottomRightMask:
-        return cls(list(q_seqlen), list(kv_seqlen))
+STEPS_TABLES = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
 
 
-class _LocalBottomRightMask(_BottomRightMask):
-    """BlockDiagonalCausalLocalAttentionFromBottomRightMask: also q - window < k (xformers' docs)."""
-
-    @classmethod
-    def from_seqlens(cls, q_seqlen: list[int], kv_seqlen: list[int], window_size: int) -> _LocalBottomRightMask:
-        mask = cls(list(q_seqlen), list(kv_seqlen))
-        mask.window = window_size
-        return mask
-
-
-def _reference_forward(q, k, v, attn_bias, scale=None):
-    """[1, M, G, H, K] query / [1, N, G, H, K] key-value; per sequence, causal aligned bottom-right."""
-    out = torch.empty_like(q)
-    qo = ko = 0
-    for ql, kl in zip(attn_bias.q_lens, attn_bias.kv_lens, strict=True):
-        qs, ks, vs = q[0, qo:qo + ql], k[0, ko:ko + kl], v[0, ko:ko + kl]  # [n, G, H, K]
-        scores = torch.einsum("qghd,kghd->ghqk", qs, ks) * (qs.shape[-1] ** -0.5 if scale is None else scale)
-        q_pos = torch.arange(ql)[:, None] + kl - ql
-        allowed = torch.arange(kl)[None, :] <= q_pos
-        if attn_bias.window is not None:
-            allowed &= torch.arange(kl)[None, :] > q_pos - attn_bias.window
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out[0, qo:qo + ql] = torch.einsum("ghqk,kghd->qghd", probs, vs)
-        qo, ko = qo + ql, ko + kl
-    return out
+def _steps():
+    t = STEPS_TABLES
+    # Mixed steps: a decode row beside prefill chunks, one chunk continuing a cached prefix; then decode.
+    return [
+        [SeqStep("a", [0] * 5, 0, t[0], sample=False), SeqStep("b", [0] * 7, 0, t[1], sample=True)],
+        [SeqStep("b", [0], 7, t[1], sample=True), SeqStep("a", [0] * 8, 5, t[0], sample=True),
+         SeqStep("c", [0] * 2, 0, t[2], sample=True)],
+        [SeqStep("a", [0], 13, t[0], sample=True), SeqStep("b", [0], 8, t[1], sample=True),
+         SeqStep("c", [0], 2, t[2], sample=True)],
+    ]
 
 
-@pytest.fixture
-def fake_xformers(monkeypatch):
-    fmha = types.SimpleNamespace(attn_bias=types.SimpleNamespace(
-        BlockDiagonalCausalFromBottomRightMask=_BottomRightMask,
-        BlockDiagonalCausalLocalAttentionFromBottomRightMask=_LocalBottomRightMask),
-                                 memory_efficient_attention_forward=_reference_forward)
-    ops = types.ModuleType("xformers.ops")
-    ops.fmha = fmha  # type: ignore[attr-defined]
-    pkg = types.ModuleType("xformers")
-    pkg.ops = ops  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "xformers", pkg)
-    monkeypatch.setitem(sys.modules, "xformers.ops", ops)
+# What xformers refuses (its kernels per build), and per-layer options: a custom scale, a sliding
+# window (local mask over the gathered context), soft-capped logits (a torch path: no xformers call).
+CASES = [("", {}), ("splitk", {}), ("all", {}), ("", {"scale": 0.3}), ("", {"window": 3, "scale": 0.3}),
+         ("", {"softcap": 2.0}), ("", {"window": 5, "softcap": 1.5})]
 
 
-# Per-layer options: a sliding window (local mask), a custom scale, soft-capped logits (torch path).
-@pytest.mark.parametrize("options", [{}, {"window": 3, "scale": 0.3}, {"softcap": 2.0}, {"window": 5, "softcap": 1.5}])
-def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(fake_xformers, options):
+@pytest.mark.parametrize(("refuse", "options"), CASES)
+def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(monkeypatch, refuse, options):
+    fmha = install_fake_xformers(monkeypatch, refuse)
     torch.manual_seed(0)
     hq, hk, d, bs, num_blocks = 6, 2, 8, 4, 32
-    caches = {name: (torch.randn(hk, num_blocks, bs, d), torch.randn(hk, num_blocks, bs, d))
-              for name in ("sdpa", "xformers")}
-    caches["xformers"] = (caches["sdpa"][0].clone(), caches["sdpa"][1].clone())
+    head_major = (torch.randn(hk, num_blocks, bs, d), torch.randn(hk, num_blocks, bs, d))
+    # The same contents in xformers' block-major layout [blocks, block_size, Hk, D].
+    block_major = tuple(c.permute(1, 2, 0, 3).contiguous() for c in head_major)
     backends = {"sdpa": SDPAAttention(), "xformers": XformersAttention()}
-    runners = {name: ModelRunner(model=None, kv_caches=[caches[name]], block_size=bs, vocab_size=10,
-                                 device=torch.device("cpu"), is_driver=True) for name in backends}
-    runners["xformers"].needs_context_slots = True  # what the worker sets for a varlen backend
-    tables = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
-    # Mixed steps: a decode row beside prefill chunks, one chunk continuing a cached prefix.
-    steps = [
-        [SeqStep("a", [0] * 5, 0, tables[0], sample=False), SeqStep("b", [0] * 7, 0, tables[1], sample=True)],
-        [SeqStep("b", [0], 7, tables[1], sample=True), SeqStep("a", [0] * 8, 5, tables[0], sample=True),
-         SeqStep("c", [0] * 2, 0, tables[2], sample=True)],
-        [SeqStep("a", [0], 13, tables[0], sample=True), SeqStep("b", [0], 8, tables[1], sample=True),
-         SeqStep("c", [0], 2, tables[2], sample=True)],
-    ]
-    for seqs in steps:
+    caches = {"sdpa": head_major, "xformers": block_major}
+    runners = {name: ModelRunner(model=types.SimpleNamespace(attn_backend=attn), kv_caches=[caches[name]],
+                                 block_size=bs, vocab_size=10, device=torch.device("cpu"), is_driver=True)
+               for name, attn in backends.items()}
+    expected_calls = {"": [["paged"], ["paged"], ["paged"]],  # one call per layer per step
+                      "splitk": [["gathered"], ["paged", "gathered"], ["paged"]],
+                      "all": [["gathered"], ["gathered"], ["gathered"]]}[refuse]
+    if "softcap" in options:
+        expected_calls = [[], [], []]
+    elif "window" in options:
+        expected_calls = [["gathered"]] * 3
+    for seqs, calls in zip(_steps(), expected_calls, strict=True):
         t = sum(len(s.token_ids) for s in seqs)
         q, k, v = torch.randn(t, hq, d), torch.randn(t, hk, d), torch.randn(t, hk, d)
         outs = {}
         for name, attn in backends.items():
             _, _, meta = runners[name].prepare(StepInput(seqs))
+            fmha.calls.clear()
             outs[name] = attn(q, k, v, *caches[name], meta, **options)
         torch.testing.assert_close(outs["xformers"], outs["sdpa"], atol=1e-5, rtol=1e-5)
+        # Once refused, a kind of paged call is not tried again (the refusals are not counted).
+        assert fmha.calls == calls
+    for sdpa_cache, xf_cache in zip(head_major, block_major, strict=True):  # new K/V written to the same slots
+        torch.testing.assert_close(xf_cache.permute(2, 0, 1, 3), sdpa_cache)
 
 
-def test_backend_choice(fake_xformers, monkeypatch, caplog):
+def test_paged_bias_is_built_once_per_step(monkeypatch):
+    fmha = install_fake_xformers(monkeypatch)
+    built = []
+    attn = XformersAttention()
+    original = attn.paged_bias
+    attn.paged_bias = lambda *a: built.append(1) or original(*a)  # type: ignore[method-assign]
+    caches = (torch.randn(32, 4, 2, 8), torch.randn(32, 4, 2, 8))
+    runner = ModelRunner(model=types.SimpleNamespace(attn_backend=attn), kv_caches=[caches], block_size=4,
+                         vocab_size=10, device=torch.device("cpu"), is_driver=True)
+    _, _, meta = runner.prepare(StepInput(_steps()[0]))
+    for _ in range(3):  # three layers share the step's metadata
+        attn(torch.randn(12, 4, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8), *caches, meta)
+    assert built == [1] and fmha.calls == ["paged"] * 3
+
+
+def test_backend_choice(monkeypatch, caplog):
+    install_fake_xformers(monkeypatch)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert make_attention_backend("auto", cpu).name == "sdpa"
     with pytest.raises(ValueError, match="needs CUDA"):

@@ -1,0 +1,162 @@
+"""CUDA graphs for decode steps (parallel.cuda_graphs; CUDA only, eager for prefill and mixed steps).
+
+A small model's decode step is bound by kernel launches. Decode steps are captured once per batch size
+of a ladder (1, 2, 4, ..., max_num_seqs) and a step is padded up to the next captured size. Inputs
+live in static buffers (filled from one host staging buffer, one copy per dtype); the attention
+metadata is rebuilt from them inside the graph, so its shapes are fixed per size: block tables are
+max_blocks_per_seq wide and the Python-side lengths the kernels see are upper bounds. Padding rows
+write their K/V into a scratch block that no sequence owns and attend to it alone.
+
+Everything but the capture itself is device-agnostic (sizes, padding, staging, metadata) and tested
+on CPU, where `capture=False` runs the same static-buffer path eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+
+import torch
+
+from model_parallel.attention import AttentionMetadata, decode_gather_index
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two up to max_num_seqs, and max_num_seqs itself."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_num_seqs]
+
+
+def padded_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding n rows; None beyond the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeGraphs:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
+                 num_kv_heads: int, device: torch.device, capture: bool = True) -> None:
+        self.sizes = capture_sizes(max_num_seqs)
+        self.width, self.block_size, self.scratch_block = max_blocks_per_seq, block_size, scratch_block
+        self.num_kv_heads = num_kv_heads
+        self.device = device
+        self.capture_enabled = capture and device.type == "cuda"
+        b, w = self.sizes[-1], max_blocks_per_seq
+        pin = device.type == "cuda"
+        # int64: token ids | positions | slots; int32: context lengths | query starts | block tables.
+        self.long_host = torch.zeros(3 * b, dtype=torch.int64, pin_memory=pin)
+        self.int_host = torch.zeros(2 * b + b * w, dtype=torch.int32, pin_memory=pin)
+        self.long_dev = torch.zeros(3 * b, dtype=torch.int64, device=device)
+        self.int_dev = torch.zeros(2 * b + b * w, dtype=torch.int32, device=device)
+        self.ids, self.positions, self.slots = self.long_dev.view(3, b)
+        self.ctx_lens, self.q_starts = self.int_dev[: 2 * b].view(2, b)
+        self.tables = self.int_dev[2 * b:].view(b, w)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.forward: Forward | None = None
+
+    def size_for(self, seqs) -> int | None:
+        """The captured size for a step of decode rows only (one token each) that fits; else None."""
+        if not seqs or any(len(s.token_ids) != 1 for s in seqs):
+            return None
+        if any(-(-(s.start_pos + 1) // self.block_size) > self.width for s in seqs):
+            return None
+        return padded_size(len(seqs), self.sizes)
+
+    def stage(self, seqs, size: int) -> None:
+        """Write the step (padded to `size` rows) into the host staging buffers, then copy them once."""
+        b, bs, w = self.sizes[-1], self.block_size, self.width
+        longs, ints = [0] * (3 * size), [0] * (2 * size)
+        table_rows = [[self.scratch_block] * w for _ in range(size)]
+        for i in range(size):
+            longs[2 * size + i] = self.scratch_block * bs  # padding rows write here and read it alone
+            ints[i], ints[size + i] = 1, i
+        for i, s in enumerate(seqs):
+            pos = s.start_pos
+            longs[i], longs[size + i] = s.token_ids[0], pos
+            longs[2 * size + i] = s.block_table[pos // bs] * bs + pos % bs
+            ints[i] = pos + 1
+            blocks = s.block_table[: -(-(pos + 1) // bs)]
+            table_rows[i][: len(blocks)] = blocks
+        long_view = self.long_host.view(3, b)[:, :size]
+        long_view.copy_(torch.tensor(longs, dtype=torch.int64).view(3, size))
+        int_view = self.int_host[: 2 * b].view(2, b)[:, :size]
+        int_view.copy_(torch.tensor(ints, dtype=torch.int32).view(2, size))
+        self.int_host[2 * b: 2 * b + size * w].copy_(torch.tensor(table_rows, dtype=torch.int32).flatten())
+        nb = self.cuda_nonblocking()
+        self.long_dev.view(3, b)[:, :size].copy_(long_view, non_blocking=nb)
+        self.int_dev[: 2 * b].view(2, b)[:, :size].copy_(int_view, non_blocking=nb)
+        self.tables[:size].copy_(self.int_host[2 * b: 2 * b + size * w].view(size, w), non_blocking=nb)
+
+    def cuda_nonblocking(self) -> bool:
+        """Pinned staging reused each step: the previous copy must have left it (it has, since the step's
+        results were read back), so a plain non_blocking copy is safe."""
+        return self.device.type == "cuda"
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Fixed-shape metadata over the static buffers' first `size` rows, for every backend: the paged
+        fields (xformers) and the torch decode path's mask and gather index, derived on the device."""
+        bs, w = self.block_size, self.width
+        tables, lens = self.tables[:size], self.ctx_lens[:size]
+        num_blocks = self.scratch_block + 1
+        return AttentionMetadata(
+            slot_mapping=self.slots[:size], num_decode=size, block_size=bs,
+            decode_block_tables=tables,
+            decode_mask=torch.arange(w * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1),
+            decode_gather_index=decode_gather_index(tables, self.num_kv_heads, num_blocks),
+            q_lens=[1] * size, ctx_lens=[w * bs] * size,  # upper bounds: the kernels read `lens`
+            seq_block_tables=tables, seq_ctx_lens=lens, seq_q_starts=self.q_starts[:size],
+            seq_q_lens=torch.ones(size, dtype=torch.int32, device=self.device),
+        )
+
+    def _run(self, size: int) -> torch.Tensor:
+        assert self.forward is not None
+        return self.forward(self.ids[:size], self.positions[:size], self.metadata(size))
+
+    def capture(self, forward: Forward, capturable: Callable[[], bool] = lambda: True) -> bool:
+        """Warm each size up eagerly (lazy initialisation, kernel choices), then capture it, largest first
+        so the smaller graphs reuse its memory pool. `capturable` is asked after each warm-up (the
+        attention backend may have fallen back to a path that copies from Python lists); False stops
+        and leaves the graphs off. Returns whether the graphs (or, without capture, the path) are on."""
+        self.forward = forward
+        if not self.capture_enabled:
+            return True
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            self.stage([], size)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._run(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            if not capturable():
+                self.forward, self.graphs, self.outputs = None, {}, {}
+                return False
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._run(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        return True
+
+    def run(self, seqs) -> torch.Tensor | None:
+        """Hidden states of a decode step's rows (a view valid until the next run), or None when the
+        step is not one the graphs cover (prefill, too many rows, a context past max_blocks_per_seq)."""
+        size = self.size_for(seqs)
+        if size is None or self.forward is None:
+            return None
+        self.stage(seqs, size)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][: len(seqs)]
+        return self._run(size)[: len(seqs)]  # capture=False: the same static-buffer path, eagerly
