@@ -6,13 +6,18 @@ the page itself holds no secret, so it is served without a key.
 
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
+import sys
 from pathlib import Path
 
 from fastapi.responses import HTMLResponse
+from ray import cloudpickle
 
 from deployments.http_app import app
 
 PAGE = Path(__file__).parent / "static" / "playground.html"
+# Serve ships the ingress class to its replica by value, with the route signatures it rewrote (`self`
+# injected); routes on this mixin must travel the same way, or the replica's copies lack the rewrite.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class PlaygroundRoutes:

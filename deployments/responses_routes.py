@@ -6,12 +6,14 @@ run machinery; app.responses_events turns its deltas into the Response and its s
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from ray import cloudpickle
 
 from app import conversations as C
 from app import protocol as P
@@ -27,6 +29,9 @@ from deployments.request_guards import check_tokens, conversation_not_found
 from deployments.response_store import ResponseStore
 
 log = logging.getLogger("ray.serve")
+# Serve ships the ingress class to its replica by value, with the route signatures it rewrote (`self`
+# injected); routes on this mixin must travel the same way, or the replica's copies lack the rewrite.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def response_not_found(rid: str, param: str = "response_id") -> APIError:
