@@ -194,7 +194,9 @@ class ResponseAssembler:
         return dict(self.frame, output=[])
 
     def usage(self) -> dict[str, Any]:
-        return {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+        # cache_write_tokens: OpenAI's billed explicit cache writes; the prefix cache here has none.
+        details = {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0}
+        return {"input_tokens": self.prompt_tokens, "input_tokens_details": details,
                 "output_tokens": self.output_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.prompt_tokens + self.output_tokens}
