@@ -236,3 +236,10 @@ def test_lora_adapter_by_base_colon_name(lclient, model_name):  # noqa: F811
     r = lclient.responses.create(model=f"{model_name}:pre", input=ask, temperature=0, max_output_tokens=12)
     assert r.model == f"{model_name}:pre"
     assert r.output_text == chat(f"{model_name}:pre") != chat(model_name)
+
+
+def test_responses_routes_need_a_key(server):
+    for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"),
+                         ("DELETE", "/v1/responses/resp_x"), ("GET", "/v1/responses/resp_x/input_items")):
+        r = httpx.request(method, f"{server}{path}", json={"input": "x"} if method == "POST" else None)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
