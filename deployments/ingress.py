@@ -36,6 +36,7 @@ from deployments.cpu_priority import lower_process_priority
 from deployments.http_app import app, parse, parse_query, read_body, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import server_metrics
+from deployments.playground import PlaygroundRoutes
 from deployments.request_guards import (
     check_request,
     check_sampling,
@@ -45,6 +46,7 @@ from deployments.request_guards import (
     guarded,
     note_replica,
 )
+from deployments.responses_routes import ResponsesRoutes
 from deployments.store_tap import storing_tap
 
 log = logging.getLogger("ray.serve")
@@ -52,7 +54,7 @@ log = logging.getLogger("ray.serve")
 # graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
-class Ingress:
+class Ingress(ResponsesRoutes, PlaygroundRoutes):
     def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle,
                  serving_nice: int = 0):
         lower_process_priority(serving_nice)

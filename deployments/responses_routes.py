@@ -1,0 +1,177 @@
+"""/v1/responses routes, mixed into the ingress (Serve binds FastAPI routes declared on any class of the
+ingress's MRO). A Responses request becomes a chat request and runs through the ingress's own render /
+run machinery; app.responses_events turns its deltas into the Response and its semantic events."""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from ray import cloudpickle
+
+from app import conversations as C
+from app import protocol as P
+from app import responses_api as R
+from app.errors import APIError, bad_request, not_found
+from app.responses_events import ResponseAssembler, skeleton, sse
+from app.sse import GenerationDelta
+from app.structured import guided_spec
+from app.tools import plan_tools
+from deployments.http_app import app, parse, parse_query, request_id_of
+from deployments.llm_server import GenerateRequest
+from deployments.request_guards import check_tokens, conversation_not_found
+from deployments.response_store import ResponseStore
+
+log = logging.getLogger("ray.serve")
+# Serve ships the ingress class to its replica by value, with the route signatures it rewrote (`self`
+# injected); routes on this mixin must travel the same way, or the replica's copies lack the rewrite.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def response_not_found(rid: str, param: str = "response_id") -> APIError:
+    return not_found(f"Response with id '{rid}' not found.", param=param, code="response_not_found")
+
+
+@dataclass
+class _Body:
+    """The whole Response for the ingress's run(), which serialises what its collector returns."""
+
+    body: dict[str, Any]
+
+    def model_dump(self) -> dict[str, Any]:
+        return self.body
+
+
+class ResponsesRoutes:
+    """Mixed into deployments.ingress.Ingress, whose attributes and methods these routes use."""
+
+    def response_store(self) -> ResponseStore:
+        if getattr(self, "_response_store", None) is None:
+            self._response_store = ResponseStore(self.store)
+        return self._response_store
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request):
+        owner = self.check_auth(request)
+        req = await parse(request, R.ResponseCreate)
+        R.check_supported(req)
+        items = R.input_items(req)
+        cid = C.conversation_id(req.conversation)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            store = self.response_store()
+            history = await asyncio.to_thread(store.context, owner, req.previous_response_id)
+            if history is None:  # missing, or another key's: the same answer
+                raise response_not_found(req.previous_response_id, "previous_response_id")
+        elif cid is not None:
+            history = await self.conversation_history(owner, cid)
+        if len(history) + len(items) > R.MAX_CONTEXT_ITEMS:
+            raise bad_request(f"the context would hold {len(history) + len(items)} items; at most "
+                              f"{R.MAX_CONTEXT_ITEMS} are allowed", param="input")
+        messages = R.items_to_messages(history + items)
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
+        if not messages:
+            raise bad_request("input has no message to answer", param="input")
+        try:
+            return await self.generate_response(request, owner, req, R.chat_request(req, messages), history,
+                                                items, cid)
+        except APIError as exc:
+            raise R.renamed(exc) from None
+
+    async def generate_response(self, request: Request, owner: str, req: R.ResponseCreate,
+                                chat: P.ChatCompletionRequest, history: list[dict], items: list[dict],
+                                cid: str | None):
+        """The chat handler's steps (adapter, constraint, tools, template, limits) for one response."""
+        lora = self.adapters.resolve(chat.model, None)
+        P.check_supported(chat)
+        guided = guided_spec(chat)
+        tool_format = self.config.tool_parser
+        if tool_format == "auto":
+            tool_format = (await self.tokenizer_info())["tool_format"]
+        plan = plan_tools(chat, other_constraint=guided is not None, tool_format=tool_format)
+        if plan is not None and plan.guided is not None:
+            guided = plan.guided
+        text, ids = await self.render(
+            [m.model_dump(exclude_none=True) for m in chat.messages], add_generation_prompt=True,
+            continue_final_message=False, chat_template=None, chat_template_kwargs=P.template_kwargs(chat),
+            tools=plan.template_tools if plan is not None and plan.mode != "none" else None)
+        info = await self.info()
+        context = check_tokens(self.config, chat, len(ids), "input", info["max_model_len"])
+        params = P.to_sampling_params(chat, prompt_len=len(ids), max_model_len=context)
+        rid = R.new_item_id("resp")
+        greq = GenerateRequest(rid, [ids], params, P.stop_options(chat), n=1, guided=guided, lora=lora[0],
+                               lora_path=lora[1], trace_id=request_id_of(request))
+        factory = await self.output_parser(chat, plan, text)
+        frame = skeleton(req, rid, req.model or self.model_name, cid)
+
+        async def keep(asm: ResponseAssembler) -> None:
+            """Stores the response (and the turn in its conversation) before the client sees it end."""
+            body = asm.final()
+            if body["status"] == "cancelled" or (req.store is False and cid is None):
+                return
+            try:
+                await asyncio.to_thread(self.response_store().save, owner, body if req.store is not False else None,
+                                        history + items, cid, items + body["output"])
+            except KeyError:
+                raise conversation_not_found(cid or "") from None
+
+        async def collect(deltas: AsyncIterator[GenerationDelta], **_: Any) -> _Body:
+            asm = ResponseAssembler(frame, factory() if factory is not None else None)
+            async for d in deltas:
+                asm.feed(d)
+            asm.finish()
+            await keep(asm)
+            return _Body(asm.final())
+
+        async def stream(deltas: AsyncIterator[GenerationDelta], **_: Any) -> AsyncIterator[str]:
+            asm = ResponseAssembler(frame, factory() if factory is not None else None)
+            for ev in asm.start():
+                yield sse(ev)
+            try:
+                async for d in deltas:
+                    for ev in asm.feed(d):
+                        yield sse(ev)
+                for ev in asm.finish():
+                    yield sse(ev)
+                await keep(asm)
+            except Exception as exc:  # the 200 is sent: the failure becomes events
+                if not isinstance(exc, APIError):
+                    log.error("response stream failed (%s)", rid, exc_info=exc)
+                for ev in asm.error_events(R.renamed(exc) if isinstance(exc, APIError) else exc):
+                    yield sse(ev)
+                return
+            yield sse(asm.done_event())
+
+        return await self.run(greq, stream, collect, chat)
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(self, rid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        body = await asyncio.to_thread(self.response_store().get, owner, rid)
+        if body is None:
+            raise response_not_found(rid)
+        return JSONResponse(body)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(self, rid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        if not await asyncio.to_thread(self.response_store().delete, owner, rid):
+            raise response_not_found(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def list_input_items(self, rid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        q = parse_query(request, C.ItemsQuery)
+        page = await asyncio.to_thread(self.response_store().input_items, owner, rid, limit=q.limit, order=q.order,
+                                       after=q.after)
+        if page is None:
+            raise response_not_found(rid)
+        return JSONResponse(C.items_page(*page))

@@ -1,0 +1,147 @@
+"""The Responses API's request side: input items -> stored items -> chat messages, the chat request, bounds.
+
+References: the server's own ChatCompletionRequest (the converted request must validate as one) and
+the chat messages a client would have sent for the same conversation.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from app import responses_api as R
+from app.errors import APIError, from_validation_error
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def create(**body) -> R.ResponseCreate:
+    return R.ResponseCreate.model_validate({"input": "hi"} | body)
+
+
+def test_string_input_is_one_user_message():
+    items = R.input_items(create(input="Hello"))
+    assert [(i["type"], i["role"], i["content"]) for i in items] == [
+        ("message", "user", [{"type": "input_text", "text": "Hello"}])]
+    assert items[0]["id"].startswith("msg_")
+
+
+def test_items_become_the_chat_messages_a_client_would_send():
+    req = create(input=[
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                                         {"type": "input_text", "text": "in Paris?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Lyon"}'},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "thinking"}]},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "20C"}]},
+    ])
+    messages = R.items_to_messages(R.input_items(req))
+    call = lambda i, city: {"id": f"call_{i}", "type": "function",  # noqa: E731
+                            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    assert messages == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [call(1, "Paris"), call(2, "Lyon")]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "20C"},
+    ]
+    chat = R.chat_request(req, messages)
+    assert [m.role for m in chat.messages] == ["developer", "user", "assistant", "tool", "tool"]
+    assert chat.messages[2].tool_calls[1].function.arguments == '{"city": "Lyon"}'
+
+
+def test_a_call_without_text_opens_its_own_assistant_message():
+    items = R.input_items(create(input=[
+        {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]))
+    assert R.items_to_messages(items)[1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def test_chat_request_carries_every_option():
+    req = create(model="base:adapter", temperature=0.3, top_p=0.9, max_output_tokens=7, stream=True,
+                 tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}],
+                 tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False,
+                 reasoning={"effort": "low"}, include=[R.LOGPROBS_INCLUDE], top_logprobs=2)
+    chat = R.chat_request(req, [{"role": "user", "content": "hi"}])
+    assert (chat.model, chat.temperature, chat.top_p, chat.max_completion_tokens, chat.stream) == \
+        ("base:adapter", 0.3, 0.9, 7, True)
+    assert chat.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert (chat.parallel_tool_calls, chat.reasoning_effort, chat.logprobs, chat.top_logprobs) == (False, "low", True, 2)
+    assert chat.store is False  # the Responses route stores on its own
+
+
+@pytest.mark.parametrize("fmt, expect", [
+    ({"type": "text"}, None),
+    ({"type": "json_object"}, {"type": "json_object"}),
+    ({"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True},
+     {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}),
+])
+def test_text_format_becomes_response_format(fmt, expect):
+    got = R.chat_request(create(text={"format": fmt}), [{"role": "user", "content": "x"}]).response_format
+    assert (got.model_dump(exclude_none=True) if got else None) == expect
+
+
+@pytest.mark.parametrize("tools, words", [
+    ([{"type": "web_search"}], ["web_search"]),
+    ([{"type": "function", "name": "f"}, {"type": "file_search"}, {"type": "computer_use_preview"}],
+     ["file_search", "computer_use_preview"]),
+])
+def test_hosted_tools_are_refused_by_name(tools, words):
+    with pytest.raises(APIError) as exc:
+        R.chat_tools(tools)
+    assert exc.value.param == "tools" and all(w in exc.value.message for w in words)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"role": "user", "content": "x"}] * (R.MAX_INPUT_ITEMS + 1)}, "input"),
+    ({"input": "x" * (R.MAX_TEXT_CHARS + 1)}, "input"),
+    ({"instructions": "x" * (R.MAX_TEXT_CHARS + 1)}, "instructions"),
+    ({"tools": [{"type": "function", "name": "f"}] * (R.MAX_TOOLS + 1)}, "tools"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
+    ({"include": ["x"] * 17}, "include"),
+    ({"unknown_field": 1}, "unknown_field"),
+])
+def test_request_bounds_name_the_field(body, param):
+    with pytest.raises(ValidationError) as exc:
+        create(**body)
+    assert from_validation_error(exc.value).param == param
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"role": "tool", "content": "x"}, "input.0.role"),
+    ({"role": "user", "content": [{"type": "input_text", "text": "x"}] * (R.MAX_PARTS + 1)}, "input.0.content"),
+    ({"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}, "input.0.content.0.type"),
+    ({"role": "user", "content": 3}, "input.0.content"),
+    ({"type": "function_call", "call_id": "", "name": "f"}, "input.0.call_id"),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "x" * (R.MAX_TEXT_CHARS + 1)},
+     "input.0.arguments"),
+    ({"type": "function_call_output", "call_id": "c", "output": 5}, "input.0.output"),
+    ({"type": "file_search_call", "id": "fs"}, "input.0.type"),
+])
+def test_item_bounds_name_the_field(item, param):
+    with pytest.raises(APIError) as exc:
+        R.input_items(create(input=[item]))
+    assert exc.value.status_code == 400 and exc.value.param == param
+
+
+def test_unsupported_options_and_renamed_errors():
+    for body, param in (({"background": True}, "background"), ({"truncation": "auto"}, "truncation"),
+                        ({"previous_response_id": "resp_1", "conversation": "conv_1"}, "previous_response_id")):
+        with pytest.raises(APIError) as exc:
+            R.check_supported(create(**body))
+        assert exc.value.param == param
+    err = R.renamed(APIError(400, "'max_completion_tokens' is too large: 9", param="max_completion_tokens"))
+    assert err.param == "max_output_tokens" and "'max_output_tokens'" in err.message
+    with pytest.raises(APIError) as exc:
+        R.chat_tool_choice({"type": "web_search_preview"})
+    assert exc.value.param == "tool_choice"
+    with pytest.raises(APIError) as exc:
+        R.chat_response_format(R.TextConfig.model_validate({"format": {"type": "json_schema", "name": "x"}}))
+    assert exc.value.param == "text.format.schema"

@@ -1,0 +1,151 @@
+"""Engine deltas -> Response output items and semantic events.
+
+References: the OpenAI SDK's own types (every event and the final body validate as its pydantic
+models) and its stream accumulator (ResponseStreamState, what `client.responses.stream` runs), which
+must rebuild from the events exactly the Response that ResponseAssembler.final() returns.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pydantic
+import pytest
+from openai import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+
+from app.chat_output import ChatOutputParser
+from app.request_models import ChatCompletionRequest
+from app.responses_api import ResponseCreate
+from app.responses_events import ResponseAssembler, skeleton, sse
+from app.sse import GenerationDelta
+from app.tools import plan_tools
+
+EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+
+
+def deltas(pieces: list[str], finish: str = "stop", prompt: int = 10, cached: int = 4) -> list[GenerationDelta]:
+    out = []
+    for i, text in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out.append(GenerationDelta(index=0, text=text, token_ids=[i], logprobs=None,
+                                   finish_reason=finish if last else None, matched_stop=None, prompt_tokens=prompt,
+                                   cached_tokens=cached, completion_tokens=i + 1))
+    return out
+
+
+def run(pieces: list[str], parser: ChatOutputParser | None = None, finish: str = "stop",
+        **body) -> tuple[list[dict], dict]:
+    req = ResponseCreate.model_validate({"input": "x"} | body)
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None), parser)
+    events = asm.start()
+    for d in deltas(pieces, finish):
+        events += asm.feed(d)
+    events += asm.finish()
+    events.append(asm.done_event())
+    return events, asm.final()
+
+
+def _unparsed(value):
+    """The SDK's accumulator adds its own `parsed` / `parsed_arguments` fields: not part of the wire body."""
+    if isinstance(value, dict):
+        return {k: _unparsed(v) for k, v in value.items() if k not in ("parsed", "parsed_arguments")}
+    return [_unparsed(v) for v in value] if isinstance(value, list) else value
+
+
+def check_with_sdk(events: list[dict], final: dict) -> Response:
+    """Every event parses as the SDK's type, in sequence; its accumulator rebuilds the final body."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in events:
+        wire = json.loads(sse(e).split("data: ", 1)[1])  # what the client reads
+        state.handle_event(EVENT.validate_python(wire))
+    body = Response.model_validate(final)
+    if final["status"] == "completed":
+        rebuilt = state._completed_response
+        assert rebuilt.id == body.id and rebuilt.usage == body.usage and rebuilt.output_text == body.output_text
+        assert [_unparsed(o.to_dict()) for o in rebuilt.output] == [o.to_dict() for o in body.output]
+    return body
+
+
+def test_text_stream_order_and_final_body():
+    events, final = run(["Hel", "lo", " world"])
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.output_text.delta"] * 3 + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    body = check_with_sdk(events, final)
+    assert body.output_text == "Hello world" == events[-4]["text"]
+    assert body.status == "completed" and body.output[0].status == "completed"
+    assert body.usage.input_tokens == 10 and body.usage.input_tokens_details.cached_tokens == 4
+    assert body.usage.output_tokens == 3 and body.usage.total_tokens == 13
+    assert events[0]["response"]["output"] == [] and events[0]["response"]["status"] == "in_progress"
+
+
+def test_length_makes_an_incomplete_response():
+    events, final = run(["a", "b"], finish="length", max_output_tokens=2)
+    body = check_with_sdk(events, final)
+    assert events[-1]["type"] == "response.incomplete"
+    assert body.status == "incomplete" and body.incomplete_details.reason == "max_output_tokens"
+    assert body.output[0].status == "incomplete" and body.completed_at is None
+
+
+def test_empty_output_is_still_one_message():
+    events, final = run([""])
+    body = check_with_sdk(events, final)
+    assert [o.type for o in body.output] == ["message"] and body.output_text == ""
+
+
+def test_reasoning_item_then_message():
+    parser = ChatOutputParser(reasoning=True)
+    events, final = run(["<think>Let me ", "think.", "</think>\n\nThe answer", " is 4."], parser)
+    body = check_with_sdk(events, final)
+    assert [o.type for o in body.output] == ["reasoning", "message"]
+    assert body.output[0].content[0].text == "Let me think."
+    assert body.output_text == "The answer is 4."
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_item.added", 3)
+    assert body.usage.output_tokens_details.reasoning_tokens == 2  # the two deltas that only thought
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_function_call_items(choice):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                 "tool_choice": choice})
+    parser = ChatOutputParser(tools=plan_tools(chat, other_constraint=False))
+    args = '{"city": "Paris"}'
+    text = json.dumps([{"name": "get_weather", "arguments": json.loads(args)}]) if choice == "required" else args
+    events, final = run([text[:5], text[5:]], parser)
+    body = check_with_sdk(events, final)
+    assert [o.type for o in body.output] == ["function_call"]
+    call = body.output[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and json.loads(call.arguments) == \
+        json.loads(args)
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0]["arguments"] == call.arguments
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") \
+        == call.arguments
+
+
+def test_logprobs_reach_the_text_part():
+    req = ResponseCreate.model_validate({"input": "x"})
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None), None)
+    lp = [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}]
+    d = GenerationDelta(index=0, text="Hi", token_ids=[1], logprobs=lp, finish_reason="stop", matched_stop=None,
+                        prompt_tokens=1, cached_tokens=0, completion_tokens=1)
+    events = asm.start() + asm.feed(d) + asm.finish() + [asm.done_event()]
+    check_with_sdk(events, asm.final())
+    assert [e for e in events if e["type"] == "response.output_text.delta"][0]["logprobs"] == lp
+    assert asm.final()["output"][0]["content"][0]["logprobs"] == lp
+
+
+def test_error_events_after_the_stream_began():
+    req = ResponseCreate.model_validate({"input": "x"})
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None), None)
+    events = asm.start() + asm.feed(deltas(["partial"], finish=None)[0]) + asm.error_events(RuntimeError("boom"))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    for e in events:
+        EVENT.validate_python(e)
+    assert events[-1]["response"]["status"] == "failed" and "RuntimeError" in events[-2]["message"]
