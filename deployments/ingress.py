@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -191,6 +192,22 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes):
     async def chat(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, P.ChatCompletionRequest)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        last_input = messages[-1]  # what `store` keeps (before any history is merged in)
+        cid = C.conversation_id(req.conversation)
+        if cid is not None:
+            messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        greq, parser_factory = await self.prepare_chat(request, owner, req, messages, rid)
+        tap = None
+        if req.store:
+            tap = storing_tap(self.store, self.model_name, owner, req, cid, rid, last_input, parser_factory)
+        return await self.run(greq, stream_chat, collect_chat, req, tap=tap, parser_factory=parser_factory)
+
+    async def prepare_chat(self, request: Request, owner: str, req: P.ChatCompletionRequest, messages: list[dict],
+                           rid: str, param: str = "messages") -> tuple[GenerateRequest, Any]:
+        """What /v1/chat/completions and /v1/responses share: adapter, bounds, constraint, tools, template,
+        sampling. Returns the engine request and the output parser factory (app.chat_output)."""
         lora = self.adapters.resolve(req.model, req.lora_path)
         seqs = check_request(self.config, req, 1)
         P.check_supported(req)
@@ -201,11 +218,6 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes):
         plan = plan_tools(req, other_constraint=guided is not None, tool_format=tool_format)
         if plan is not None and plan.guided is not None:
             guided = plan.guided
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        last_input = messages[-1]  # what `store` keeps (before any history is merged in)
-        cid = C.conversation_id(req.conversation)
-        if cid is not None:
-            messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
         text, ids = await self.render(
             messages,
             add_generation_prompt=req.add_generation_prompt,
@@ -215,19 +227,13 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes):
             tools=plan.template_tools if plan is not None and plan.mode != "none" else None,
         )
         info = await self.info()
-        context = check_tokens(self.config, req, len(ids), "messages", info["max_model_len"])
+        context = check_tokens(self.config, req, len(ids), param, info["max_model_len"])
         params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
                          cache_salt=cache_salt(owner, req.cache_salt))
         check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
-                               lora=lora[0], lora_path=lora[1],
-                               trace_id=request_id_of(request))
-        parser_factory = await self.output_parser(req, plan, text)
-        tap = None
-        if req.store:
-            tap = storing_tap(self.store, self.model_name, owner, req, cid, rid, last_input, parser_factory)
-        return await self.run(greq, stream_chat, collect_chat, req, tap=tap, parser_factory=parser_factory)
+                               lora=lora[0], lora_path=lora[1], trace_id=request_id_of(request))
+        return greq, await self.output_parser(req, plan, text)
 
     async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
         """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""

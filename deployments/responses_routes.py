@@ -21,11 +21,8 @@ from app import responses_api as R
 from app.errors import APIError, bad_request, not_found
 from app.responses_events import ResponseAssembler, skeleton, sse
 from app.sse import GenerationDelta
-from app.structured import guided_spec
-from app.tools import plan_tools
-from deployments.http_app import app, parse, parse_query, request_id_of
-from deployments.llm_server import GenerateRequest
-from deployments.request_guards import check_tokens, conversation_not_found
+from deployments.http_app import app, parse, parse_query
+from deployments.request_guards import conversation_not_found
 from deployments.response_store import ResponseStore
 
 log = logging.getLogger("ray.serve")
@@ -88,27 +85,10 @@ class ResponsesRoutes:
     async def generate_response(self, request: Request, owner: str, req: R.ResponseCreate,
                                 chat: P.ChatCompletionRequest, history: list[dict], items: list[dict],
                                 cid: str | None):
-        """The chat handler's steps (adapter, constraint, tools, template, limits) for one response."""
-        lora = self.adapters.resolve(chat.model, None)
-        P.check_supported(chat)
-        guided = guided_spec(chat)
-        tool_format = self.config.tool_parser
-        if tool_format == "auto":
-            tool_format = (await self.tokenizer_info())["tool_format"]
-        plan = plan_tools(chat, other_constraint=guided is not None, tool_format=tool_format)
-        if plan is not None and plan.guided is not None:
-            guided = plan.guided
-        text, ids = await self.render(
-            [m.model_dump(exclude_none=True) for m in chat.messages], add_generation_prompt=True,
-            continue_final_message=False, chat_template=None, chat_template_kwargs=P.template_kwargs(chat),
-            tools=plan.template_tools if plan is not None and plan.mode != "none" else None)
-        info = await self.info()
-        context = check_tokens(self.config, chat, len(ids), "input", info["max_model_len"])
-        params = P.to_sampling_params(chat, prompt_len=len(ids), max_model_len=context)
+        """A response runs the chat handler's steps (Ingress.prepare_chat) on the chat request it became."""
         rid = R.new_item_id("resp")
-        greq = GenerateRequest(rid, [ids], params, P.stop_options(chat), n=1, guided=guided, lora=lora[0],
-                               lora_path=lora[1], trace_id=request_id_of(request))
-        factory = await self.output_parser(chat, plan, text)
+        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+        greq, factory = await self.prepare_chat(request, owner, chat, messages, rid, param="input")
         frame = skeleton(req, rid, req.model or self.model_name, cid)
 
         async def keep(asm: ResponseAssembler) -> None:
