@@ -2,7 +2,8 @@
 
 Needs Debian's `chromium` package and Playwright's Python package (the `test` extra); without them
 the browser tests skip and say why. The streamed answer is checked against the same request made
-through the OpenAI SDK (greedy, so both must be equal), and a screenshot goes to docs/playground.png.
+through the OpenAI SDK (greedy, so both must be equal), and a screenshot is taken: into the test's temporary
+folder, or to docs/playground.png (the README's picture) with UPDATE_SCREENSHOT=1.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from tests.serve.conftest import API_KEY
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 
 
 def _chromium() -> str | None:
@@ -90,7 +91,7 @@ def _send(page, text: str) -> list[str]:
     return page.evaluate("window.__seen")
 
 
-def test_chat_streams_into_the_page(browser, server, client, model_name):
+def test_chat_streams_into_the_page(browser, server, client, model_name, tmp_path):
     page, errors = _open(browser, server, model_name)
     page.fill("#max-tokens", "40")
     seen = _send(page, "Write a short sentence about the ocean.")
@@ -104,7 +105,9 @@ def test_chat_streams_into_the_page(browser, server, client, model_name):
     assert re.fullmatch(r"\d+\.\d{3} s", page.inner_text("#ttft"))
     assert float(page.inner_text("#tps")) > 0 and int(page.inner_text("#tokens")) > 1
     SCREENSHOT.parent.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT))
+    shot = DOCS_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOT") == "1" else tmp_path / "playground.png"
+    page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 0
     assert not errors
     page.close()
 
