@@ -104,7 +104,6 @@ def test_chat_streams_into_the_page(browser, server, client, model_name, tmp_pat
     assert all(answer.startswith(s) for s in seen)
     assert re.fullmatch(r"\d+\.\d{3} s", page.inner_text("#ttft"))
     assert float(page.inner_text("#tps")) > 0 and int(page.inner_text("#tokens")) > 1
-    SCREENSHOT.parent.mkdir(exist_ok=True)
     shot = DOCS_SCREENSHOT if os.environ.get("UPDATE_SCREENSHOT") == "1" else tmp_path / "playground.png"
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 0
