@@ -29,13 +29,17 @@ def cached(client, content: str, **kw) -> int:
 def test_prefix_cache_is_per_key_and_per_cache_salt(client, client2):
     """Key B sending key A's prompt gets no cached tokens (so it cannot learn what A sent), while A's
     repeat does; vLLM's request-level cache_salt separates requests of one key the same way."""
-    prompt = f"[{uuid.uuid4().hex}] {LONG}"
-    assert cached(client, prompt) == 0
-    assert cached(client, prompt) > 0  # A's repeat hits A's blocks
-    assert cached(client2, prompt) == 0  # B: a miss, whatever A sent
-    assert cached(client2, prompt) > 0
-    assert cached(client, prompt, extra_body={"cache_salt": "private"}) == 0
-    assert cached(client, prompt, extra_body={"cache_salt": "private"}) > 0
+    # Every chat prompt starts with the same system prompt, which a key's earlier requests cached: a fresh
+    # salt opens a namespace in which nothing is cached yet, for this key as for any other.
+    salt = {"cache_salt": uuid.uuid4().hex}
+    assert cached(client, LONG, extra_body=salt) == 0
+    assert cached(client, LONG, extra_body=salt) > 0  # A's repeat hits A's blocks
+    assert cached(client2, LONG, extra_body=salt) == 0  # B, same salt: a miss, whatever A sent
+    assert cached(client2, LONG, extra_body=salt) > 0
+    assert cached(client, LONG, extra_body={"cache_salt": uuid.uuid4().hex}) == 0  # another salt of A's
+    prompt = f"[{uuid.uuid4().hex}] {LONG}"  # without a salt: B never hits what only A sent
+    cached(client, prompt)
+    assert cached(client2, prompt) < cached(client, prompt)
     with pytest.raises(openai.BadRequestError) as err:
         cached(client, prompt, extra_body={"cache_salt": "x" * 257})
     assert err.value.body["param"] == "cache_salt"
