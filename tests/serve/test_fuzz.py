@@ -5,6 +5,8 @@ max_tokens are clipped to a few tokens so that a valid body does not generate fo
 
 from __future__ import annotations
 
+import time
+
 import hypothesis
 import pytest
 import schemathesis
@@ -14,10 +16,13 @@ import schemathesis
 FUZZED = r"^/(v1/chat/completions|v1/completions|tokenize|detokenize)$"
 DOCUMENTED_503 = {"server_overloaded", "grammar_compiler_busy", "chat_template_busy"}
 MAX_TOKENS = 4
+# Wall-clock budget for all fuzzed calls: on shared CPUs a case can take seconds (a grammar compile, a
+# queue); past the budget the remaining examples are not sent, so the test stays about this long.
+BUDGET_S = 75.0
+_started: list[float] = []
 
 
-@pytest.fixture
-def api_schema():
+def api_schema() -> schemathesis.BaseSchema:
     import deployments.ingress  # noqa: F401  (registers the routes on the app)
     from deployments.http_app import app
 
@@ -25,15 +30,35 @@ def api_schema():
     return schemathesis.openapi.from_dict(app.openapi()).include(path_regex=FUZZED)
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+schema = api_schema()
 
 
 def clip(body: object) -> object:
-    if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
-            if body.get(key) is None or isinstance(body.get(key), int) and body[key] > MAX_TOKENS:
-                body[key] = MAX_TOKENS
-        body.pop("stream", None)  # a stream answers 200 before the model runs: errors would hide in events
+    """Bounds generation, and fixes what the schema cannot express (OpenAI's per-role message rules),
+    so that most generated bodies reach the model instead of stopping at those checks."""
+    if not isinstance(body, dict):
+        return body
+    if body.get("max_tokens") is None or isinstance(body["max_tokens"], int) and body["max_tokens"] > MAX_TOKENS:
+        body["max_tokens"] = MAX_TOKENS
+    if isinstance(body.get("max_completion_tokens"), int) and body["max_completion_tokens"] > MAX_TOKENS:
+        body["max_completion_tokens"] = MAX_TOKENS
+    for key in ("n", "best_of"):  # fan-out has its own tests (test_abuse); here it would only cost time
+        if isinstance(body.get(key), int) and body[key] > 4:
+            body[key] = 4
+    body.pop("stream", None)  # a stream answers 200 before the model runs: errors would hide in events
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") != "assistant":
+            m.pop("tool_calls", None)
+            m.pop("function_call", None)
+        if m.get("content") is None and not m.get("tool_calls") and not m.get("function_call"):
+            m["content"] = "Hi"
+        if m.get("role") == "tool":
+            m.setdefault("tool_call_id", "call_0")
+        if m.get("role") == "function":
+            m.setdefault("name", "f")
     return body
 
 
@@ -46,16 +71,20 @@ def replica_before(server, auth, llm_stats):
 
 
 @schema.parametrize()
-@hypothesis.settings(max_examples=12, deadline=None, derandomize=True, database=None,
+@hypothesis.settings(max_examples=10, deadline=None, derandomize=True, database=None,
                      suppress_health_check=list(hypothesis.HealthCheck))
 def test_api_never_fails_with_a_5xx(case, server, auth, replica_before):
+    if not _started:
+        _started.append(time.monotonic())
+    if time.monotonic() - _started[0] > BUDGET_S:
+        return
     case.body = clip(case.body)
     response = case.call(base_url=server, headers=auth, timeout=60)
     if response.status_code >= 500:
         code = (response.json().get("error") or {}).get("code") if "json" in response.headers.get(
             "content-type", "") else None
         assert response.status_code == 503 and code in DOCUMENTED_503, (case.body, response.text[:500])
-    assert response.headers.get("x-replica-id") in (None, replica_before[0])
+    assert (response.headers.get("x-replica-id") or [None])[0] in (None, replica_before[0])
 
 
 def test_replica_survived_the_fuzz(server, auth, llm_stats, replica_before):
