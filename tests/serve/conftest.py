@@ -42,6 +42,8 @@ def server(tmp_path_factory):
         "api_keys": [API_KEY, "sha256:" + hashlib.sha256(API_KEY_2.encode()).hexdigest()],
         "admin_api_keys": [ADMIN_KEY],
         "stream_interval_s": 0.05,  # the coalescing path that cluster.yaml enables
+        # Off by default (test_operations checks that); on here, where chat templates and reasoning are tested.
+        "allow_request_chat_template": True,
         "engine": {"model": {"dtype": "float32", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},
                    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512}},

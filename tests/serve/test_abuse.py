@@ -131,12 +131,6 @@ def test_stop_regex_outside_re2_or_the_bounds_is_refused(server, auth, same_repl
 # ---- items 3, 5: chat templates, large maps and lists ------------------------------------------------------
 
 
-def test_request_chat_template_is_off_by_default(server, auth, same_replica):
-    err = refused(post(server, auth, "/v1/chat/completions", chat(chat_template="{{ 'x' * 10**9 }}")),
-                  "chat_template")
-    assert err["code"] == "chat_template_not_allowed"
-
-
 BIG_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 40}
                                                for i in range(2000)}}
 

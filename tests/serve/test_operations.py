@@ -106,6 +106,15 @@ def test_request_bounds_are_400_and_413_with_clear_messages(limited):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_request_chat_template_is_off_by_default(limited):
+    """An app with the default switches (as cluster.yaml ships) refuses a request's own chat template
+    (the session app turns them on to test templates; test_abuse.py tests the bounds when on)."""
+    body = chat_body(4) | {"chat_template": "{{ 'x' * 10**9 }}"}
+    r = httpx.post(f"{limited}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and _error(r)["param"] == "chat_template"
+    assert _error(r)["code"] == "chat_template_not_allowed"
+
+
 async def test_backpressure_gives_503_with_retry_after_never_a_hang(limited):
     async with httpx.AsyncClient(timeout=60) as http:
         async def one() -> tuple[int, dict, list[str]]:
