@@ -53,7 +53,7 @@ def test_greedy_choice_is_the_argmax_of_the_reference_scores_with_its_logprobs(c
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens == canonical_len(hf_tokenizer, CHOICES[best])
     # The logprobs are those of the canonical tokens, equal to the reference's log-softmax.
-    assert c.logprobs.tokens == [hf_tokenizer.decode([t]) for t in
+    assert c.logprobs.tokens == [hf_tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in
                                  hf_tokenizer.encode(CHOICES[best], add_special_tokens=False)]
     assert c.logprobs.token_logprobs == pytest.approx(per_token[best], abs=2e-3)
     assert all(len(t) == 2 for t in c.logprobs.top_logprobs)

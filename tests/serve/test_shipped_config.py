@@ -112,7 +112,7 @@ def token_ids_of(hf_tokenizer):
     """Completions' logprobs name tokens by their text: back to ids, where that text is one token's only."""
     by_text: dict[str, list[int]] = {}
     for i in range(len(hf_tokenizer)):
-        by_text.setdefault(hf_tokenizer.decode([i]), []).append(i)
+        by_text.setdefault(hf_tokenizer.decode([i], clean_up_tokenization_spaces=False), []).append(i)
 
     def ids(texts: list[str]) -> list[int]:
         found = [by_text[t] for t in texts]
