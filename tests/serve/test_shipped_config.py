@@ -25,9 +25,10 @@ from tests.serve.test_structured import SCHEMA, _schema_format
 from tests.serve.test_tools import ASK, PARAMS, TOOLS
 
 CLUSTER_YAML = pathlib.Path(__file__).parents[2] / "cluster.yaml"
-# bf16 weights and activations (int4 GEMMs at small batches) against fp32 transformers: per-token logprob
-# differences of a few hundredths are rounding; a wrong token, position or template would be off by whole nats.
-BF16_TOL = 0.25
+# bf16 activations against fp32 transformers: logits of magnitude ~20 carry ~0.1 of rounding each, so top
+# entries' logprobs differ by a few tenths (0.28 seen on a -4 nat alternative); a wrong token, position or
+# template is off by whole nats.
+BF16_TOL = 0.5
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",
              "How many legs does a spider have?", "Translate 'good morning' into Spanish.", "What is 12 times 12?",
              "Name a famous physicist.", "Give me a tip for learning to code.", "Why is the sky blue?",
