@@ -10,6 +10,8 @@ in the model replica, still before any token is generated.
 from __future__ import annotations
 
 import json
+import math
+import random
 from typing import Any
 
 from app import limits as L
@@ -137,3 +139,60 @@ def check_spec_size(spec: GuidedSpec) -> None:
         unit = "bytes as JSON" if spec.kind in ("json_schema", "structural_tag") else "characters"
         raise bad_request(f"{spec.param} is too large: {size} {unit}, at most {limit} are allowed",
                           param=spec.param, code="constraint_too_large")
+
+
+_REGEX_META = set(".^$*+?{}[]|()\\")
+
+
+def _regex_literals(pattern: str) -> list[str] | None:
+    """The alternatives of a regex that is a plain alternation of literals (`yes|no`, `(?:a|b\\.c)`), else None."""
+    for head in ("(?:", "("):
+        if pattern.startswith(head) and pattern.endswith(")") and _regex_literals(pattern[len(head):-1]) is not None:
+            pattern = pattern[len(head):-1]
+            break
+    out, cur, i = [], [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            if i + 1 >= len(pattern) or pattern[i + 1] not in _REGEX_META | set("/-"):
+                return None  # \d, \w, \n ...: a class or escape, not a literal
+            cur.append(pattern[i + 1])
+            i += 2
+            continue
+        if ch == "|":
+            out.append("".join(cur))
+            cur = []
+        elif ch in _REGEX_META:
+            return None
+        else:
+            cur.append(ch)
+        i += 1
+    out.append("".join(cur))
+    return out
+
+
+def literal_choices(spec: GuidedSpec | None) -> list[str] | None:
+    """The strings a constraint allows when it is a finite list of literals (guided_choice, or a regex that
+    is a plain alternation), in request order without duplicates; None for any other constraint."""
+    if spec is None:
+        return None
+    if spec.kind == "ebnf" and spec.param == "guided_choice":
+        body, decoder, choices = spec.value.removeprefix("root ::= "), json.JSONDecoder(), []
+        while body:  # choice_grammar's own output: JSON strings joined by " | "
+            choice, end = decoder.raw_decode(body)
+            choices.append(choice)
+            body = body[end:].removeprefix(" | ")
+        return choices
+    if spec.kind == "regex":
+        found = _regex_literals(spec.value)
+        return list(dict.fromkeys(found)) if found is not None else None
+    return None
+
+
+def pick_choice(scores: list[float], temperature: float, seed: int | None) -> int:
+    """Index of the chosen literal: the most likely at temperature 0, else a draw from softmax(score / T)."""
+    if temperature == 0:
+        return max(range(len(scores)), key=scores.__getitem__)
+    top = max(scores)
+    weights = [math.exp((s - top) / temperature) for s in scores]
+    return random.Random(seed).choices(range(len(scores)), weights=weights)[0]

@@ -18,6 +18,7 @@ from ray import serve
 from app.errors import APIError
 from app.protocol import StopOptions
 from app.sse import GenerationDelta
+from app.structured import literal_choices, pick_choice
 from deployments.cpu_priority import lower_process_priority
 from deployments.detokenizer import IncrementalDetokenizer
 from deployments.lora_registry import AdapterEntry, LoRARegistry
@@ -229,6 +230,10 @@ class LLMServer:
         if req.best_of is not None and req.best_of > req.n:
             yield await self._best_of(req)
             return
+        choices = literal_choices(req.guided)
+        if choices is not None:
+            yield await self._choose(req, choices)
+            return
         grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
         queue: asyncio.Queue = asyncio.Queue()
         adapter = await self._acquire_lora(req, queue)
@@ -352,6 +357,35 @@ class LLMServer:
                     if logprobs is None:
                         d.logprobs = None
                     out.append(d)
+        return out
+
+    async def _choose(self, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
+        """Literals: each scored by the raw model's logprob of its canonical tokens after the prompt (one prefill
+        each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization."""
+        canon = [self.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+        top = req.params.logprobs
+        scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=top or 0,
+                                 cache_salt=req.params.cache_salt)
+        wide = replace(req, prompts=[p + c for p in req.prompts for c in canon], n=1, guided=None, best_of=None,
+                       params=scoring, stop=StopOptions(), echo_texts=None)
+        first: dict[int, GenerationDelta] = {}
+        async for batch in self.generate(wide):
+            for d in batch:
+                first.setdefault(d.index, d)
+        out: list[GenerationDelta] = []
+        for p, prompt in enumerate(req.prompts):
+            entries = [(first[p * len(canon) + k].prompt_logprobs or [])[len(prompt):] for k in range(len(canon))]
+            scores = [sum(e["logprob"] for e in lps if e) for lps in entries]
+            for j in range(req.n):
+                k = pick_choice(scores, req.params.temperature, None if req.params.seed is None else req.params.seed + j)
+                ids = canon[k][: req.params.max_tokens]
+                full = len(ids) == len(canon[k])
+                out.append(GenerationDelta(
+                    index=p * req.n + j, text=choices[k] if full else self.tokenizer.decode(ids), token_ids=ids,
+                    logprobs=entries[k][: len(ids)] if top is not None else None,
+                    finish_reason="stop" if full else "length", matched_stop=None,
+                    prompt_tokens=len(prompt), cached_tokens=0, completion_tokens=len(ids),
+                    prompt_text=req.echo_texts[p] if req.echo_texts is not None else None))
         return out
 
     def __del__(self) -> None:

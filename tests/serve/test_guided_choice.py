@@ -1,0 +1,105 @@
+"""Canonical guided choices through the server: `guided_choice` (and a regex that is a plain alternation of
+literals) answers with one choice spelled in its canonical tokens, picked by the model's log-probability of
+those tokens after the prompt, checked against transformers' fp32 model on the same GGUF (the session app
+runs fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+PROMPT = "Question: Is the sky blue on a clear day? Answer with one word.\nAnswer:"
+CHOICES = [" affirmative", " negative", " perhaps", " unknowable"]
+
+
+def reference_scores(hf_model, hf_tokenizer, prompt_ids: list[int], choices: list[str]) -> list[list[float]]:
+    """Per choice: the reference model's logprob of each of its canonical tokens, given the prompt."""
+    import torch
+
+    out = []
+    for c in choices:
+        ids = hf_tokenizer.encode(c, add_special_tokens=False)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt_ids + ids])).logits[0].float()
+        lps = logits.log_softmax(-1)
+        out.append([lps[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(ids)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, hf_tokenizer):
+    prompt_ids = hf_tokenizer.encode(PROMPT)
+    per_token = reference_scores(hf_model, hf_tokenizer, prompt_ids, CHOICES)
+    return prompt_ids, per_token, [sum(t) for t in per_token]
+
+
+def canonical_len(hf_tokenizer, text: str) -> int:
+    return len(hf_tokenizer.encode(text, add_special_tokens=False))
+
+
+def complete(client, model_name: str, **kw):
+    return client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16, **kw)
+
+
+def test_greedy_choice_is_the_argmax_of_the_reference_scores_with_its_logprobs(client, model_name, reference,
+                                                                                 hf_tokenizer):
+    prompt_ids, per_token, scores = reference
+    r = complete(client, model_name, temperature=0, logprobs=2, extra_body={"guided_choice": CHOICES})
+    c = r.choices[0]
+    best = max(range(len(CHOICES)), key=scores.__getitem__)
+    ranked = sorted(scores, reverse=True)
+    assert ranked[0] - ranked[1] > 1e-3, "the reference must separate the choices for the check to mean anything"
+    assert c.text == CHOICES[best]
+    assert c.finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == canonical_len(hf_tokenizer, CHOICES[best])
+    # The logprobs are those of the canonical tokens, equal to the reference's log-softmax.
+    assert c.logprobs.tokens == [hf_tokenizer.decode([t], clean_up_tokenization_spaces=False) for t in
+                                 hf_tokenizer.encode(CHOICES[best], add_special_tokens=False)]
+    assert c.logprobs.token_logprobs == pytest.approx(per_token[best], abs=2e-3)
+    assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
+
+
+def test_a_regex_of_literal_alternatives_is_chosen_the_same_way(client, model_name, reference):
+    _, _, scores = reference
+    pattern = "(?:" + "|".join(CHOICES) + ")"
+    r = complete(client, model_name, temperature=0, extra_body={"regex": pattern})
+    assert r.choices[0].text == CHOICES[max(range(len(CHOICES)), key=scores.__getitem__)]
+
+
+def test_sampled_choices_are_canonical_and_reproducible_with_a_seed(client, model_name, reference, hf_tokenizer):
+    """The issue's case: at temperature > 0 every answer is a whole choice in its canonical tokens."""
+    answers = {}
+    for seed in range(12):
+        r = complete(client, model_name, temperature=2.0, seed=seed, n=2, extra_body={"guided_choice": CHOICES})
+        again = complete(client, model_name, temperature=2.0, seed=seed, n=2, extra_body={"guided_choice": CHOICES})
+        assert [c.text for c in r.choices] == [c.text for c in again.choices]
+        for c in r.choices:
+            assert c.text in CHOICES and c.finish_reason == "stop"
+        assert r.usage.completion_tokens == sum(canonical_len(hf_tokenizer, c.text) for c in r.choices)
+        answers[seed] = r.choices[0].text
+    # At a high temperature the draws follow the scores, not the argmax alone (fixed seeds: deterministic).
+    assert len(set(answers.values())) > 1
+
+
+def test_chat_choice_streams_the_canonical_choice(client, model_name, hf_tokenizer):
+    messages = [{"role": "user", "content": "Is water wet? Answer yes or no."}]
+    kw = {"model": model_name, "messages": messages, "temperature": 0.7, "seed": 5,
+          "extra_body": {"guided_choice": ["yes", "no"]}}
+    r = client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    assert text in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == canonical_len(hf_tokenizer, text)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+
+
+def test_a_choice_longer_than_max_tokens_is_cut_with_length(client, model_name, hf_tokenizer):
+    long = " a very long answer that takes many tokens"
+    assert canonical_len(hf_tokenizer, long) > 3
+    r = complete(client, model_name, temperature=0, extra_body={"guided_choice": [long]})
+    assert r.choices[0].text == long and r.choices[0].finish_reason == "stop"
+    cut = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0,
+                                    extra_body={"guided_choice": [long]})
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    assert long.startswith(cut.choices[0].text) and cut.choices[0].text != long
