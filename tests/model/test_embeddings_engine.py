@@ -74,10 +74,11 @@ def test_pooling_beside_generation_leaves_greedy_outputs_unchanged(engine, chat_
     gen_ids = [f"gen-{i}" for i in range(len(chat_prompts))]
     for rid, p in zip(gen_ids, chat_prompts, strict=True):
         engine.add_request(rid, p, GREEDY)
-    engine.step()  # the generating requests are running (prefilled or decoding) when the pooling one arrives
+    tokens: dict[str, list[int]] = {r: [] for r in gen_ids}
+    for out in engine.step():  # the generating requests are running when the pooling one arrives
+        tokens[out.request_id].extend(out.new_token_ids)
     # Another salt: the expected run's blocks are not reused, so this one is prefilled in chunks.
     engine.add_request("emb", emb_ids, SamplingParams(embed=True, cache_salt="fresh"))
-    tokens: dict[str, list[int]] = {r: [] for r in gen_ids}
     embedding = None
     mixed = False
     while engine.has_work():
