@@ -34,6 +34,7 @@ from deployments.auth import Access, cache_salt
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
+from deployments.embeddings_routes import EmbeddingsRoutes
 from deployments.http_app import app, parse, parse_query, read_body, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import server_metrics
@@ -55,7 +56,7 @@ log = logging.getLogger("ray.serve")
 # graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
-class Ingress(ResponsesRoutes, PlaygroundRoutes):
+class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
     def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle,
                  serving_nice: int = 0):
         lower_process_priority(serving_nice)

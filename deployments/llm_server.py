@@ -141,7 +141,8 @@ class LLMServer:
 
     def model_info(self) -> dict:
         eng = self.engine.engine
-        return {"max_model_len": eng.max_model_len, "capacity_tokens": eng.capacity_tokens}
+        return {"max_model_len": eng.max_model_len, "capacity_tokens": eng.capacity_tokens,
+                "hidden_size": eng.arch.hidden_size}
 
     def stats(self) -> dict:
         grammars = self._grammars.num_compiled if self._grammars is not None else 0
@@ -271,6 +272,33 @@ class LLMServer:
             if adapter is not None:  # the adapter's slot may be freed once every choice's abort is submitted
                 done = asyncio.gather(*tasks, return_exceptions=True)
                 done.add_done_callback(lambda _: self.loras.release(adapter, queue))  # type: ignore[union-attr]
+
+    async def embed(self, request_id: str, prompts: list[list[int]], cache_salt: str | None = None) -> list[list[float]]:
+        """One /v1/embeddings request: every input as a pooling sequence in the engine, batched with the
+        rest of its work; unit-length vectors in input order."""
+        params = SamplingParams(embed=True, cache_salt=cache_salt)
+
+        async def one(i: int, prompt: list[int]) -> list[float]:
+            async for o in self.engine.generate(f"{request_id}-{i}", prompt, params):
+                if o.embedding is not None:
+                    return o.embedding
+            raise APIError(500, "The engine finished an embedding without a vector.", type="server_error")
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except SequenceError as exc:
+            raise APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
+                           code="sequence_failed") from exc
+        except ValueError as exc:  # the engine refused an input (length, capacity)
+            raise APIError(400, str(exc), param="input") from exc
+        except APIError:
+            raise
+        except Exception as exc:
+            raise engine_failure(exc) from exc
+        finally:
+            for t in tasks:  # an input failed or the client left: abort the others in the engine
+                t.cancel()
 
     # ---- LoRA adapters ----------------------------------------------------------------------------
 

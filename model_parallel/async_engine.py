@@ -31,6 +31,7 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
     if b.hidden_states:
         a.hidden_states = (a.hidden_states or []) + b.hidden_states
+    a.embedding = a.embedding or b.embedding
     a.finished, a.finish_reason, a.stop_token_id = b.finished, b.finish_reason, b.stop_token_id
     a.num_cached_tokens = b.num_cached_tokens
     return a

@@ -25,8 +25,13 @@ class ModelConfig:
     # weights stay quantized in memory and run quantized kernels at every batch size (model_parallel/
     # quant.py; CPU); the embedding and other tensors stay dense.
     weights: str = "auto"
+    # Embeddings (/v1/embeddings): pool the final-norm hidden state of the last token (decoder LLMs) or
+    # the mean over all tokens.
+    pooling: str = "last"  # last | mean
 
     def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError("pooling must be last or mean")
         if self.weights not in ("auto", "quantized"):
             raise ValueError("weights must be auto or quantized")
         if self.dtype not in DTYPES + ("auto",):

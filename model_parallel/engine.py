@@ -9,6 +9,7 @@ Only a fault nobody owns (the model forward, a collective) escapes `step()` and 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -81,15 +82,17 @@ class LLMEngine:
             raise ValueError("empty prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
-        total = len(prompt_token_ids) + params.max_tokens
+        total = len(prompt_token_ids) + (0 if params.embed else params.max_tokens)  # pooling: prefill only
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
+            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({0 if params.embed else params.max_tokens}) "
                              f"exceeds max_model_len {self.max_model_len}")
         if total > self.capacity_tokens:
             raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, time.monotonic(),
                        lora_slot)
-        if grammar is not None:
+        if params.embed:
+            seq.pooling = self.config.model.pooling
+        elif grammar is not None:
             seq.matcher = new_matcher(grammar)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -125,6 +128,8 @@ class LLMEngine:
                        num_prompt_tokens=seq.num_prompt_tokens, lora_slot=seq.lora_slot)
         if samples or p.prompt_logprobs is not None:
             step.params = p
+        if seq.pooling == "mean" or (seq.pooling == "last" and start + n == seq.num_tokens):
+            step.pool = seq.pooling
         if samples:
             if p.needs_penalties and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
                 step.history = seq.token_ids
@@ -219,6 +224,8 @@ class LLMEngine:
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 prompt_lps = seq.prompt_logprobs
                 seq.prompt_logprobs_sent = True
+        if seq.pooling is not None:
+            return self._pooled(sc, result.pooled[seq.request_id]) if seq.request_id in result.pooled else None
         if not sampled:
             return self._output(seq, [], None, prompt_lps) if prompt_lps is not None else None
         token = result.sampled[seq.request_id]
@@ -232,6 +239,25 @@ class LLMEngine:
         if seq.is_finished:
             self.seqs.pop(seq.request_id, None)
             self._finished_ids.append(seq.request_id)
+        return out
+
+    def _pooled(self, sc: ScheduledSeq, rows: list[float]) -> RequestOutput | None:
+        """Accumulate a pooling sequence's chunk; once its prompt is computed, finish it (its blocks are
+        freed at once) with the unit-length embedding."""
+        seq = sc.seq
+        if seq.pooling == "mean":
+            first = seq.num_computed_tokens == sc.num_tokens  # from position 0 (again, after a preemption)
+            seq.pool_sum = rows if first or seq.pool_sum is None else [a + b for a, b in zip(seq.pool_sum, rows,
+                                                                                             strict=True)]
+            rows = seq.pool_sum
+        if seq.num_computed_tokens < seq.num_tokens:
+            return None
+        norm = math.sqrt(sum(x * x for x in rows)) or 1.0  # the mean's 1/n cancels in the normalisation
+        self.scheduler.finish(seq, "stop")
+        self.seqs.pop(seq.request_id, None)
+        self._finished_ids.append(seq.request_id)
+        out = self._output(seq, [], None)
+        out.embedding = [x / norm for x in rows]
         return out
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

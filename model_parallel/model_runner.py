@@ -32,6 +32,9 @@ class SeqStep:
     lora_slot: int = 0
     # Grammar-constrained sequences: the allowed next tokens as 32-bit words (see guided.py).
     allowed_bitmask: torch.Tensor | None = None
+    # Pooling sequences: "last" on the chunk that ends the prompt (its last row), "mean" on every chunk
+    # (the sum of its rows; the engine divides).
+    pool: str | None = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class StepOutput:
     hidden_states: dict[str, list[float]] = field(default_factory=dict)
     # Sequences that failed on their own (their sampling inputs, their adapter): request id -> reason.
     errors: dict[str, str] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # see SeqStep.pool
 
 
 class ModelRunner:
@@ -197,6 +201,20 @@ class ModelRunner:
             errors[rid] = "the LoRA adapter of this request is no longer loaded"
         return StepInput([s for s in step.seqs if s.request_id not in unknown], step.finished_request_ids)
 
+    @staticmethod
+    def _pool(step: StepInput, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Pooling sequences' share of the final-norm hidden states (see SeqStep.pool), in fp32."""
+        pooled: dict[str, list[float]] = {}
+        offset = 0
+        for s in step.seqs:
+            n = len(s.token_ids)
+            if s.pool == "last":
+                pooled[s.request_id] = hidden[offset + n - 1].float().tolist()
+            elif s.pool == "mean":
+                pooled[s.request_id] = hidden[offset : offset + n].float().sum(0).tolist()
+            offset += n
+        return pooled
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
         self.sampling.forget(step.finished_request_ids)
@@ -205,6 +223,7 @@ class ModelRunner:
         if not step.seqs:
             return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
         hidden = self.forward(step)
+        pooled = self._pool(step, hidden) if self.is_driver else {}
         # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
         rows: list[int] = []
         sample_rows: list[int] = []
@@ -222,14 +241,14 @@ class ModelRunner:
             offset += n
         if not rows:
             # Every rank must still join the LM head's collective in lockstep; nothing to gather here.
-            return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
+            return StepOutput({}, {}, {}, errors=errors, pooled=pooled) if self.is_driver else None
         # Logits stay in the model dtype (the LM head's output precision); the sampler upcasts the
         # rows that need more than an argmax. Copying [B, vocab] fp32 tensors costs ms per step.
         logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
         if not self.is_driver:
             return None
         sampling = [s for s in step.seqs if s.sample]
-        out = StepOutput({}, {}, {}, errors=errors)
+        out = StepOutput({}, {}, {}, errors=errors, pooled=pooled)
         if sampling:
             rows_needed = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
             result = self.sampling.sample(sampling, rows_needed, self.argmax)

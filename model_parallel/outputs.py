@@ -29,6 +29,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Final-layer hidden state (after the last norm) behind each new token, when asked for.
     hidden_states: list[list[float]] | None = None
+    # A pooling request's (SamplingParams.embed) unit-length pooled hidden state, on its finished output.
+    embedding: list[float] | None = None
     # Set when this request failed on its own (finish_reason "abort"); the engine serves the others on.
     error: str | None = None
 

@@ -75,6 +75,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
     cache_salt: str | None = None  # prefix-cache namespace (tenant, vLLM's cache_salt): see block_manager
+    # A pooling request: prefill only, never sample; the finished output carries the pooled, unit-length
+    # final hidden state (`RequestOutput.embedding`; pooling per model: EngineConfig.model.pooling).
+    embed: bool = False
 
     def __post_init__(self) -> None:
         """Refuse (ValueError) or normalise every field to what the step can hold, so no request reaches

@@ -23,8 +23,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        """Whether this chunk reaches the end of the sequence, so a new token is sampled (never for a
+        pooling sequence, which only prefills)."""
+        return self.seq.pooling is None and self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -88,8 +89,9 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             if not seq.block_table:
-                # Prompt logprobs need every prompt position computed, so those skip the cache.
-                cached = self.block_manager.match_prefix(seq) if seq.params.prompt_logprobs is None else 0
+                # Prompt logprobs and mean pooling need every prompt position computed: they skip the cache.
+                full = seq.params.prompt_logprobs is not None or seq.pooling == "mean"
+                cached = 0 if full else self.block_manager.match_prefix(seq)
                 if seq.num_cached_tokens < 0:
                     seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
             n = min(seq.num_uncomputed_tokens, budget)

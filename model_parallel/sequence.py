@@ -36,6 +36,8 @@ class Sequence:
     prompt_logprobs: list = field(default_factory=list)  # accumulated over prefill chunks
     prompt_logprobs_sent: bool = False
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained request (see guided.py)
+    pooling: str | None = None  # a pooling request's "last" | "mean" (never samples)
+    pool_sum: list[float] | None = None  # mean pooling: the sum of the rows computed so far
 
     @property
     def num_tokens(self) -> int:

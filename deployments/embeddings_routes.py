@@ -1,0 +1,42 @@
+"""/v1/embeddings, mixed into the ingress (see responses_routes.py for why a mixin). Inputs are tokenized
+by the tokenizer deployment and embedded by the model deployment in one call (LLMServer.embed), as
+pooling sequences batched with generation in the same engine."""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
+
+import sys
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from ray import cloudpickle
+
+from app import embeddings as E
+from app.errors import APIError
+from deployments.auth import cache_salt
+from deployments.http_app import app, parse
+
+# Serve ships the ingress class by value with its rewritten route signatures; this mixin must travel too.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class EmbeddingsRoutes:
+    """Mixed into deployments.ingress.Ingress, whose attributes and methods these routes use."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request):
+        owner = self.check_auth(request)
+        req = await parse(request, E.EmbeddingRequest)
+        self.check_model(req.model)
+        items = E.raw_inputs(req, self.config.max_sequences_per_request)
+        info = await self.info()
+        if req.dimensions is not None and req.dimensions > info["hidden_size"]:
+            raise APIError(400, f"dimensions must be at most {info['hidden_size']} for this model, "
+                           f"got {req.dimensions}", param="dimensions")
+        per_input = min(info["max_model_len"], info["capacity_tokens"])
+        if self.config.max_prompt_tokens:
+            per_input = min(per_input, self.config.max_prompt_tokens)
+        prompts = [list(x) if isinstance(x, list) else await self.tokenizer.encode.remote(x) for x in items]
+        total = E.check_tokens(prompts, per_input, (await self.tokenizer_info())["vocab_size"])
+        vectors = await self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None))
+        return JSONResponse(E.response_body(vectors, req, req.model or self.model_name, total))
