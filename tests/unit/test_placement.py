@@ -141,5 +141,6 @@ def test_build_app_binds_the_resolved_device(gpu_cluster):
 
 def _llm_deployment(app):
     ingress = app._bound_deployment
-    return next(a for a in ingress.init_args if getattr(a, "_bound_deployment", None) is not None
+    args = [v for a in ingress.init_args for v in (a.values() if isinstance(a, dict) else [a])]  # llms: a dict
+    return next(a for a in args if getattr(a, "_bound_deployment", None) is not None
                 and a._bound_deployment.name == "llm")._bound_deployment
