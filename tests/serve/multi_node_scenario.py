@@ -88,7 +88,8 @@ def main() -> dict:
     from deployments.builder import build_app
 
     result: dict = {}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"head": 1}})
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "resources": {"head": 1}, "port": _free_port(), "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2, resources={f"worker{i}": 1}) for i in range(3)]
     names = {w.node_id: f"worker{i}" for i, w in enumerate(workers)} | {cluster.head_node.node_id: "head"}
     ray.init(address=cluster.address, log_to_driver=False,
@@ -122,12 +123,12 @@ def main() -> dict:
         e.wait(180)
     replicas = sorted({o.get("replica") for o in outs if o.get("replica")})
     result["replicas_reached"] = len(replicas)
-    # The node of the first replica some streams reached: which of the two placement groups is it?
-    from ray.util.state import list_actors
+    # The node of the first replica the streams reached (the GCS's actor table; no dashboard here).
+    from ray._private.state import actors
 
     victim_replica = replicas[0] if replicas else None
-    actors = list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
-    victim_node = next((a.node_id for a in actors if victim_replica and victim_replica in (a.name or "")), None)
+    victim_node = next((a["Address"]["NodeID"] for a in actors().values()
+                        if a["State"] == "ALIVE" and victim_replica and victim_replica in a["Name"]), None)
     result["victim"] = names.get(victim_node)
     cluster.remove_node(next(w for w in workers if w.node_id == victim_node), allow_graceful=False)
     for t in threads:
