@@ -89,7 +89,7 @@ def main() -> dict:
 
     result: dict = {}
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "resources": {"head": 1}, "port": _free_port(), "include_dashboard": False})
+        "num_cpus": 0, "resources": {"head": 1}, "include_dashboard": False})  # GCS: 6379 or a free port
     workers = [cluster.add_node(num_cpus=2, resources={f"worker{i}": 1}) for i in range(3)]
     names = {w.node_id: f"worker{i}" for i, w in enumerate(workers)} | {cluster.head_node.node_id: "head"}
     ray.init(address=cluster.address, log_to_driver=False,
