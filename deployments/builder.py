@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ray.serve import Application
 
-from deployments.config import ServerConfig
+from deployments.config import ModelEntry, ServerConfig
 from deployments.ingress import Ingress
 from deployments.llm_server import LLMDeployment
 from deployments.tokenizer import TokenizerDeployment
@@ -46,13 +47,56 @@ def resolve_device(choice: str, resources: Mapping[str, float] | None = None) ->
 
 
 def with_resolved_device(config: ServerConfig, resources: Mapping[str, float] | None = None) -> ServerConfig:
-    """The config with `parallel.device` resolved, so the replica and its workers never re-decide."""
-    parallel = config.engine.parallel
-    device = resolve_device(parallel.device, resources)
-    if device == parallel.device:
-        return config
-    engine = dataclasses.replace(config.engine, parallel=dataclasses.replace(parallel, device=device))
-    return dataclasses.replace(config, engine=engine)
+    """The config with every model's `parallel.device` resolved, so replicas and workers never re-decide."""
+    def resolved(entry: ModelEntry) -> ModelEntry:
+        parallel = entry.engine.parallel
+        device = resolve_device(parallel.device, resources)
+        if device == parallel.device:
+            return entry
+        engine = dataclasses.replace(entry.engine, parallel=dataclasses.replace(parallel, device=device))
+        return dataclasses.replace(entry, engine=engine)
+
+    models = tuple(resolved(m) for m in config.models)
+    return config if models == config.models else dataclasses.replace(config, engine=models[0].engine, models=models)
+
+
+def model_config(config: ServerConfig, entry: ModelEntry) -> ServerConfig:
+    """The server config as one model's deployment sees it (its engine; the server-wide rest)."""
+    return dataclasses.replace(config, engine=entry.engine, models=(entry,))
+
+
+def deployment_name(index: int, entry: ModelEntry) -> str:
+    """`llm` for the first (default) model, `llm-<name>` for the others."""
+    return "llm" if index == 0 else "llm-" + re.sub(r"[^A-Za-z0-9_.-]", "-", entry.name)
+
+
+def largest_node(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """The alive node of `ray.nodes()` with the most CPUs (its resources)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
+    return max(alive, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)), default={})
+
+
+def check_fits_one_node(config: ServerConfig, nodes: list[dict[str, Any]]) -> None:
+    """A replica's bundles are packed on one node (no pipeline parallelism yet): refuse a tensor-parallel
+    size that no node of the cluster can hold, rather than leave the replica pending forever."""
+    bundles = placement_bundles(config)
+    if not bundles or not nodes:
+        return
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            need[key] = need.get(key, 0.0) + value
+    fits = [n for n in nodes if n.get("Alive", True)
+            and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in need.items())]
+    if not fits:
+        big = largest_node(nodes)
+        tp = config.engine.parallel.tensor_parallel_size
+        raise ValueError(
+            f"model {config.served_model_name!r}: tensor_parallel_size {tp} needs "
+            + ", ".join(f"{v:g} {k}" for k, v in sorted(need.items()))
+            + " on one node (a replica's ranks share a node), but the largest node has "
+            + (", ".join(f"{big.get(k, 0.0):g} {k}" for k in sorted(need)) or "nothing")
+            + "; lower tensor_parallel_size or add a bigger node")
 
 
 def _on_gpu(config: ServerConfig) -> bool:
@@ -94,22 +138,33 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Serve options of the model deployment for a config whose device is resolved."""
+    """Serve options of the (first) model's deployment for a config whose device is resolved: placement,
+    then `extra`, the server-wide llm_deployment_options, and the model's own `deployment` options."""
     options: dict[str, Any] = {"ray_actor_options": replica_actor_options(config)} | (extra or {})
     bundles = placement_bundles(config)
     if bundles:
         options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
-    return options | config.llm_deployment_options  # queue bounds, autoscaling, drain (cluster.yaml overrides)
+    # queue bounds, autoscaling, drain (cluster.yaml's `deployments` section overrides all of these)
+    return options | config.llm_deployment_options | config.models[0].deployment
 
 
 def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str, Any] | None = None) -> Application:
     """The same, from a config object; `engine_cls` lets routing tests inject a small fake engine, and
-    `llm_options` adds Serve options to the model deployment (tests: num_replicas)."""
+    `llm_options` adds Serve options to every model deployment (tests: num_replicas)."""
+    import ray
+
     config = with_resolved_device(config)
-    model_path = resolve_model_path(config.engine.model.model)
-    options = llm_deployment_options(config, llm_options)
+    nodes = ray.nodes() if ray.is_initialized() else []
     nice = serving_nice(config)
-    llm = LLMDeployment.options(**options).bind(config.engine, model_path, engine_cls, config.stream_interval_s,
-                                                config.engine_process, nice)
-    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(model_path, nice)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llm, nice)
+    llms: dict[str, Any] = {}
+    paths: dict[str, str] = {}
+    for index, entry in enumerate(config.models):
+        one = model_config(config, entry)
+        check_fits_one_node(one, nodes)
+        paths[entry.name] = resolve_model_path(entry.engine.model.model)
+        options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
+        llms[entry.name] = LLMDeployment.options(**options).bind(
+            entry.engine, paths[entry.name], engine_cls, config.stream_interval_s, config.engine_process,
+            serving_nice(one))
+    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, nice)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms, nice)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from deployments.auth import parse_key
@@ -16,8 +16,52 @@ def default_storage_url() -> str:
     return "sqlite:///" + os.path.join(state, "rayllm-tp", "conversations.db")
 
 
+# A model's deployment options that cluster.yaml may set per model (the rest are the server's).
+MODEL_ENTRY_KEYS = frozenset({"engine", "served_model_name", "aliases", "deployment"})
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One base model of the app: its engine, the other names `model` may use, and the Serve options of its
+    own deployment (num_replicas, autoscaling_config, ray_actor_options, ...)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    aliases: tuple[str, ...] = ()
+    deployment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.engine.model.served_model_name
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelEntry:
+        unknown = set(d) - MODEL_ENTRY_KEYS
+        if unknown:
+            raise ValueError(f"unknown keys in a models entry: {sorted(unknown)} (known: {sorted(MODEL_ENTRY_KEYS)})")
+        engine = {k: dict(v or {}) for k, v in (d.get("engine") or {}).items()}
+        if d.get("served_model_name"):
+            engine["model"] = engine.get("model", {}) | {"served_model_name": d["served_model_name"]}
+        aliases = d.get("aliases") or ()
+        if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
+            raise ValueError(f"aliases must be a list of names, got {aliases!r}")
+        return cls(EngineConfig.from_dict(engine), tuple(aliases), dict(d.get("deployment") or {}))
+
+
+def check_model_names(models: tuple[ModelEntry, ...]) -> None:
+    """Every name and alias addresses one model; `:` is kept for `model:adapter`."""
+    seen: dict[str, str] = {}
+    for entry in models:
+        for name in (entry.name, *entry.aliases):
+            if not name or ":" in name:
+                raise ValueError(f"model name or alias {name!r} must be non-empty and contain no ':'")
+            if name in seen:
+                raise ValueError(f"model name or alias {name!r} is used twice (by {seen[name]!r} and {entry.name!r})")
+            seen[name] = entry.name
+
+
 @dataclass(frozen=True)
 class ServerConfig:
+    # The first (default) model's engine; with `models` empty, the app serves this one model.
     engine: EngineConfig = field(default_factory=EngineConfig)
     # Bearer keys accepted on /v1 routes; empty = no auth (local use). Also read from API_KEYS (comma-separated).
     # Entries are plain keys or `sha256:<hex>` digests of them (so the config need not hold the secret).
@@ -61,7 +105,7 @@ class ServerConfig:
     storage_timeout_s: float = 5.0
     # PostgreSQL connections per ingress replica (a pool; SQLite opens one per call).
     storage_pool_size: int = 4
-    # Extra Ray Serve options for the model deployment (max_ongoing_requests, max_queued_requests,
+    # Extra Ray Serve options for every model deployment (max_ongoing_requests, max_queued_requests,
     # autoscaling_config, graceful_shutdown_timeout_s, ...), for apps built in code; in a Serve config
     # file the `deployments` section is the place for them (it overrides these).
     llm_deployment_options: dict[str, Any] = field(default_factory=dict)
@@ -74,8 +118,17 @@ class ServerConfig:
     # A request's own `chat_template` (vLLM's switch): off = 400. On, it renders in a child process of
     # the tokenizer replica with a time, memory and output-size bound (deployments.template_sandbox).
     allow_request_chat_template: bool = False
+    # The base models (cluster.yaml `models:`); the first answers requests that name no model. Empty: the
+    # single model of `engine` (its deployment options are llm_deployment_options).
+    models: tuple[ModelEntry, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.models:
+            object.__setattr__(self, "models", (ModelEntry(self.engine),))
+        elif self.engine not in (self.models[0].engine, EngineConfig()):  # replace(cfg, engine=...): the first
+            object.__setattr__(self, "models", (replace(self.models[0], engine=self.engine),) + self.models[1:])
+        object.__setattr__(self, "engine", self.models[0].engine)
+        check_model_names(self.models)
         for key in self.api_keys + self.admin_api_keys:  # fail at start-up, not on the first request
             parse_key(key)
         if self.storage_timeout_s <= 0 or self.storage_pool_size < 1:
@@ -96,6 +149,13 @@ class ServerConfig:
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> ServerConfig:
         args = dict(args or {})
+        models = args.pop("models", None)
+        if models is not None and "engine" in args:
+            raise ValueError("give either `engine` (one model) or `models` (several), not both")
+        if models is not None and (not isinstance(models, list) or not models):
+            raise ValueError("models must be a non-empty list of model entries")
+        if models:
+            args["models"] = tuple(ModelEntry.from_dict(dict(m)) for m in models)
         engine = EngineConfig.from_dict(args.pop("engine", {}) or {})
         keys = tuple(args.pop("api_keys", None) or ())
         env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())

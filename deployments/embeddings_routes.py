@@ -15,6 +15,7 @@ from app import embeddings as E
 from app.errors import APIError
 from deployments.auth import cache_salt
 from deployments.http_app import app, parse
+from deployments.request_guards import call_model
 
 # Serve ships the ingress class by value with its rewritten route signatures; this mixin must travel too.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -38,5 +39,6 @@ class EmbeddingsRoutes:
             per_input = min(per_input, self.config.max_prompt_tokens)
         prompts = [list(x) if isinstance(x, list) else await self.tokenizer.encode.remote(x) for x in items]
         total = E.check_tokens(prompts, per_input, (await self.tokenizer_info())["vocab_size"])
-        vectors = await self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None))
+        vectors = await call_model(self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None)),
+                                   self.config.retry_after_s)
         return JSONResponse(E.response_body(vectors, req, req.model or self.model_name, total))

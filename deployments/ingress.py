@@ -29,7 +29,6 @@ from app.sse import (
 from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
 from deployments import ops_routes as ops
-from deployments.adapter_table import AdapterTable
 from deployments.auth import Access, cache_salt
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
@@ -38,8 +37,11 @@ from deployments.embeddings_routes import EmbeddingsRoutes
 from deployments.http_app import app, parse, parse_query, read_body, request_id_of
 from deployments.llm_server import GenerateRequest
 from deployments.metrics import server_metrics
+from deployments.model_routes import ModelRoutes
 from deployments.playground import PlaygroundRoutes
 from deployments.request_guards import (
+    call_model,
+    cancel,
     check_request,
     check_sampling,
     check_tokens,
@@ -57,35 +59,33 @@ log = logging.getLogger("ray.serve")
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
 class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
-    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llm: DeploymentHandle,
+    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llms: dict[str, DeploymentHandle],
                  serving_nice: int = 0):
         lower_process_priority(serving_nice)
         self.config = config
-        self.tokenizer = tokenizer
-        self.llm = llm
-        self.model_name = config.served_model_name
         self.created = int(time.time())
-        self._info: dict | None = None
+        self.routes = ModelRoutes(config.models, llms, tokenizer, self.created)
         self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
         self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
-        self.adapters = AdapterTable(self.model_name, dict(config.engine.lora.adapters), self.created,
-                                     config.engine.lora.allowed_roots)
         self.metrics = server_metrics()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
 
+    # The model this request selected (check_model; deployments.model_routes): its deployment, tokenizer...
+    llm = property(lambda self: self.routes.current.llm)
+    tokenizer = property(lambda self: self.routes.current.tokenizer)
+    model_name = property(lambda self: self.routes.current.name)
+    adapters = property(lambda self: self.routes.current.adapters)
+
     async def info(self) -> dict:
-        if self._info is None:
-            self._info = await self.llm.model_info.remote()
-        return self._info
+        return await call_model(self.routes.current.info(), self.config.retry_after_s)
 
     def check_auth(self, request: Request) -> str:
         """The caller's owner id (a digest of its key; "" with auth off), or a 401."""
         return self.keys.owner(request.headers.get("authorization"))
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", type="not_found_error",
-                           param="model", code="model_not_found")
+        """Selects the model `model` names for the rest of this request (404 for an unknown one)."""
+        self.routes.select(model)
 
     async def render(self, messages: list[dict], **kw) -> tuple[str, list[int]]:
         try:
@@ -109,21 +109,21 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         seen: dict[str, str] = {}
         metered = self.metrics.meter(guarded(note_replica(flatten(gen), seen), self.config.request_timeout_s, t0,
                                              self.config.retry_after_s),
-                                     getattr(req, "model", None) or self.model_name, t0, greq.n)
+                                     (greq.lora and getattr(req, "model", None)) or self.model_name, t0, greq.n)
         deltas = metered if tap is None else tap(metered)
         if not stream:
             try:
                 body = (await collect_fn(deltas, **kw)).model_dump()
                 return JSONResponse(body, headers=seen)
             finally:
-                gen.cancel()
+                cancel(gen)
         # Wait for the first batch before answering, so early refusals are plain HTTP errors.
         try:
             first = await anext(deltas)
         except StopAsyncIteration:
             first = None
         except BaseException:  # a 504 or an error before the first token: nothing will read gen again
-            gen.cancel()
+            cancel(gen)
             raise
 
         async def replay() -> AsyncIterator[GenerationDelta]:
@@ -137,14 +137,14 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
                 async for event in stream_fn(replay(), **kw):
                     yield event
             finally:  # client disconnect lands here: cancelling the stream aborts the request upstream
-                gen.cancel()
+                cancel(gen)
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | seen)
 
     @app.get("/health")
     async def health(self) -> Response:
-        return await ops.health(self.llm)
+        return await ops.health([r.llm for r in self.routes])
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> JSONResponse:
@@ -152,27 +152,23 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        return await ops.metrics(request, self.keys, self.llm, self.metrics, self.model_name)
+        return await ops.metrics(request, self.keys, {r.name: r.llm for r in self.routes}, self.metrics)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        cards = [await self.model_card()] + [self.adapters.card(n) for n in self.adapters]
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": await self.routes.cards()})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self.check_auth(request)
-        name = self.adapters.name_of(model_id)
-        if name is not None and name in self.adapters:
-            return JSONResponse(self.adapters.card(name))
-        self.check_model(model_id)
-        return JSONResponse(await self.model_card())
-
-    async def model_card(self) -> dict:
-        info = await self.info()
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
-                "root": self.model_name, "parent": None, "max_model_len": info["max_model_len"]}
+        route = self.routes.find(model_id)
+        name = route.adapters.name_of(model_id)
+        if name is not None and name in route.adapters:
+            return JSONResponse(route.adapters.card(name))
+        if name is not None:
+            raise self.routes.unknown(model_id)
+        return JSONResponse(await route.card(model_id if model_id in route.aliases else None))
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
 
@@ -209,6 +205,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
                            rid: str, param: str = "messages") -> tuple[GenerateRequest, Any]:
         """What /v1/chat/completions and /v1/responses share: adapter, bounds, constraint, tools, template,
         sampling. Returns the engine request and the output parser factory (app.chat_output)."""
+        self.check_model(req.model)
         lora = self.adapters.resolve(req.model, req.lora_path)
         seqs = check_request(self.config, req, 1)
         P.check_supported(req)
@@ -245,6 +242,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
     async def completions(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
+        self.check_model(req.model)
         lora = self.adapters.resolve(req.model, req.lora_path)
         raw_prompts = P.completion_prompts(req)
         seqs = check_request(self.config, req, len(raw_prompts))
@@ -289,9 +287,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         return await self.run(greq, stream_completion, collect_completion, req)
 
     async def tokenizer_info(self) -> dict:
-        if not hasattr(self, "_tok_info"):
-            self._tok_info = await self.tokenizer.info.remote()
-        return self._tok_info
+        return await self.routes.current.tokenizer_info()
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:

@@ -25,9 +25,10 @@ log = logging.getLogger("ray.serve")
 UNHEALTHY = "model unavailable: no healthy model replica answered; retry later"
 
 
-async def health(llm: DeploymentHandle) -> Response:
+async def health(llms: list[DeploymentHandle]) -> Response:
+    """200 when every model of the app has a replica that answers."""
     try:  # bounded: while the only replica is being replaced, the call would otherwise queue
-        await asyncio.wait_for(llm.check_health.remote(), timeout=10)
+        await asyncio.wait_for(asyncio.gather(*(llm.check_health.remote() for llm in llms)), timeout=10)
     except Exception as exc:
         log.warning("/health: model unavailable: %s", (str(exc).splitlines() or [type(exc).__name__])[0][:500])
         return error_response(APIError(503, UNHEALTHY, type="server_error", code="model_unavailable"))
@@ -41,15 +42,17 @@ def openapi(access: Access) -> JSONResponse:
     return JSONResponse(app.openapi())
 
 
-async def metrics(request: Request, access: Access, llm: DeploymentHandle, server_metrics: ServerMetrics,
-                  model_name: str) -> Response:
-    """Prometheus text format (vLLM's names); engine gauges from one model replica per scrape."""
+async def metrics(request: Request, access: Access, llms: dict[str, DeploymentHandle],
+                  server_metrics: ServerMetrics) -> Response:
+    """Prometheus text format (vLLM's names); engine gauges from one replica of each model per scrape,
+    labelled with the model's name."""
     access.metrics(request.headers.get("authorization"))
-    try:
-        stats = await asyncio.wait_for(llm.stats.remote(), timeout=5)
-        server_metrics.set_engine_stats(stats, model_name)
-    except Exception:  # no replica right now: the request metrics are still worth serving
-        log.info("engine stats unavailable for /metrics", exc_info=True)
+    for model_name, llm in llms.items():
+        try:
+            stats = await asyncio.wait_for(llm.stats.remote(), timeout=5)
+            server_metrics.set_engine_stats(stats, model_name)
+        except Exception:  # no replica right now: the request metrics are still worth serving
+            log.info("engine stats unavailable for /metrics (%s)", model_name, exc_info=True)
     return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -6,7 +6,8 @@ adapters the ingress chains (flatten, note_replica, guarded)."""
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 from fastapi import Request
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -52,6 +53,9 @@ async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, ret
     """
     it = aiter(deltas)
     while True:
+        # Errors are raised after the except blocks, so they carry no __context__: Serve's ASGI wrapper
+        # answers any exception whose context is a BackPressureError with its own plain-text 503.
+        err: APIError | None = None
         try:
             # asyncio.timeout, not wait_for: no extra task per delta on the hot path.
             async with asyncio.timeout(None if timeout_s is None else max(t0 + timeout_s - time.monotonic(), 0)):
@@ -59,12 +63,36 @@ async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, ret
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise request_timeout(timeout_s or 0) from None
+            err = request_timeout(timeout_s or 0)
         except BackPressureError as exc:
-            raise overloaded(exc, retry_after_s) from None
+            err = overloaded(exc, retry_after_s)
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-            raise replica_failed(exc) from None
+            err = replica_failed(exc)
+        if err is not None:
+            raise err
         yield d
+
+
+def cancel(gen: Any) -> None:
+    """Cancel a streaming model call. Serve's cancel() re-raises the error of a call that never started
+    (its queue was full): there is nothing to cancel then, and the request's own error stands."""
+    try:
+        gen.cancel()
+    except Exception:  # the call's failure is already the request's answer
+        pass
+
+
+async def call_model(call: Awaitable[Any], retry_after_s: float) -> Any:
+    """A unary call to a model deployment, with a full queue or a dead replica as the same OpenAI errors
+    as `guarded`; raised outside the except block, as there."""
+    err: APIError | None = None
+    try:
+        return await call
+    except BackPressureError as exc:
+        err = overloaded(exc, retry_after_s)
+    except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+        err = replica_failed(exc)
+    raise err
 
 
 def check_n(config: ServerConfig, n: int | None, best_of: int | None = None) -> None:

@@ -1,7 +1,7 @@
 """Tokenizer and chat template: rendering and tokenizing (detokenizing lives in deployments.detokenizer).
 
-`TokenizerService` is plain Python (testable without Ray); `TokenizerDeployment` serves it with its
-own CPU replicas. Detokenizing (`deployments.detokenizer`) runs beside the engine in the model deployment.
+`TokenizerService` is plain Python (testable without Ray); `TokenizerDeployment` serves one per model
+of the app with its own CPU replicas. Detokenizing (`deployments.detokenizer`) runs beside the engine in the model deployment.
 """
 
 from __future__ import annotations
@@ -278,23 +278,44 @@ class TokenizerService:
 
 
 @serve.deployment(name="tokenizer", max_ongoing_requests=1000)
-class TokenizerDeployment(TokenizerService):
-    """Rendering and tokenizing on their own CPU replicas, off the model replicas' cores."""
+class TokenizerDeployment:
+    """Rendering and tokenizing for every model of the app on their own CPU replicas, off the model
+    replicas' cores; each call names its model (a served model name)."""
 
-    def __init__(self, model_path: str, serving_nice: int = 0):
+    def __init__(self, model_paths: dict[str, str], serving_nice: int = 0):
         lower_process_priority(serving_nice)
-        super().__init__(model_path)
-        self.sandbox = TemplateSandbox(model_path)  # its process starts with the first request template
+        self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
+        # Each sandbox's process starts with the first request template for its model.
+        self.sandboxes = {name: TemplateSandbox(path) for name, path in model_paths.items()}
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+    def service(self, model: str) -> TokenizerService:
+        try:
+            return self.services[model]
+        except KeyError:
+            raise ValueError(f"no tokenizer for model {model!r}") from None
+
+    def info(self, model: str) -> dict:
+        return self.service(model).info()
+
+    def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.service(model).encode(text, add_special_tokens)
+
+    def encode_fim(self, model: str, prefix: str, suffix: str) -> list[int]:
+        return self.service(model).encode_fim(prefix, suffix)
+
+    def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.service(model).decode(ids, skip_special_tokens)
+
+    async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, chat_template: str | None = None,
                           chat_template_kwargs: dict | None = None,
                           tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """The model's template renders here; a request's own (the ingress lets one through only when the
         operator allows it) renders in the sandbox, off this replica's event loop."""
+        service = self.service(model)
         kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                   chat_template_kwargs=chat_template_kwargs, tools=tools)
         if chat_template is None:
-            return super().render_chat(messages, **kw)
-        text = await asyncio.to_thread(self.sandbox.render, messages, chat_template=chat_template, **kw)
-        return text, self.encode(text, add_special_tokens=False)
+            return service.render_chat(messages, **kw)
+        text = await asyncio.to_thread(self.sandboxes[model].render, messages, chat_template=chat_template, **kw)
+        return text, service.encode(text, add_special_tokens=False)

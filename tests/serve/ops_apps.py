@@ -18,7 +18,8 @@ def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
 
     from deployments.builder import build_app
 
-    app = build_app({"replica_num_cpus": 0.5, "engine": SMALL_ENGINE} | args)
+    small = {} if "models" in args else {"engine": SMALL_ENGINE}  # a `models` list brings its own engines
+    app = build_app({"replica_num_cpus": 0.5} | small | args)
     serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
     base = f"{server}/{name}"
     deadline = time.time() + wait_s

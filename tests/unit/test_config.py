@@ -60,3 +60,46 @@ def test_serving_nice_is_bounded_and_only_for_cpu_engines():
     assert serving_nice(ServerConfig.from_args({"serving_nice": 7, "engine": {"parallel": {"device": "cpu"}}})) == 7
     # A GPU engine does not compete with the serving processes for cores (this checks the config only).
     assert serving_nice(ServerConfig.from_args({"serving_nice": 7, "engine": {"parallel": {"device": "cuda"}}})) == 0
+
+
+# ---- several base models (issue 20) ------------------------------------------------------------------
+
+def test_single_model_form_is_one_models_entry():
+    cfg = ServerConfig.from_args({"engine": {"model": {"served_model_name": "solo", "dtype": "float32"}},
+                                  "llm_deployment_options": {"max_queued_requests": 3}})
+    (entry,) = cfg.models
+    assert entry.name == "solo" == cfg.served_model_name and entry.engine is cfg.engine
+    assert entry.aliases == () and entry.deployment == {}
+    assert ServerConfig.from_args({}).models[0].name == "SmolLM2-135M-Instruct"  # the default
+
+
+def test_models_list_form():
+    cfg = ServerConfig.from_args({"models": [
+        {"engine": {"model": {"dtype": "float32"}}, "aliases": ["smol"]},
+        {"served_model_name": "tiny", "engine": {"model": {"model": "/m/tiny"}, "parallel": None},
+         "deployment": {"num_replicas": 2}},
+    ]})
+    first, second = cfg.models
+    assert (first.name, first.aliases, first.engine.model.dtype) == ("SmolLM2-135M-Instruct", ("smol",), "float32")
+    assert (second.name, second.engine.model.model, second.deployment) == ("tiny", "/m/tiny", {"num_replicas": 2})
+    assert cfg.engine == first.engine and cfg.served_model_name == first.name  # the first is the default
+
+
+@pytest.mark.parametrize("models, match", [
+    ([{"served_model_name": "a"}, {"served_model_name": "a"}], "'a' is used twice"),
+    ([{"served_model_name": "a", "aliases": ["x"]}, {"served_model_name": "b", "aliases": ["x"]}], "'x' is used twice"),
+    ([{"served_model_name": "a"}, {"served_model_name": "b", "aliases": ["a"]}], "'a' is used twice"),
+    ([{"served_model_name": "a", "aliases": ["a"]}], "'a' is used twice"),
+    ([{"served_model_name": "a", "aliases": ["a:b"]}], "contain no ':'"),
+    ([{"served_model_name": "a", "aliases": "x"}], "aliases must be a list"),
+    ([{"served_model_name": "a", "replicas": 2}], r"unknown keys in a models entry: \['replicas'\]"),
+    ([], "non-empty list"),
+])
+def test_models_list_refusals(models, match):
+    with pytest.raises(ValueError, match=match):
+        ServerConfig.from_args({"models": models})
+
+
+def test_engine_and_models_together_refused():
+    with pytest.raises(ValueError, match="either `engine`"):
+        ServerConfig.from_args({"engine": {}, "models": [{"served_model_name": "a"}]})

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.builder import (
     build_app_with,
+    check_fits_one_node,
     llm_deployment_options,
     placement_bundles,
     replica_actor_options,
@@ -141,5 +142,45 @@ def test_build_app_binds_the_resolved_device(gpu_cluster):
 
 def _llm_deployment(app):
     ingress = app._bound_deployment
-    return next(a for a in ingress.init_args if getattr(a, "_bound_deployment", None) is not None
+    args = [v for a in ingress.init_args for v in (a.values() if isinstance(a, dict) else [a])]  # llms: a dict
+    return next(a for a in args if getattr(a, "_bound_deployment", None) is not None
                 and a._bound_deployment.name == "llm")._bound_deployment
+
+
+# ---- several models, several nodes (issue 20) ----------------------------------------------------------
+
+def _node(cpus: float, gpus: float = 0.0, alive: bool = True) -> dict:
+    """One entry of `ray.nodes()` (the fields the check reads)."""
+    return {"Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus, "memory": 1e9} if gpus else {"CPU": cpus}}
+
+
+def test_tensor_parallel_wider_than_any_node_is_refused():
+    """TP ranks of one replica are packed on one node: TP=4 on CPU needs 1 + 4 CPUs on a single node."""
+    config = _config("cpu", tp=4)
+    check_fits_one_node(config, [_node(2), _node(5)])  # the second node holds the replica
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 needs 5 CPU on one node .* largest node has 4 CPU"):
+        check_fits_one_node(config, [_node(4), _node(4), _node(8, alive=False)])
+    gpu = _config("cuda", tp=2)
+    check_fits_one_node(gpu, [_node(4, gpus=2)])
+    with pytest.raises(ValueError, match=r"needs 3 CPU, 2 GPU on one node .* largest node has 16 CPU, 1 GPU"):
+        check_fits_one_node(gpu, [_node(16, gpus=1), _node(16, gpus=1)])
+    check_fits_one_node(_config("cpu", tp=1), [_node(0.5)])  # the engine runs in the replica: no bundles
+
+
+def test_one_deployment_per_model(tmp_path):
+    """The first model's deployment keeps the name `llm`; each other model gets its own, with its own
+    Serve options; one tokenizer deployment knows every model's files."""
+    (tmp_path / "config.json").write_text("{}")  # a model directory (only its path is bound here)
+    config = ServerConfig.from_args({"models": [
+        {"engine": {"parallel": {"device": "cpu"}}, "aliases": ["smol"]},
+        {"served_model_name": "tiny/v1", "engine": {"model": {"model": str(tmp_path)}, "parallel": {"device": "cpu"}},
+         "deployment": {"num_replicas": 2}},
+    ]})
+    ingress = build_app_with(config)._bound_deployment
+    tokenizer, llms = ingress.init_args[1]._bound_deployment, ingress.init_args[2]
+    deployments = {name: h._bound_deployment for name, h in llms.items()}
+    assert {n: d.name for n, d in deployments.items()} == {"SmolLM2-135M-Instruct": "llm", "tiny/v1": "llm-tiny-v1"}
+    assert deployments["tiny/v1"].num_replicas == 2 and deployments["SmolLM2-135M-Instruct"].num_replicas == 1
+    assert deployments["tiny/v1"].init_args[1] == str(tmp_path)
+    assert tokenizer.init_args[0] == {"SmolLM2-135M-Instruct": deployments["SmolLM2-135M-Instruct"].init_args[1],
+                                      "tiny/v1": str(tmp_path)}

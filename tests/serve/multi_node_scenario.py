@@ -1,0 +1,157 @@
+"""The multi-node scenario of tests/serve/test_multi_node.py, run in its own process (its own Ray cluster,
+never the session's): prints one JSON object with what it observed.
+
+A `ray.cluster_utils.Cluster` on this machine (how Ray tests itself): a head with no CPUs for replicas,
+where the Serve controller, the HTTP proxy, the ingress and the tokenizer run, and three worker nodes of
+2 CPUs each. Two model replicas (`executor: ray`, tensor_parallel_size 1: a placement group of the replica's
+bundle and one rank bundle, 1.5 CPUs) cannot share a node, so they land on two workers; streams run on both;
+one replica's node is removed; the third worker is where Serve brings the lost replica back.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+import time
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE = {"model": {"max_model_len": 512}, "cache": {"kv_cache_bytes": 64 << 20},
+          "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+          "parallel": {"device": "cpu", "executor": "ray", "tensor_parallel_size": 1}}
+STREAMS = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pinned_to_head(app):
+    """The ingress and the tokenizer on the head node (as a cluster's Serve config would pin them with
+    `deployments: [{name: ingress, ray_actor_options: {resources: ...}}]`), so that removing a worker
+    loses only model replicas."""
+    head = {"num_cpus": 0, "resources": {"head": 0.001}}
+    ingress = app._bound_deployment
+    config, tokenizer, llms, nice = ingress.init_args
+    tok = tokenizer._bound_deployment
+    tokenizer = tok.options(ray_actor_options=head).bind(*tok.init_args)
+    return ingress.options(ray_actor_options=head).bind(config, tokenizer, llms, nice)
+
+
+def _replica_nodes() -> dict[str, list[str]]:
+    """Each live model-replica placement group's nodes (one per bundle)."""
+    from ray.util import placement_group_table
+
+    out = {}
+    for pg_id, pg in placement_group_table().items():
+        if pg["state"] == "CREATED" and "llm" in pg.get("name", ""):
+            out[pg_id] = sorted(set(pg["bundles_to_node_id"].values()))
+    return out
+
+
+def _stream(base: str, out: dict, started: threading.Event) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to one hundred."}],
+            "max_tokens": 160, "temperature": 0, "stream": True, "ignore_eos": True}
+    chunks, finish, error = 0, None, None
+    try:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=180) as r:
+            out["status"] = r.status_code
+            out["replica"] = r.headers.get("x-replica-id")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]
+                    continue
+                for choice in event.get("choices", []):
+                    chunks += 1
+                    finish = choice.get("finish_reason") or finish
+                if chunks:
+                    started.set()
+    except httpx.HTTPError as exc:
+        error = {"client": type(exc).__name__}
+    out.update(chunks=chunks, finish=finish, error=error)
+    started.set()
+
+
+def main() -> dict:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from deployments.builder import build_app
+
+    result: dict = {}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "resources": {"head": 1}, "include_dashboard": False})  # GCS: 6379 or a free port
+    workers = [cluster.add_node(num_cpus=2, resources={f"worker{i}": 1}) for i in range(3)]
+    names = {w.node_id: f"worker{i}" for i, w in enumerate(workers)} | {cluster.head_node.node_id: "head"}
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    cluster.wait_for_nodes()
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    try:  # wider than any node: refused while building, before anything is deployed
+        build_app({"engine": ENGINE | {"parallel": {"device": "cpu", "executor": "ray", "tensor_parallel_size": 3}}})
+    except ValueError as exc:
+        result["tp_refused"] = str(exc)
+    app = build_app({"replica_num_cpus": 0.5, "engine": ENGINE, "llm_deployment_options": {
+        "num_replicas": 2, "health_check_period_s": 2, "health_check_timeout_s": 5}})
+    serve.run(_pinned_to_head(app), name="multinode", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while serve.status().applications["multinode"].deployments.get("llm") is None or \
+            serve.status().applications["multinode"].deployments["llm"].replica_states != {"RUNNING": 2}:
+        if time.time() > deadline:
+            raise RuntimeError(f"replicas did not start: {serve.status()}")
+        time.sleep(1)
+    before = _replica_nodes()
+    result["before"] = [[names.get(n, n) for n in nodes] for nodes in before.values()]
+
+    outs = [{} for _ in range(STREAMS)]
+    started = [threading.Event() for _ in range(STREAMS)]
+    threads = [threading.Thread(target=_stream, args=(base, o, e)) for o, e in zip(outs, started, strict=True)]
+    for t in threads:
+        t.start()
+    for e in started:
+        e.wait(180)
+    replicas = sorted({o.get("replica") for o in outs if o.get("replica")})
+    result["replicas_reached"] = len(replicas)
+    # The node of the first replica the streams reached (the GCS's actor table; no dashboard here).
+    from ray._private.state import actors
+
+    victim_replica = replicas[0] if replicas else None
+    victim_node = next((a["Address"]["NodeID"] for a in actors().values()
+                        if a["State"] == "ALIVE" and victim_replica and victim_replica in a["Name"]), None)
+    result["victim"] = names.get(victim_node)
+    cluster.remove_node(next(w for w in workers if w.node_id == victim_node), allow_graceful=False)
+    for t in threads:
+        t.join(200)
+    result["streams"] = [{"on_lost_node": o.get("replica") == victim_replica, "status": o.get("status"),
+                          "chunks": o.get("chunks"), "finish": o.get("finish"), "error": o.get("error")}
+                         for o in outs]
+    deadline = time.time() + 180
+    while serve.status().applications["multinode"].deployments["llm"].replica_states != {"RUNNING": 2}:
+        if time.time() > deadline:
+            break
+        time.sleep(1)
+    result["recovered"] = serve.status().applications["multinode"].deployments["llm"].replica_states
+    result["after"] = [[names.get(n, n) for n in nodes] for nodes in _replica_nodes().values()]
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
+    result["after_status"] = r.status_code
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main()), flush=True)
+    sys.exit(0)

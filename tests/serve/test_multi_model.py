@@ -1,0 +1,124 @@
+"""Several base models in one app (cluster.yaml `models:`): the default SmolLM2 GGUF and a tiny random Llama
+directory (weights random, built by transformers in the test; SmolLM2's tokenizer saved beside it) behind
+one ingress and one tokenizer deployment, each model on its own deployment with its own replica count.
+
+References: the tiny model's greedy answer is transformers' `generate` on the same rendered prompt; SmolLM2's
+is the session server's answer (a single-model app) to the same request."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from conftest import API_KEY
+from ops_apps import MODEL, SMALL_ENGINE, deploy
+
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+MAX_TOKENS = 8
+TINY = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, smollm2_tokenizer) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    tok = smollm2_tokenizer
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.1,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def multi(server, apps, tiny_path) -> str:
+    """The two-model app; the tiny model runs two replicas, SmolLM2 one."""
+    base = deploy(server, "multi", {
+        "api_keys": [API_KEY],
+        "models": [
+            {"engine": SMALL_ENGINE, "aliases": ["smol"]},
+            {"served_model_name": TINY, "aliases": ["tiny"], "deployment": {"num_replicas": 2},
+             "engine": {"model": {"model": tiny_path, "dtype": "float32", "max_model_len": 256},
+                        "cache": {"kv_cache_bytes": 32 << 20},
+                        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}},
+        ],
+    })
+    apps.append("multi")
+    return base
+
+
+def _reference_tiny(path: str, tok) -> str:
+    from transformers import AutoModelForCausalLM
+
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=stop, pad_token_id=stop[0])
+    return tok.decode([t for t in out[0, len(ids):].tolist() if t not in stop], skip_special_tokens=True)
+
+
+def test_two_models_answer_concurrently_each_with_its_own_output(multi, client, tiny_path, smollm2_tokenizer):
+    from openai import OpenAI
+
+    multi_client = OpenAI(base_url=f"{multi}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    def ask(c: OpenAI, model: str) -> str:
+        r = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.model == model
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:  # both models at once, each twice (by name and by alias)
+        futures = {m: pool.submit(ask, multi_client, m) for m in (MODEL, TINY, "smol", "tiny")}
+        answers = {m: f.result() for m, f in futures.items()}
+    assert answers[MODEL] == ask(client, MODEL)  # the session's single-model app
+    assert answers[TINY] == _reference_tiny(tiny_path, smollm2_tokenizer)
+    assert answers["smol"] == answers[MODEL] and answers["tiny"] == answers[TINY]
+    assert answers[MODEL] != answers[TINY]
+    # The completions route and the tokenizer route go to the named model too (its own tokenizer info).
+    text = multi_client.completions.create(model="tiny", prompt="Red, green", max_tokens=4, temperature=0)
+    assert text.model == "tiny" and text.usage.prompt_tokens == len(smollm2_tokenizer("Red, green").input_ids)
+    tok = httpx.post(f"{multi}/tokenize", json={"model": TINY, "prompt": "Red"},
+                     headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert tok["max_model_len"] == 256
+
+
+def test_models_lists_every_model_and_alias_and_unknown_is_404(multi):
+    from openai import NotFoundError, OpenAI
+
+    c = OpenAI(base_url=f"{multi}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    cards = {m.id: m for m in c.models.list().data}
+    assert set(cards) == {MODEL, "smol", TINY, "tiny"}
+    assert cards["smol"].root == MODEL and cards["tiny"].root == TINY
+    assert c.models.retrieve("tiny").root == TINY
+    with pytest.raises(NotFoundError) as err:
+        c.chat.completions.create(model="nope", messages=QUESTION, max_tokens=2)
+    body = err.value.body
+    assert body["code"] == "model_not_found" and body["param"] == "model"
+    assert all(name in body["message"] for name in (MODEL, "smol", TINY, "tiny"))
+
+
+def test_each_model_has_its_own_replicas(multi):
+    """Two replicas for the tiny model leave SmolLM2's deployment at one (serve.status())."""
+    from ray import serve
+
+    deployments = serve.status().applications["multi"].deployments
+    assert set(deployments) == {"ingress", "tokenizer", "llm", "llm-tiny-llama"}
+    assert deployments["llm"].replica_states == {"RUNNING": 1}
+    assert deployments["llm-tiny-llama"].replica_states == {"RUNNING": 2}
