@@ -31,7 +31,7 @@ from model_parallel.config import (  # noqa: E402
 )
 from model_parallel.engine import LLMEngine  # noqa: E402
 from model_parallel.loader import read_arch  # noqa: E402
-from model_parallel.lora import random_peft_adapter  # noqa: E402
+from model_parallel.lora_files import random_peft_adapter  # noqa: E402
 from model_parallel.model_files import default_model_path  # noqa: E402
 from model_parallel.sampling_params import SamplingParams  # noqa: E402
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from app.errors import APIError
 from deployments.adapter_paths import resolve_allowed
 from model_parallel.config import LoRAConfig
-from model_parallel.lora import LoRAError, read_peft_adapter
+from model_parallel.lora_files import LoRAError, read_peft_adapter
 
 log = logging.getLogger("ray.serve")
 

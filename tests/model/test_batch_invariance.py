@@ -27,7 +27,7 @@ from model_parallel.config import (
     SchedulerConfig,
 )
 from model_parallel.engine import LLMEngine
-from model_parallel.lora import random_peft_adapter
+from model_parallel.lora_files import random_peft_adapter
 from model_parallel.sampling_params import SamplingParams
 
 NEW_TOKENS = 8

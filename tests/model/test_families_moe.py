@@ -180,7 +180,7 @@ def test_expert_lora_is_refused_with_a_clear_error(checkpoints, key, tmp_path):
 
     from safetensors.torch import save_file
 
-    from model_parallel.lora import LoRAError, read_peft_adapter
+    from model_parallel.lora_files import LoRAError, read_peft_adapter
 
     path = tmp_path / "experts_adapter"
     path.mkdir()

@@ -19,7 +19,7 @@ from model_parallel.config import (
 )
 from model_parallel.executor import make_executor
 from model_parallel.loader import read_arch
-from model_parallel.lora import LoRAError, random_peft_adapter, read_peft_adapter
+from model_parallel.lora_files import LoRAError, random_peft_adapter, read_peft_adapter
 
 
 def tiny_llama(tmp_path) -> str:

@@ -24,7 +24,7 @@ from model_parallel.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from model_parallel.lora import UnknownAdapterError
+from model_parallel.lora_files import UnknownAdapterError
 from model_parallel.sampling_params import SamplingParams
 
 

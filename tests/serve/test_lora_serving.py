@@ -19,7 +19,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
     from model_parallel.config import LlamaArch
     from model_parallel.loader import read_arch
-    from model_parallel.lora import random_peft_adapter
+    from model_parallel.lora_files import random_peft_adapter
 
     arch = read_arch(gguf_path)
     root = tmp_path_factory.mktemp("adapters")

@@ -58,7 +58,7 @@ def shipped_args(adapter_root: str) -> dict:
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory, gguf_path) -> str:
     from model_parallel.loader import read_arch
-    from model_parallel.lora import random_peft_adapter
+    from model_parallel.lora_files import random_peft_adapter
 
     root = tmp_path_factory.mktemp("shipped_adapters")
     return random_peft_adapter(str(root / "a"), read_arch(gguf_path), rank=8, seed=21)

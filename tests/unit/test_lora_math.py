@@ -7,7 +7,8 @@ import torch
 
 from model_parallel.config import LlamaArch, LoRAConfig
 from model_parallel.llama import LlamaForCausalLM
-from model_parallel.lora import LoRAManager, random_peft_adapter, read_peft_adapter
+from model_parallel.lora import LoRAManager
+from model_parallel.lora_files import random_peft_adapter, read_peft_adapter
 from model_parallel.parallel import TPGroup
 
 ARCH = LlamaArch(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
