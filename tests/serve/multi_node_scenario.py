@@ -22,7 +22,7 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {"model": {"max_model_len": 512}, "cache": {"kv_cache_bytes": 64 << 20},
           "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
           "parallel": {"device": "cpu", "executor": "ray", "tensor_parallel_size": 1}}
-STREAMS = 6
+MIN_STREAMS, MAX_STREAMS = 4, 12
 
 
 def _free_port() -> int:
@@ -56,7 +56,7 @@ def _replica_nodes() -> dict[str, list[str]]:
 
 def _stream(base: str, out: dict, started: threading.Event) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to one hundred."}],
-            "max_tokens": 160, "temperature": 0, "stream": True, "ignore_eos": True}
+            "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
     chunks, finish, error = 0, None, None
     try:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=180) as r:
@@ -114,28 +114,37 @@ def main() -> dict:
     before = _replica_nodes()
     result["before"] = [[names.get(n, n) for n in nodes] for nodes in before.values()]
 
-    outs = [{} for _ in range(STREAMS)]
-    started = [threading.Event() for _ in range(STREAMS)]
-    threads = [threading.Thread(target=_stream, args=(base, o, e)) for o, e in zip(outs, started, strict=True)]
-    for t in threads:
-        t.start()
-    for e in started:
-        e.wait(180)
+    # Streams start one at a time, each once the previous one streams, until both replicas serve some:
+    # the router's choice between two replicas is random when their queues look alike, so a fixed
+    # number of streams started at once can all land on one.
+    outs: list[dict] = []
+    threads: list[threading.Thread] = []
+    while len(outs) < MAX_STREAMS:
+        out, started = {}, threading.Event()
+        thread = threading.Thread(target=_stream, args=(base, out, started))
+        thread.start()
+        started.wait(180)
+        outs.append(out)
+        threads.append(thread)
+        if len(outs) >= MIN_STREAMS and len({o.get("replica") for o in outs if o.get("replica")}) == 2:
+            break
     replicas = sorted({o.get("replica") for o in outs if o.get("replica")})
     result["replicas_reached"] = len(replicas)
-    # The node of the first replica the streams reached (the GCS's actor table; no dashboard here).
+    # The node of the replica the last stream reached, which still streams (the GCS's actor table; no
+    # dashboard here).
     from ray._private.state import actors
 
-    victim_replica = replicas[0] if replicas else None
+    victim_replica = outs[-1].get("replica")
     victim_node = next((a["Address"]["NodeID"] for a in actors().values()
                         if a["State"] == "ALIVE" and victim_replica and victim_replica in a["Name"]), None)
     result["victim"] = names.get(victim_node)
+    live = [t.is_alive() for t in threads]
     cluster.remove_node(next(w for w in workers if w.node_id == victim_node), allow_graceful=False)
     for t in threads:
         t.join(200)
-    result["streams"] = [{"on_lost_node": o.get("replica") == victim_replica, "status": o.get("status"),
-                          "chunks": o.get("chunks"), "finish": o.get("finish"), "error": o.get("error")}
-                         for o in outs]
+    result["streams"] = [{"on_lost_node": o.get("replica") == victim_replica, "live_at_loss": alive,
+                          "status": o.get("status"), "chunks": o.get("chunks"), "finish": o.get("finish"),
+                          "error": o.get("error")} for o, alive in zip(outs, live, strict=True)]
     deadline = time.time() + 180
     while serve.status().applications["multinode"].deployments["llm"].replica_states != {"RUNNING": 2}:
         if time.time() > deadline:
