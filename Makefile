@@ -41,10 +41,9 @@ install-test: $(VENV)/.installed-test
 install-gpu:
 	$(MAKE) install GPU=1
 
-# Ray starts its workers at nice 15 (behind its own daemons); at 0 the engine process is not preempted
-# by every other process on the box, and serving_nice (cluster.yaml) then puts serving below it.
+# serving.env: the Ray processes' environment (worker niceness, Serve's throughput mode and HAProxy).
 serve: install
-	RAY_worker_niceness=0 $(BIN)/serve run cluster.yaml
+	set -a && . ./serving.env && set +a && exec $(BIN)/serve run cluster.yaml
 
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from serve_stats import Result, summarize
 
+from deployments.serving_env import serving_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 LOGS = os.path.join(HERE, "peers")
@@ -148,7 +150,7 @@ def start_ours(timeout: float) -> Started:
     # log), never at whatever Ray cluster the default address reaches; SIGINT to `serve run` follows.
     # As `make serve` does: Ray's workers at nice 0 (its default is 15), like the peer server's process.
     return _start("ours", OURS_URL, [serve, "run", "cluster.yaml"], timeout,
-                  env=os.environ | {"RAY_worker_niceness": "0"},
+                  env=os.environ | serving_env(),
                   shutdown_cmd=[serve, "shutdown", "-a", "{dashboard}", "-y"])
 
 

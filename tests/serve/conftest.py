@@ -10,6 +10,15 @@ import time
 import httpx
 import pytest
 
+# This process reads Serve's constants first, with Serve's defaults: tests call deployment handles from
+# synchronous code, which needs the router's own thread. Every Ray process started after this inherits
+# the shipped environment (serving.env: Serve's throughput mode, HAProxy, worker niceness).
+import ray.serve._private.constants  # noqa: F401
+
+from deployments.serving_env import serving_env
+
+os.environ.update(serving_env())
+
 API_KEY = "test-key-123"
 # A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.
 API_KEY_2 = "test-key-456"

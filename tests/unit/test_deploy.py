@@ -59,3 +59,31 @@ def test_image_matches_the_pinned_ray_and_the_makefile_installs():
         (container,) = pod["spec"]["containers"]
         env = {e["name"]: e for e in container["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token" and "valueFrom" in env["RAY_AUTH_TOKEN"]
+
+
+def test_rayservice_pods_have_the_serving_environment():
+    """Every Ray container starts with serving.env's variables, as `make serve` and the serve tests do."""
+    from deployments.serving_env import serving_env
+
+    expected = serving_env()
+    assert {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_worker_niceness"} <= set(expected)
+    cluster = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert {k: env.get(k) for k in expected} == expected, container["name"]
+
+
+def test_serving_env_is_what_make_serve_sources():
+    """`make serve` sources serving.env in a POSIX shell: the parser reads the same variables."""
+    import subprocess
+
+    from deployments.serving_env import SERVING_ENV, serving_env
+
+    out = subprocess.run(["sh", "-c", f"set -a && . {SERVING_ENV} && env"], capture_output=True, text=True,
+                         check=True, env={"PATH": "/usr/bin:/bin"}).stdout
+    shell = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert {k: shell[k] for k in serving_env()} == serving_env()
+    makefile = (ROOT / "Makefile").read_text()
+    assert ". ./serving.env" in makefile.split("\nserve:", 1)[1].split("\n\n", 1)[0]
