@@ -145,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
             return [int(window) if t == "sliding_attention" else None for t in types]
         if qwen:
             first = int(arch.cfg("max_window_layers", 0))
-            if arch.model_type == "qwen2_moe":  # transformers' rule: odd layers below max_window_layers
+            if arch.model_type == "qwen2_moe":  # transformers' rule: every other layer, from the first, below it
                 return [int(window) if i % 2 == 0 and i < first else None for i in range(n)]
             if arch.model_type != "qwen3_moe":
                 return [int(window) if i >= first else None for i in range(n)]
