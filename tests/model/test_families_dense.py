@@ -1,11 +1,13 @@
-"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers' own implementations of the same weights.
+"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers' own implementations of the same weights
+(and, with a random LoRA adapter, against PEFT's).
 
 Every model here is tiny and has RANDOM weights, built by transformers in the test (AutoConfig.for_model,
 from_config, save_pretrained); the GGUFs are written from those same weights with the gguf package's
 writer, under the tensor names and metadata llama.cpp's convert_hf_to_gguf.py uses for each
 architecture. The configs make every family feature matter: sliding windows shorter than the
 prompts, soft-capping, a query scale other than the head dim's, linear and LongRoPE scaling, partial
-rotary, random (1 + w) norms.
+rotary, random (1 + w) norms. Phi-3's window covers every layer, so the greedy test also runs with
+the blocks behind the window freed (block_manager.py); Gemma's global layers keep every block.
 """
 
 from __future__ import annotations
