@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class PrefillChunk:
     q_start: int  # offset of the chunk in the flat token layout
     q_len: int
-    ctx_len: int  # tokens attended to, this chunk included
+    ctx_len: int  # context keys, this chunk included, from the first block not freed (block_manager.FREED)
     slots: torch.Tensor | None  # cache slots of the whole context; None when the chunk is the whole context
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, causal shifted by the cached prefix
 

@@ -9,6 +9,11 @@ A block is registered when it is scheduled to be filled, not after: within one f
 layer writes all of the step's keys and values into the cache before any query attends, so a request
 admitted later in the same step can already attend to it. A burst of requests with one system prompt
 computes that prompt once (as vLLM's V1 scheduler does).
+
+When every layer of the model attends within a sliding window (`window`), the blocks whose positions
+all lie behind it are dropped from the sequence as it advances: their block table entries become
+FREED (positions keep their blocks' indices) and the blocks go back to the pool, keeping their
+cached content like any freed block. The model runner gathers context from the first live block on.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from model_parallel.sequence import Sequence
+
+FREED = -1  # a block table entry whose block fell behind every layer's window and went back to the pool
 
 
 class Block:
@@ -29,8 +36,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
+        """window: every layer's keys lie within this many positions of the query (registry.kv_window);
+        None keeps every block of a sequence until it finishes."""
         self.block_size = block_size
+        self.window = window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -84,8 +95,32 @@ class BlockManager:
         seq.num_computed_tokens = reused
         return reused
 
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once, computed chunk_tokens at a time."""
+        blocks = -(-num_tokens // self.block_size)
+        if self.window is None:
+            return blocks
+        # The window behind the chunk's first query, the chunk, and a partial block at either end.
+        return min(blocks, -(-(self.window - 1 + chunk_tokens) // self.block_size) + 1)
+
+    def _drop_behind_window(self, seq: Sequence) -> None:
+        """Free the blocks no query from num_computed_tokens on can see (position <= that - window)."""
+        if self.window is None:
+            return
+        dead = (seq.num_computed_tokens - self.window + 1) // self.block_size
+        for i in range(min(dead, len(seq.block_table)) - 1, -1, -1):
+            if seq.block_table[i] == FREED:  # freed at an earlier step, and so is everything before it
+                break
+            block = self.blocks[seq.block_table[i]]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = None
+            seq.block_table[i] = FREED
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make the block table cover num_computed_tokens + num_new_tokens; False if out of blocks."""
+        """Make the block table cover num_computed_tokens + num_new_tokens (first dropping the blocks
+        behind a window); False if out of blocks."""
+        self._drop_behind_window(seq)
         needed_blocks = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         missing = needed_blocks - len(seq.block_table)
         if missing > len(self.free_blocks):
@@ -138,6 +173,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # Tail blocks go into the free queue first, so they are evicted before the shared prefix.
         for block_id in reversed(seq.block_table):
+            if block_id == FREED:  # dropped behind the window: already back in the pool
+                break
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

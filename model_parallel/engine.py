@@ -23,6 +23,7 @@ from model_parallel.loader import read_arch
 from model_parallel.model_files import resolve_model_path
 from model_parallel.model_runner import SeqStep, StepInput
 from model_parallel.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
+from model_parallel.registry import kv_window
 from model_parallel.sampling_inputs import describe
 from model_parallel.sampling_params import SamplingParams
 from model_parallel.scheduler import ScheduledSeq, Scheduler
@@ -54,7 +55,7 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         self.executor = make_executor(config, self.model_path, self.arch)
         self.block_manager = BlockManager(
-            self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, kv_window(self.arch)
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         eos = set(eos_token_ids or [])
@@ -86,7 +87,7 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({0 if params.embed else params.max_tokens}) "
                              f"exceeds max_model_len {self.max_model_len}")
-        if total > self.capacity_tokens:
+        if self.block_manager.max_blocks_held(total, self.config.scheduler.max_num_batched_tokens) > self.executor.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, time.monotonic(),
                        lora_slot)

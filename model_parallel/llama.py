@@ -112,6 +112,12 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.make_rotary(arch)
         self.rotary = rotary  # one module shared by every layer: its tables are looked up once per step
         self.layers = nn.ModuleList(self.make_layer(i, arch, tp, rotary, attn_backend) for i in range(arch.num_layers))
+        windows = self.layer_windows(arch)
+        for layer, window in zip(self.layers, windows, strict=True):
+            if window is not None:
+                layer.self_attn.attn_options["window"] = window
+        # Windowed layers take the torch attention path (the C kernel has no window).
+        self.torch_attention_only = any(w is not None for w in windows)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, getattr(attn_backend, "kernels", None))
         self.lm_head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, tp, self.embed_tokens if arch.tie_word_embeddings else None
@@ -121,6 +127,29 @@ class LlamaForCausalLM(nn.Module):
     def make_rotary(arch: LlamaArch) -> RotaryEmbedding:
         """A family with other rope parameters (partial rotary, LongRoPE) overrides this."""
         return RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
+
+    @staticmethod
+    def layer_windows(arch: LlamaArch) -> list[int | None]:
+        """Each layer's sliding window (keys within that many positions of the query), None for global
+        attention, as transformers reads config.json: Mistral, Mixtral and Phi-3 window every layer when
+        `sliding_window` is set; Qwen ones only with `use_sliding_window`, on the layers `layer_types`
+        (or, in older configs, `max_window_layers`) names. GGUFs of these carry no window. A window
+        no shorter than the model's context masks nothing and is dropped."""
+        n = arch.num_layers
+        window = arch.cfg("sliding_window")
+        qwen = arch.model_type.startswith("qwen")
+        if not window or window >= arch.max_position_embeddings or (qwen and not arch.cfg("use_sliding_window")):
+            return [None] * n
+        types = arch.cfg("layer_types")
+        if types:
+            return [int(window) if t == "sliding_attention" else None for t in types]
+        if qwen:
+            first = int(arch.cfg("max_window_layers", 0))
+            if arch.model_type == "qwen2_moe":  # transformers' rule: every other layer, from the first, below it
+                return [int(window) if i % 2 == 0 and i < first else None for i in range(n)]
+            if arch.model_type != "qwen3_moe":
+                return [int(window) if i >= first else None for i in range(n)]
+        return [int(window)] * n
 
     def make_layer(self, index: int, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend) -> nn.Module:
         """Layer `index`; families override it (q/k norm, a mixture-of-experts MLP)."""

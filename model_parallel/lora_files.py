@@ -25,9 +25,13 @@ TARGETS: dict[str, tuple[str, str, int]] = {
     "up_proj": ("mlp", "gate_up_proj", 1),
     "down_proj": ("mlp", "down_proj", 0),
 }
+# Checkpoints that fuse projections (Phi-3) give PEFT one module for them: one A shared by the parts
+# and one B whose rows are the parts' outputs in order. Each part's delta is B_part (A x), so a fused
+# module loads as its parts with the same A.
+FUSED: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 MAX_HEADER_BYTES = 1 << 20  # a full adapter's header (2 x 7 tensors per layer) is a few tens of KB
 _KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
-_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 MOE_LORA_UNSUPPORTED = ("LoRA on mixture-of-experts MLPs (routed or shared experts, router) is not supported; "
                         "target the attention projections (q_proj, k_proj, v_proj, o_proj)")
 
@@ -48,7 +52,8 @@ class UnknownAdapterError(LoRAError):
 @dataclass
 class PeftAdapter:
     rank: int
-    # (layer index, PEFT module name) -> (A [r, in], B [out, r] with the scaling folded in), full size.
+    # (layer index, module name; a fused PEFT module split into its parts) -> (A [r, in], B [out, r] with
+    # the scaling folded in), full size.
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -58,7 +63,8 @@ def module_shapes(arch: LlamaArch) -> dict[str, tuple[int, int]]:
     kv = arch.num_kv_heads * arch.head_dim
     h, i = arch.hidden_size, arch.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "qkv_proj": (h, q + 2 * kv),
+            "gate_up_proj": (h, 2 * i)}
 
 
 def read_peft_config(path: str) -> dict:
@@ -99,7 +105,7 @@ def read_peft_config(path: str) -> dict:
 
 def max_adapter_bytes(arch: LlamaArch, max_rank: int) -> int:
     """The largest tensor data a usable adapter can hold: every target module of every layer at max_rank, fp32."""
-    per_layer = sum(fan_in + fan_out for fan_in, fan_out in module_shapes(arch).values())
+    per_layer = sum(fan_in + fan_out for name, (fan_in, fan_out) in module_shapes(arch).items() if name in TARGETS)
     return arch.num_layers * per_layer * max_rank * 4
 
 
@@ -149,8 +155,9 @@ def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
                 m = _KEY.search(key)
                 if m is None and re.search(r"\.(experts|shared_expert|block_sparse_moe)\.|\.shared_expert_gate\.", key):
                     raise LoRAError(f"unsupported tensor {key!r}: {MOE_LORA_UNSUPPORTED}")
-                if m is None or m.group(3) not in TARGETS:
-                    raise LoRAError(f"unsupported tensor {key!r}: only q/k/v/o/gate/up/down_proj LoRA weights")
+                if m is None or (m.group(3) not in TARGETS and m.group(3) not in FUSED):
+                    raise LoRAError(f"unsupported tensor {key!r}: only q/k/v/qkv/o/gate/up/gate_up/down_proj LoRA "
+                                    "weights")
                 layer, module = int(m.group(1)), m.group(3)
                 if layer >= arch.num_layers:
                     raise LoRAError(f"{key!r}: layer {layer} but the base model has {arch.num_layers} layers")
@@ -171,7 +178,14 @@ def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
             raise LoRAError(
                 f"layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
                 f"model (expected ({rank}, {fan_in}) / ({fan_out}, {rank})): an adapter for another model?")
-        weights[(layer, module)] = (a, b * scaling)  # scaling folded into B once, at load
+        b = b * scaling  # folded into B once, at load
+        start = 0
+        for part in FUSED.get(module, (module,)):
+            if (layer, part) in weights:
+                raise LoRAError(f"layer {layer}: {part} is targeted both alone and inside a fused projection")
+            rows = shapes[part][1]
+            weights[(layer, part)] = (a, b[start : start + rows])
+            start += rows
     return PeftAdapter(rank, weights)
 
 
@@ -187,7 +201,7 @@ def random_peft_adapter(path: str, arch: LlamaArch, rank: int, seed: int, *, alp
     for layer in range(arch.num_layers):
         for module in targets:
             fan_in, fan_out = shapes[module]
-            block = TARGETS[module][0]
+            block = TARGETS[FUSED.get(module, (module,))[0]][0]
             prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / math.sqrt(fan_in)
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std

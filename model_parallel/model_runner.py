@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,7 @@ class ModelRunner:
         if self.lora is not None:  # each token's adapter slot, for the LoRA deltas inside the linears
             self.lora.set_batch([s.lora_slot for s in step.seqs], [len(s.token_ids) for s in step.seqs])
         seq_tables: list[list[int]] = []
+        ctx_blocks: list[list[int]] = []
         q_starts: list[int] = []
         for s in step.seqs:
             n = len(s.token_ids)
@@ -115,19 +117,25 @@ class ModelRunner:
             positions.extend(range(s.start_pos, end))
             slot_mapping.extend(self._slots(s.block_table, s.start_pos, end))
             q_lens.append(n)
-            ctx_lens.append(end)
             blocks = s.block_table[: -(-end // bs)]
+            # Blocks behind every layer's window were freed (block_manager.FREED): the context is gathered
+            # from the first live block on; every mask is relative to the context's end, so none changes.
+            dropped = bisect.bisect_left(blocks, True, key=lambda b: b >= 0) if blocks[0] < 0 else 0
+            blocks = blocks[dropped:]
+            ctx = end - dropped * bs
+            ctx_lens.append(ctx)
+            ctx_blocks.append(blocks)
             is_decode = n == 1 and not chunks and len(decode_lens) == len(q_lens) - 1
             if self.seq_tables:
                 seq_tables.append(blocks)
                 q_starts.append(q_start)
                 if is_decode:
-                    decode_lens.append(end)
+                    decode_lens.append(ctx)
             elif is_decode:
                 decode_tables.append(blocks)
-                decode_lens.append(end)
+                decode_lens.append(ctx)
             else:
-                chunks.append((q_start, n, end, blocks))
+                chunks.append((q_start, n, ctx, blocks))
         parts: list[list[int]] = [ids, positions, slot_mapping]
         if decode_tables:
             width = max(len(t) for t in decode_tables)
@@ -137,7 +145,7 @@ class ModelRunner:
             parts += [[b for t in seq_tables for b in t + [0] * (width - len(t))], ctx_lens, q_starts, q_lens]
         parts += [c[3] for c in chunks if c[1] != c[2]]  # blocks of chunks after a cached prefix
         if self.needs_context_slots:
-            parts += [s.block_table[: -(-c // bs)] for s, c in zip(step.seqs, ctx_lens, strict=True)]
+            parts += ctx_blocks
         tensors = iter(self.buffers.upload(parts))
         ids_t, positions_t, slots_t = next(tensors), next(tensors), next(tensors)
         tables_t = mask_t = gather_t = None

@@ -42,3 +42,14 @@ def check_supported(model_type: str | None, where: str) -> str:
 def model_class(arch: LlamaArch) -> type:
     module, _, name = MODEL_CLASSES[check_supported(arch.model_type, "the model config")].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def kv_window(arch: LlamaArch) -> int | None:
+    """How many of its latest positions a sequence's KV cache must keep, when every layer attends
+    within a sliding window (the widest of them); None when some layer attends to the whole context.
+    Only then can blocks behind the window be freed: a single global layer (Gemma 2/3 interleave
+    them) reads every position from the same blocks as the windowed ones."""
+    windows = model_class(arch).layer_windows(arch)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)

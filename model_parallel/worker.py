@@ -178,7 +178,10 @@ class Worker:
         return peak
 
     def init_cache(self, num_blocks: int) -> None:
-        graphs = self.device.type == "cuda" and self.config.parallel.cuda_graphs and self.lora is None
+        # Windowed or soft-capped layers need host-built metadata per step (context slots, true lengths
+        # for window masks) that a graph's fixed-shape metadata lacks: those models run eagerly.
+        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs and self.lora is None
+                  and not getattr(self.model, "torch_attention_only", False))
         # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
         if graphs:

@@ -2,9 +2,9 @@
 scaled by sqrt(hidden), query_pre_attn_scalar, sliding-window layers interleaved with global ones,
 logit soft-capping (Gemma 2), per-head q/k norms and separate local/global rope bases (Gemma 3).
 
-Sliding-window layers attend to the last `sliding_window` keys only (attention.py masks the rest);
-their blocks are not freed, because every Gemma interleaves global layers, which read the whole
-context from the same blocks.
+Sliding-window layers attend to the last `sliding_window` keys only (attention.py masks the rest).
+Their blocks are not freed (block_manager.py frees only when every layer is windowed): the global
+layers interleaved with them read the whole context from the same blocks.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def query_scale(arch: LlamaArch) -> float:
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend, kind: str):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend, kind: str,
+                 window: int | None):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
                                           arch.attention_bias, tp)
@@ -110,9 +111,8 @@ class GemmaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps)
-        window = arch.cfg("sliding_window") or arch.cfg("attention.sliding_window")
         softcap = arch.cfg("attn_logit_softcapping")
-        self.attn_options = {"scale": query_scale(arch), "window": int(window) if kind == SLIDING else None,
+        self.attn_options = {"scale": query_scale(arch), "window": window,
                              "softcap": float(softcap) if softcap else None}
 
     def forward(self, ropes, x, kv_cache, meta):
@@ -142,9 +142,10 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend, kind: str):
+    def __init__(self, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend, kind: str,
+                 window: int | None):
         super().__init__()
-        self.self_attn = GemmaAttention(arch, tp, rotary, attn_backend, kind)
+        self.self_attn = GemmaAttention(arch, tp, rotary, attn_backend, kind, window)
         self.mlp = GemmaMLP(arch, tp)
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
@@ -181,14 +182,19 @@ class GemmaForCausalLM(nn.Module):
             kind: RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, theta, scaling)
             for kind, (theta, scaling) in rope_by_layer_type(arch).items()
         })
-        types = layer_types(arch)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(arch, tp, self.rotaries[kind], attn_backend, kind)
-                                    for kind in types)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(arch, tp, self.rotaries[kind], attn_backend, kind, window)
+                                    for kind, window in zip(layer_types(arch), self.layer_windows(arch), strict=True))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp,
                                       self.embed_tokens if arch.tie_word_embeddings else None)
         cap = arch.cfg("final_logit_softcapping")
         self.final_softcap = float(cap) if cap else None
+
+    @staticmethod
+    def layer_windows(arch: LlamaArch) -> list[int | None]:
+        """The sliding layers' window; None for the global layers."""
+        window = arch.cfg("sliding_window") or arch.cfg("attention.sliding_window")
+        return [int(window) if kind == SLIDING and window else None for kind in layer_types(arch)]
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -1,8 +1,8 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM): a Llama decoder whose checkpoint fuses qkv_proj and gate_up_proj,
 with LongRoPE ("su") scaling, partial rotary (Phi-4-mini) and an optional sliding window (Phi-3-mini).
 
-A sliding window on every layer keeps attention within it (attention.py); the blocks behind it are
-not freed yet: prefix caching shares whole block chains, which freeing the head of one would break.
+A sliding window on every layer keeps attention within it (attention.py), and the blocks that fall
+behind it go back to the pool (block_manager.py).
 """
 
 from __future__ import annotations
@@ -42,14 +42,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(self, arch: LlamaArch, tp: TPGroup, attn_backend):
         super().__init__(arch, tp, attn_backend)
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        window = arch.cfg("attention.sliding_window") if _is_gguf(arch) else arch.cfg("sliding_window")
-        # Windowed layers take the torch attention path (the C kernel has no window).
-        self.torch_attention_only = bool(window)
         for layer in self.layers:
             _split_rows(layer.self_attn.qkv_proj.weight, [("q", q), ("k", kv), ("v", kv)])
             _split_rows(layer.mlp.gate_up_proj.weight, [(0, arch.intermediate_size), (1, arch.intermediate_size)])
-            if window:
-                layer.self_attn.attn_options = {"window": int(window)}
+
+    @staticmethod
+    def layer_windows(arch: LlamaArch) -> list[int | None]:
+        if not _is_gguf(arch):
+            return LlamaForCausalLM.layer_windows(arch)
+        window = arch.cfg("attention.sliding_window")
+        return [int(window) if window and window < arch.max_position_embeddings else None] * arch.num_layers
 
     @staticmethod
     def make_rotary(arch: LlamaArch) -> RotaryEmbedding:

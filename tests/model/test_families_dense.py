@@ -1,11 +1,13 @@
-"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers' own implementations of the same weights.
+"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers' own implementations of the same weights
+(and, with a random LoRA adapter, against PEFT's).
 
 Every model here is tiny and has RANDOM weights, built by transformers in the test (AutoConfig.for_model,
 from_config, save_pretrained); the GGUFs are written from those same weights with the gguf package's
 writer, under the tensor names and metadata llama.cpp's convert_hf_to_gguf.py uses for each
 architecture. The configs make every family feature matter: sliding windows shorter than the
 prompts, soft-capping, a query scale other than the head dim's, linear and LongRoPE scaling, partial
-rotary, random (1 + w) norms.
+rotary, random (1 + w) norms. Phi-3's window covers every layer, so the greedy test also runs with
+the blocks behind the window freed (block_manager.py); Gemma's global layers keep every block.
 """
 
 from __future__ import annotations
@@ -14,10 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from model_parallel.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from model_parallel.engine import LLMEngine
 from model_parallel.executor import make_executor
 from model_parallel.loader import read_arch
+from model_parallel.lora_files import TARGETS, random_peft_adapter
 from model_parallel.sampling_params import SamplingParams
 
 VOCAB = 256
@@ -84,13 +94,17 @@ def _ids(n: int, seed: int) -> list[int]:
     return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))]
 
 
-def our_logits(path: str, tp: int, ids: list[int]) -> torch.Tensor:
+def our_logits(path: str, tp: int, ids: list[int], lora: str | None = None) -> torch.Tensor:
+    """lora: a PEFT adapter directory to score with."""
     config = EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                           cache=CacheConfig(kv_cache_bytes=16 << 20, block_size=4),
-                          parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"))
+                          parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
+                          lora=LoRAConfig(max_loras=1 if lora else 0, max_lora_rank=8))
     executor = make_executor(config, path, read_arch(path))
     try:
-        return executor.score(ids)
+        if lora:
+            executor.load_lora(1, 101, lora)
+        return executor.score(ids, 101 if lora else 0)
     finally:
         executor.shutdown()
 
@@ -142,10 +156,34 @@ def test_greedy_engine_equals_generate(checkpoints, family):
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16),
         parallel=ParallelConfig(device="cpu")), eos_token_ids=[eos])
     try:
+        # Phi-3 windows every layer: its blocks behind the window are freed as it runs.
+        assert engine.block_manager.window == (12 if family == "phi3" else None)
         assert engine.generate(prompts, params) == expected
         assert engine.block_manager.prefix_hits > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_matches_peft(checkpoints, family, tp, tmp_path, request):
+    """A random adapter (non-zero B) on every projection PEFT can target in the family -- for Phi-3 the
+    checkpoint's fused qkv_proj and gate_up_proj -- through our layers and through PEFT itself."""
+    from peft import PeftModel
+
+    if tp > 1:
+        request.getfixturevalue("ray_local")
+    path = checkpoints[family]
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family == "phi3" else tuple(TARGETS)
+    adapter = random_peft_adapter(str(tmp_path / "adapter"), read_arch(path), rank=4, seed=3, targets=targets)
+    ref = PeftModel.from_pretrained(_reference(path), adapter).eval()
+    ids = _ids(40, 5)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+        with ref.disable_adapter():
+            base = ref(torch.tensor([ids])).logits[0]
+    assert (expected - base).abs().max() > 0.1  # the adapter really changes the output
+    torch.testing.assert_close(our_logits(path, tp, ids, adapter), expected, atol=1e-4, rtol=1e-4)
 
 
 def write_gguf(family: str, hf_dir: str, out_path: str) -> None:

@@ -48,3 +48,35 @@ def test_oversized_or_malformed_files_are_refused_from_the_header(tmp_path, case
         path = _raw(tmp_path / case, {key: {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}})
     with pytest.raises(LoRAError, match="bytes of tensors|header|data_offsets"):
         read_peft_adapter(path, ARCH, max_rank=8)
+
+
+def test_fused_modules_load_as_their_parts_with_a_shared_a(tmp_path):
+    """Phi-3's PEFT modules qkv_proj / gate_up_proj: one A, and B's rows cut into the parts' outputs."""
+    from safetensors.torch import load_file
+
+    path = random_peft_adapter(str(tmp_path / "fused"), ARCH, rank=4, seed=3, targets=("qkv_proj", "gate_up_proj"))
+    adapter = read_peft_adapter(path, ARCH, max_rank=8)
+    raw = load_file(os.path.join(path, "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.1"
+    scaling = 2.0  # random_peft_adapter's lora_alpha = 2 r
+    for fused, parts, block in (("qkv_proj", ("q_proj", "k_proj", "v_proj"), "self_attn"),
+                                ("gate_up_proj", ("gate_proj", "up_proj"), "mlp")):
+        a, b = raw[f"{prefix}.{block}.{fused}.lora_A.weight"], raw[f"{prefix}.{block}.{fused}.lora_B.weight"]
+        start = 0
+        for part in parts:
+            part_a, part_b = adapter.weights[(1, part)]
+            assert part_a.equal(a)
+            assert part_b.equal(b[start : start + part_b.shape[0]] * scaling)
+            start += part_b.shape[0]
+        assert start == b.shape[0]
+
+
+def test_a_projection_targeted_alone_and_fused_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = random_peft_adapter(str(tmp_path / "both"), ARCH, rank=4, seed=4, targets=("qkv_proj",))
+    other = random_peft_adapter(str(tmp_path / "q"), ARCH, rank=4, seed=5, targets=("q_proj",))
+    file = os.path.join(path, "adapter_model.safetensors")
+    save_file(load_file(file) | load_file(os.path.join(other, "adapter_model.safetensors")), file)
+    with pytest.raises(LoRAError, match="q_proj is targeted both alone and inside a fused projection"):
+        read_peft_adapter(path, ARCH, max_rank=8)

@@ -18,6 +18,7 @@ import torch
 from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
 from model_parallel.attention import SDPAAttention, XformersAttention, make_attention_backend
+from model_parallel.block_manager import FREED
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
 
 STEPS_TABLES = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
@@ -74,6 +75,33 @@ def test_xformers_glue_equals_sdpa_on_chunked_prefill_and_decode(monkeypatch, re
         assert fmha.calls == calls
     for sdpa_cache, xf_cache in zip(head_major, block_major, strict=True):  # new K/V written to the same slots
         torch.testing.assert_close(xf_cache.permute(2, 0, 1, 3), sdpa_cache)
+
+
+@pytest.mark.parametrize("options", [{"window": 5}, {"window": 5, "softcap": 1.5}])
+def test_windowed_steps_gather_from_the_first_live_block(monkeypatch, options):
+    """Blocks behind every window are FREED in the tables (block_manager.py): each backend gathers from
+    the first live block on and computes what it computes over the whole tables."""
+    install_fake_xformers(monkeypatch)
+    torch.manual_seed(0)
+    hq, hk, d, bs, num_blocks = 6, 2, 8, 4, 32
+    head_major = (torch.randn(hk, num_blocks, bs, d), torch.randn(hk, num_blocks, bs, d))
+    caches = {"sdpa": head_major, "xformers": tuple(c.permute(1, 2, 0, 3).contiguous() for c in head_major)}
+    backends = {"sdpa": SDPAAttention(), "xformers": XformersAttention()}
+    full = [[9, 3, 27, 14, 6], [5, 20, 11, 2, 8]]
+    # A decode row at position 17 sees 13..17 (blocks 3 on); a chunk from 12 on sees 8.. (blocks 2 on).
+    dropped = [[FREED] * 3 + full[0][3:], [FREED] * 2 + full[1][2:]]
+    q, k, v = torch.randn(7, hq, d), torch.randn(7, hk, d), torch.randn(7, hk, d)
+    outs = {}
+    for name, attn in backends.items():
+        runner = ModelRunner(model=types.SimpleNamespace(attn_backend=attn), kv_caches=[caches[name]], block_size=bs,
+                             vocab_size=10, device=torch.device("cpu"), is_driver=True)
+        for label, tables in (("full", full), ("dropped", dropped)):
+            seqs = [SeqStep("a", [0], 17, tables[0], sample=True), SeqStep("b", [0] * 6, 12, tables[1], sample=True)]
+            _, _, meta = runner.prepare(StepInput(seqs))
+            outs[name, label] = attn(q, k, v, *caches[name], meta, **options)
+    for name in backends:
+        torch.testing.assert_close(outs[name, "dropped"], outs[name, "full"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs["xformers", "dropped"], outs["sdpa", "dropped"], atol=1e-5, rtol=1e-5)
 
 
 def test_paged_bias_is_built_once_per_step(monkeypatch):
