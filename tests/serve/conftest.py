@@ -19,17 +19,23 @@ from deployments.serving_env import serving_env
 
 os.environ.update(serving_env())
 
-API_KEY = "test-key-123"
-# A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.
-API_KEY_2 = "test-key-456"
-# May load and unload LoRA adapters (admin_api_keys); also an ordinary API key.
-ADMIN_KEY = "test-admin-789"
-
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# HAProxy's stats and metrics ports, free ones here as the HTTP port is (a fixed port would clash with
+# any other Serve instance on the machine).
+os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
+os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+
+API_KEY = "test-key-123"
+# A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.
+API_KEY_2 = "test-key-456"
+# May load and unload LoRA adapters (admin_api_keys); also an ordinary API key.
+ADMIN_KEY = "test-admin-789"
 
 
 @pytest.fixture(scope="session")
