@@ -61,7 +61,7 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class EngineClient(ABC):
     """The engine as the serving layer sees it: requests, aborts, stats, health, LoRA slots, shape."""
 
-    # The engine steps in a child process: this process's own work never delays a step.
+    # True when the engine steps in a child process: this process's Python never holds the engine's GIL.
     in_child_process = False
 
     def __init__(self, arch: LlamaArch, max_model_len: int, capacity_tokens: int) -> None:
