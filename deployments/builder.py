@@ -148,9 +148,9 @@ def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = 
     return options | config.llm_deployment_options | config.models[0].deployment
 
 
-def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str, Any] | None = None) -> Application:
-    """The same, from a config object; `engine_cls` lets routing tests inject a small fake engine, and
-    `llm_options` adds Serve options to every model deployment (tests: num_replicas)."""
+def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = None) -> Application:
+    """The same, from a config object; `llm_options` adds Serve options to every model deployment (tests:
+    num_replicas)."""
     import ray
 
     config = with_resolved_device(config)
@@ -164,7 +164,7 @@ def build_app_with(config: ServerConfig, engine_cls=None, llm_options: dict[str,
         paths[entry.name] = resolve_model_path(entry.engine.model.model)
         options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
         llms[entry.name] = LLMDeployment.options(**options).bind(
-            entry.engine, paths[entry.name], engine_cls, config.stream_interval_s, config.engine_process,
+            entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
             serving_nice(one))
     tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, nice)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms, nice)

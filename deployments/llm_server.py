@@ -32,7 +32,6 @@ from model_parallel.sampling_params import GuidedSpec, SamplingParams
 
 log = logging.getLogger("ray.serve")
 
-GIL_SWITCH_INTERVAL_S = 0.0002
 # A constraint's compile (in a child process) past this is a 400; the compiled-grammar cache holds this much.
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 GRAMMAR_CACHE_BYTES = 256 << 20
@@ -97,26 +96,15 @@ def engine_failure(exc: Exception) -> Exception:
 
 
 class LLMServer:
-    def __init__(self, engine_config: EngineConfig, model_path: str, engine_cls=None,
-                 stream_interval_s: float = 0.0, engine_process: bool = False, serving_nice: int = 0):
+    def __init__(self, engine_config: EngineConfig, model_path: str, stream_interval_s: float = 0.0,
+                 engine_process: bool = False, serving_nice: int = 0):
+        from model_parallel.engine_client import make_engine_client
+
         self.stream_interval_s = stream_interval_s
-        import sys
-
-        from model_parallel.engine import AsyncLLMEngine, LLMEngine
-
         self.tokenizer = TokenizerService(model_path)
-        eos = list(self.tokenizer.eos_token_ids)
-        parallel = engine_config.parallel
-        if engine_process and engine_cls is None and parallel.tensor_parallel_size == 1 and parallel.executor == "auto":
-            from model_parallel.engine_process import EngineProcess
-
-            self.engine = AsyncLLMEngine(EngineProcess(engine_config, eos_token_ids=eos))
-            lower_process_priority(serving_nice)  # after the start: the engine child keeps normal priority
-        else:
-            # The engine thread re-takes the GIL between hundreds of small torch ops per step; with the
-            # default 5 ms switch interval, every hand-off from the asyncio thread stalls it that long.
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-            self.engine = AsyncLLMEngine((engine_cls or LLMEngine)(engine_config, eos_token_ids=eos))
+        self.engine = make_engine_client(engine_config, list(self.tokenizer.eos_token_ids), own_process=engine_process)
+        if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
+            lower_process_priority(serving_nice)
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
         self._compile_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
@@ -125,7 +113,7 @@ class LLMServer:
 
     def _compile(self, spec: GuidedSpec):
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.engine.arch.vocab_size,
+            self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.vocab_size,
                                              self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
                                              timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
         return self._grammars.compile(spec)
@@ -141,19 +129,16 @@ class LLMServer:
             raise APIError(503, str(exc), type="server_error", code="grammar_compiler_busy") from None
 
     def model_info(self) -> dict:
-        eng = self.engine.engine
-        return {"max_model_len": eng.max_model_len, "capacity_tokens": eng.capacity_tokens,
-                "hidden_size": eng.arch.hidden_size}
+        return {"max_model_len": self.engine.max_model_len, "capacity_tokens": self.engine.capacity_tokens,
+                "hidden_size": self.engine.arch.hidden_size}
 
     def stats(self) -> dict:
         grammars = self._grammars.num_compiled if self._grammars is not None else 0
-        return vars(self.engine.engine.stats()) | {"grammars_compiled": grammars}
+        return vars(self.engine.stats()) | {"grammars_compiled": grammars}
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
-        if self.engine.error is not None:
-            raise RuntimeError(f"engine failed: {self.engine.error}")
-        await asyncio.to_thread(self.engine.engine.executor.check_health)
+        await asyncio.to_thread(self.engine.check_health)
 
     async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue,
                       grammar=None, lora_id: int = 0) -> None:
@@ -205,8 +190,9 @@ class LLMServer:
                     if o.prompt_logprobs is not None:
                         delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0])
                 out.put_nowait(delta)
-                if matched is not None:
-                    break  # leaving the generator aborts the sequence in the engine
+                if matched is not None:  # abort now, not when the generator is collected: an adapter's
+                    self.engine.abort(rid)  # slot may be reused once this task has ended
+                    break
         except asyncio.CancelledError:  # client gone: leaving the generator aborted it in the engine
             log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
             raise
@@ -306,7 +292,7 @@ class LLMServer:
     def _start_loras(self, config: EngineConfig) -> LoRARegistry | None:
         if not config.lora.enabled:
             return None
-        registry = LoRARegistry(config.lora, self.engine.engine, on_evict=self._forget_multiplexed)
+        registry = LoRARegistry(config.lora, self.engine, on_evict=self._forget_multiplexed)
         for name, path in config.lora.adapters:  # cluster.yaml's adapters: loaded (and checked) at start
             registry.load_now(name, path)
         return registry

@@ -17,11 +17,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.errors import APIError
 from deployments.adapter_paths import resolve_allowed
 from model_parallel.config import LoRAConfig
 from model_parallel.lora_files import LoRAError, read_peft_adapter
+
+if TYPE_CHECKING:
+    from model_parallel.engine_client import EngineClient
 
 log = logging.getLogger("ray.serve")
 
@@ -54,17 +58,15 @@ def unloaded(name: str) -> APIError:
 
 
 class LoRARegistry:
-    """Adapters resident on one replica; `engine` is the replica's LLMEngine (arch + executor) or its
-    EngineProcess.
+    """Adapters resident on one replica, loaded through its engine client.
 
     A slot is freed (or refilled) only once the engine holds no sequence of the adapter it held: a
-    request counts as active until every one of its sequences has ended and its abort has reached the
-    engine (release() after the choices' tasks are done), and then `_drained` waits for the engine to
-    have dropped them. An engine in its own process gets the aborts and the unload over one pipe, in
-    that order, and answers the unload after it processed both; an engine in a thread is polled.
+    request counts as active until every one of its sequences has ended and its abort was submitted
+    (release() after the choices' tasks are done). The engine client runs commands in the order they
+    were made, so the unload (or the load that refills the slot) reaches the engine after those aborts.
     """
 
-    def __init__(self, config: LoRAConfig, engine, on_evict: Callable[[str], None] | None = None):
+    def __init__(self, config: LoRAConfig, engine: EngineClient, on_evict: Callable[[str], None] | None = None):
         self.config = config
         self.engine = engine
         self.on_evict = on_evict  # tells Serve's multiplexing cache that the name is gone
@@ -81,33 +83,20 @@ class LoRARegistry:
         real = os.path.realpath(path)
         return real if real in self.trusted else resolve_allowed(path, self.config.allowed_roots)
 
-    def _take_slot(self) -> tuple[int, int] | None:
-        """(a free slot, the adapter id it held or 0), evicting the least recently used idle adapter."""
+    def _take_slot(self) -> int | None:
+        """A free slot, evicting the least recently used idle adapter if none is."""
         used = {e.slot for e in self.entries.values()}
         for slot in range(1, self.config.max_loras + 1):
             if slot not in used:
-                return slot, 0
+                return slot
         for name, entry in self.entries.items():
             if entry.active == 0 and not entry.unloading:
                 del self.entries[name]
                 log.info("LoRA adapter %r evicted (least recently used) from slot %d", name, entry.slot)
                 if self.on_evict is not None:
                     self.on_evict(name)
-                return entry.slot, entry.lora_id
+                return entry.slot
         return None
-
-    async def _drained(self, lora_id: int, timeout_s: float = 60.0) -> None:
-        """Until the engine holds no sequence of `lora_id` (engines in a thread: their aborts are queued
-        commands). An engine process needs no wait: see the class docstring."""
-        seqs = getattr(self.engine, "seqs", None)
-        if not isinstance(seqs, dict):
-            return
-        deadline = time.monotonic() + timeout_s
-        while any(s.lora_slot == lora_id for s in list(seqs.values())):
-            if time.monotonic() > deadline:
-                raise APIError(503, "the adapter's sequences did not end in time; retry later", type="server_error",
-                               code="lora_slots_busy")
-            await asyncio.sleep(0.01)
 
     def _validate(self, name: str, path: str) -> int:
         """Read and check the files here first (clear errors, and nothing is evicted for a bad adapter)."""
@@ -121,7 +110,7 @@ class LoRARegistry:
         lora_id = self._next_id
         self._next_id += 1
         try:
-            self.engine.executor.load_lora(slot, lora_id, path)
+            self.engine.load_lora(slot, lora_id, path)
         except LoRAError as exc:  # the files changed since _validate
             raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
         return AdapterEntry(name, path, lora_id, slot, rank)
@@ -129,10 +118,10 @@ class LoRARegistry:
     def load_now(self, name: str, path: str) -> AdapterEntry:
         """Synchronous load at replica start (adapters named in cluster.yaml); errors fail the replica."""
         rank = self._validate(name, path)
-        taken = self._take_slot()
-        if taken is None:
+        slot = self._take_slot()
+        if slot is None:
             raise ValueError(f"no free LoRA slot for {name!r} (lora.max_loras={self.config.max_loras})")
-        entry = self._write(name, path, taken[0], rank)
+        entry = self._write(name, path, slot, rank)
         self.entries[name] = entry
         return entry
 
@@ -163,15 +152,12 @@ class LoRARegistry:
                     raise APIError(409, f"LoRA adapter {name!r} is in use with other files; retry later",
                                    type="conflict_error", param="lora_path")
                 del self.entries[name]
-                taken: tuple[int, int] | None = (old.slot, old.lora_id)
+                slot: int | None = old.slot
             else:
-                taken = self._take_slot()
-            if taken is None:
+                slot = self._take_slot()
+            if slot is None:
                 raise APIError(503, f"all {self.config.max_loras} LoRA adapter slots are in use by running "
                                "requests; retry later", type="server_error", code="lora_slots_busy")
-            slot, previous = taken
-            if previous:
-                await self._drained(previous)
             new = await asyncio.to_thread(self._write, name, path, slot, rank)
             self.entries[name] = new
             log.info("LoRA adapter %r (rank %d) loaded into slot %d", name, new.rank, slot)
@@ -217,8 +203,7 @@ class LoRARegistry:
     async def _drop(self, entry: AdapterEntry) -> None:
         assert entry.dropped is not None
         try:
-            await self._drained(entry.lora_id)
-            await asyncio.to_thread(self.engine.executor.unload_lora, entry.slot)
+            await asyncio.to_thread(self.engine.unload_lora, entry.slot)
         except BaseException as exc:
             log.warning("unloading LoRA adapter %r failed: %s", entry.name, exc)
             if not entry.dropped.done():

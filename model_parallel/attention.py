@@ -344,8 +344,9 @@ class XformersAttention:
 
 
 def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention | XformersAttention:
-    """auto: xformers on CUDA when it loads; on CPU, SDPA with the C paged decode kernels when they
-    build. sdpa: torch only (the reference path). An explicit choice is honoured or fails."""
+    """auto: xformers on CUDA when it loads; on CPU, SDPAAttention with the C paged-attention kernels (every
+    sequence of a step) when they build. sdpa: torch only (the reference path). An explicit choice is
+    honoured or fails."""
     if choice == "sdpa":
         return SDPAAttention()
     if choice == "auto" and device.type != "cuda":

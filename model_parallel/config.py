@@ -16,7 +16,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     # auto: on CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 weight-only
-    # copies, used for steps of few tokens (decode at low concurrency), where they are 3-4x faster.
+    # copies, used for steps of few tokens (decode at low concurrency), where they are faster.
     small_batch_quant: str = "auto"  # auto | none
     # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see parallel.OneDNNWeight).
     # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
@@ -87,14 +87,16 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    # auto: xformers on CUDA; on CPU torch SDPA for prefill with the C kernels (cpu_kernels.py) for
-    # decode. sdpa: torch only. xformers: CUDA only.
+    # auto: xformers on CUDA; on CPU the C paged-attention kernel (cpu_kernels.py) runs every sequence
+    # of a step, decode rows and prefill chunks alike, and torch (SDPA per prefill chunk) runs only when
+    # the kernel does not build or the model has sliding-window or soft-capped layers. sdpa: torch only.
+    # xformers: CUDA only.
     attention_backend: str = "auto"
     # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
     cpu_threads_per_rank: int = 0
     # Threads for a step that runs a single sequence (one stream decoding alone), 0 = the same as
-    # cpu_threads_per_rank. Measured through HTTP on 2 cores: c=1 76 -> 89 tok/s with 2, while from
-    # c=4 up a second thread competes with the serving processes and loses (c=4 177 vs 152).
+    # cpu_threads_per_rank: a lone stream gains from more threads, while a batch shares the cores with
+    # the serving processes (docs/benchmarks.md).
     cpu_threads_single_sequence: int = 0
     # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
     # keeps the model off the serving replica's GIL and event loop.

@@ -1,7 +1,7 @@
 """The engine: add_request / abort, and step() = schedule -> execute -> postprocess.
 
-`LLMEngine` is synchronous and single-threaded; `AsyncLLMEngine` (async_engine.py, re-exported here)
-drives it. A fault that belongs to one sequence (its sampling inputs, grammar matcher, adapter) aborts
+`LLMEngine` is synchronous and single-threaded; an engine client (engine_client.py) drives it from a
+thread or a child process. A fault that belongs to one sequence (its sampling inputs, grammar matcher, adapter) aborts
 that sequence with an error for its request (`RequestOutput.error`); the step goes on for the others.
 Only a fault nobody owns (the model forward, a collective) escapes `step()` and ends the engine.
 """
@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from model_parallel.async_engine import AsyncLLMEngine
 from model_parallel.block_manager import BlockManager
 from model_parallel.config import EngineConfig
 from model_parallel.executor import make_executor
@@ -31,7 +30,7 @@ from model_parallel.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStats", "LLMEngine", "SequenceError"]
+__all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "SequenceError"]
 
 
 @dataclass
@@ -89,8 +88,7 @@ class LLMEngine:
                              f"exceeds max_model_len {self.max_model_len}")
         if self.block_manager.max_blocks_held(total, self.config.scheduler.max_num_batched_tokens) > self.executor.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, time.monotonic(),
-                       lora_slot)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, lora_slot)
         if params.embed:
             seq.pooling = self.config.model.pooling
         elif grammar is not None:

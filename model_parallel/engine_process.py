@@ -7,9 +7,8 @@ against ~50 ms offline, with the engine thread on CPU only 61 % of the time. Her
 (scheduler, model, sampler) runs in a child process, and the replica talks to it over one pipe:
 commands in (add, abort, calls), one message of outputs out per step.
 
-`EngineProcess` offers the part of `LLMEngine`'s interface that the serving layer uses (add_request,
-abort, stats, arch, max_model_len, capacity_tokens, and an `executor` for health and LoRA calls);
-`AsyncLLMEngine(EngineProcess(...))` drives it exactly as it drives an in-process engine.
+`EngineProcess` is the parent's end of that pipe (add_request, abort, `call` of an engine method between
+two steps, and the engine's shape); engine_client.ProcessClient turns it into the engine client.
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ class EngineProcessError(EngineDeadError):
 
 class EngineProcess:
     """Parent side: starts the child, sends commands, and hands step outputs to `on_outputs`."""
-
-    is_process = True
 
     def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
         # A fresh interpreter (`python -m model_parallel.engine_process FD`), not fork (the replica runs Ray's
@@ -81,10 +78,6 @@ class EngineProcess:
         # Replies (stats, LoRA loads at start-up) come through the reader before any request does.
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
-
-    @property
-    def executor(self) -> EngineProcess:
-        return self  # health and LoRA calls go through the same pipe
 
     def attach(self, on_outputs: Callable[[list[tuple[str, Any]]], None],
                on_death: Callable[[BaseException], None]) -> None:
@@ -128,7 +121,7 @@ class EngineProcess:
         except OSError as exc:  # the child died between two sends (the reader reports it too)
             raise EngineProcessError(f"engine process exited (code {self._proc.poll()})") from exc
 
-    # ---- the LLMEngine interface that AsyncLLMEngine and the model deployment use ----
+    # ---- commands (engine_client.ProcessClient) ----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params, lora_slot: int = 0,
                     grammar: Any = None) -> None:
@@ -147,28 +140,13 @@ class EngineProcess:
         """Run `method` on the child's engine (or its executor: 'executor.<name>') between two steps."""
         if self.error is not None:
             raise self.error
+        if self._proc.poll() is not None:  # gone, and the reader has not noticed yet
+            raise EngineProcessError(f"engine process exited (code {self._proc.poll()})")
         fut: Future = Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
         self._send(("call", call_id, method, args))
         return fut.result(timeout=timeout)
-
-    def stats(self):
-        return self.call("stats", timeout=30)
-
-    def check_health(self) -> None:
-        if self.error is not None or self._proc.poll() is not None:
-            raise EngineProcessError(f"engine process exited (code {self._proc.poll()})")
-        self.call("executor.check_health", timeout=60)
-
-    def load_lora(self, slot: int, lora_id: int, path: str) -> int:
-        return self.call("executor.load_lora", slot, lora_id, path)
-
-    def unload_lora(self, slot: int) -> None:
-        self.call("executor.unload_lora", slot)
-
-    def score(self, token_ids: list[int], lora_id: int = 0):
-        return self.call("executor.score", token_ids, lora_id)
 
     def shutdown(self) -> None:
         self._closing = True
@@ -241,7 +219,9 @@ class _EngineLoop:
             except Exception as exc:  # refused (length, capacity) or failed: that request fails, nothing else
                 self.conn.send(("out", [(rid, exc if isinstance(exc, ValueError) else SequenceError(rid, describe(exc)))]))
         elif kind == "abort":
-            self.engine.abort(msg[1])
+            out = self.engine.abort(msg[1])
+            if out is not None:  # the request's last output (finish_reason "abort"), if anyone still reads it
+                self.conn.send(("out", [(msg[1], out)]))
         elif kind == "call":
             _, call_id, method, args = msg
             try:

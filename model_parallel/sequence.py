@@ -21,7 +21,6 @@ class Sequence:
     token_ids: list[int]  # prompt followed by generated tokens
     num_prompt_tokens: int
     params: SamplingParams
-    arrival: float = 0.0
     lora_slot: int = 0  # 0 = base model
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose KV is in the cache (computed or reused from the prefix cache).

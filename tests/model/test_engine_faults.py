@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import AsyncLLMEngine, LLMEngine, SequenceError
+from model_parallel.engine import LLMEngine, SequenceError
+from model_parallel.engine_client import EngineClient, InprocClient, ProcessClient
 from model_parallel.engine_process import EngineProcess
 from model_parallel.sampling_params import SamplingParams
 
@@ -126,7 +127,7 @@ def test_each_kind_of_sequence_fault_fails_only_its_request(engine, chat_prompts
     assert engine.generate([chat_prompts[0]], GREEDY)[0] == solo["greedy0"]
 
 
-async def collect(engine: AsyncLLMEngine, rid: str, prompt: list[int], params: SamplingParams):
+async def collect(engine: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
     tokens: list[int] = []
     try:
         async for out in engine.generate(rid, prompt, params):
@@ -137,7 +138,7 @@ async def collect(engine: AsyncLLMEngine, rid: str, prompt: list[int], params: S
     return tokens
 
 
-async def batch_with_a_faulty_request(engine: AsyncLLMEngine, chat_prompts) -> dict[str, object]:
+async def batch_with_a_faulty_request(engine: EngineClient, chat_prompts) -> dict[str, object]:
     reqs = good_requests(chat_prompts) | {"bad": (chat_prompts[4], UncheckedParams(temperature=0.8,
                                                                                     seed=OVERFLOW_SEED))}
     results = await asyncio.gather(*[collect(engine, rid, p, params) for rid, (p, params) in reqs.items()])
@@ -151,7 +152,7 @@ def check_isolated(results: dict[str, object], solo: dict[str, list[int]]) -> No
 
 
 def test_in_thread_async_engine_fails_only_the_faulty_request(engine, chat_prompts, solo):
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = InprocClient(engine)
 
     async def run():
         first = await batch_with_a_faulty_request(async_engine, chat_prompts)
@@ -161,10 +162,7 @@ def test_in_thread_async_engine_fails_only_the_faulty_request(engine, chat_promp
     try:
         first, again = asyncio.run(run())
     finally:
-        async_engine._stopped = True  # stop the loop thread; the module's engine is shut down by its fixture
-        async_engine._wake.set()
-        if async_engine._thread is not None:
-            async_engine._thread.join(timeout=10)
+        async_engine.stop()  # the module's engine is shut down by its fixture
     check_isolated(first, solo)
     assert again == solo["greedy0"] and async_engine.error is None
 
@@ -174,7 +172,7 @@ def test_engine_process_fails_only_the_faulty_request(gguf_path, eos, chat_promp
     here = os.path.dirname(__file__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     assert UncheckedParams.__module__ == os.path.splitext(os.path.basename(__file__))[0]
-    engine = AsyncLLMEngine(EngineProcess(config(gguf_path), eos_token_ids=eos))
+    engine = ProcessClient(EngineProcess(config(gguf_path), eos_token_ids=eos))
 
     async def run():
         first = await batch_with_a_faulty_request(engine, chat_prompts)
@@ -185,6 +183,6 @@ def test_engine_process_fails_only_the_faulty_request(gguf_path, eos, chat_promp
         first, again = asyncio.run(run())
         check_isolated(first, solo)
         assert again == solo["greedy0"] and engine.error is None
-        engine.engine.check_health()
+        engine.check_health()
     finally:
         engine.shutdown()
