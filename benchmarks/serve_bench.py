@@ -4,8 +4,11 @@
     python benchmarks/serve_bench.py --start-ours --start-llamacpp [--start-vllm] [--transformers-floor] [--quick]
 
 Every request is a streaming /v1/chat/completions (temperature 0, include_usage). Per sweep point
-(server, variant, concurrency) it prints one JSON line on stdout; servers are swept alternately point
-by point. The Markdown table and PNG plots go to benchmarks/results/ (timestamped + "latest" copies).
+(server, variant, concurrency) it prints one JSON line on stdout (two for mid_long: the streams without
+and with a long prompt arriving mid-stream); servers are swept alternately point by point. With
+--start-ours it first measures the engine alone (serve_engine.py) and ends with ours' tok/s at 16
+streams over the engine's. The Markdown table and PNG plots go to benchmarks/results/ (timestamped +
+"latest" copies).
 Traffic goes to the given URLs only (127.0.0.1 for the servers this script starts); every request
 loop is bounded by a request count and a per-point time cap.
 """
@@ -100,7 +103,8 @@ async def sweep(args, servers: dict[str, str], floor, rows: list[dict]) -> None:
                 total = sum(args.n_requests(variant, c) for c in args.concurrency) * (len(servers) + bool(floor))
             bar = tqdm(total=total, desc=f"{variant} sweep", unit="req", file=sys.stderr, dynamic_ncols=True)
             for c in args.concurrency:
-                prompts = messages_for(variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c)
+                prompts = [] if variant == "mid_long" else messages_for(
+                    variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c)
                 point = []
                 for name, url in servers.items():
                     bar.set_postfix_str(f"{name} c={c}")

@@ -3,13 +3,16 @@
     flock /tmp/rayllm-ray.lock python benchmarks/tokenizer_bench.py [--requests 400] [--concurrency 1,16]
     python benchmarks/tokenizer_bench.py --no-serve      # the in-process stages only (no Ray)
 
-Starts its own Ray session and a Serve app of two deployments beside the real `TokenizerDeployment`:
-`Caller` stands in for the ingress (it calls through a `DeploymentHandle`, as the ingress does, and
-times each call in its own replica), and `Echo` answers a call with its argument (the cost of a Serve
-handle call with nothing behind it). One JSON line per measurement on stdout:
+Starts its own Ray session and, per `--variants` setting, a Serve app of two deployments beside the real
+`TokenizerDeployment`: `Caller` stands in for the ingress (it calls through a `DeploymentHandle`, as the
+ingress does, and times each call in its own replica), and `Echo` answers at once with a reply the size
+of render_chat's (Serve's own cost). One JSON line per measurement on stdout, with p50/p99/mean µs and,
+for handle paths, the CPU µs per call of the caller and of the called replica (from /proc):
 
-- `handle_render_chat`: ingress -> tokenizer deployment `render_chat` -> back, per call;
-- `handle_echo`: the same trip to a deployment that does nothing (Serve's share of the round trip);
+- `handle_render_chat`: ingress -> tokenizer deployment `render_chat` -> back; `handle_encode`: the same
+  for `encode` of the rendered prompt (a plain method: Serve runs it in a thread pool);
+- `handle_echo`, `handle_echo_sync`: the same trips to a deployment that does nothing (async / plain);
+  `actor_echo`: the same reply from a plain Ray actor (no Serve router or replica machinery);
 - `inproc_*`: the stages inside the tokenizer replica, timed in this process without Ray:
   `render_chat` (all of it), `messages` (the message checks), `template` (the jinja render), `encode`.
 
@@ -97,10 +100,18 @@ def replica_cpu_s(app: str, deployment: str) -> float:
     return total
 
 
-TARGETS = {"handle_echo": "echo", "handle_render_chat": "tokenizer"}
+# path -> (deployment, method): the tokenizer's chat render (async) and encode (a plain method, which Serve
+# runs in a thread pool), and the echo deployment's async and plain answers (Serve alone).
+PATHS = {"handle_echo": ("echo", "render_chat"), "handle_echo_sync": ("echo", "render_chat_sync"),
+         "handle_render_chat": ("tokenizer", "render_chat"), "handle_encode": ("tokenizer", "encode"),
+         "actor_echo": ("actor", "render_chat")}  # a plain Ray actor call: Ray's share of Serve's
+ECHO_REPLY = ("x" * 160, list(range(32)))  # the size of a typical render_chat answer
+PROMPT_TEXT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital "
+               "of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n")
 
 
 def serve_app(model_name: str, model_path: str, variant: str):
+    import ray
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
@@ -116,7 +127,17 @@ def serve_app(model_name: str, model_path: str, variant: str):
 
     @serve.deployment(name="echo", max_ongoing_requests=1000)
     class Echo:
-        reply = ("x" * 160, list(range(32)))  # the size of a typical render_chat answer
+        reply = ECHO_REPLY
+
+        async def render_chat(self, model: str, messages: list[dict], **kw) -> tuple[str, list[int]]:
+            return self.reply
+
+        def render_chat_sync(self, model: str, messages: list[dict], **kw) -> tuple[str, list[int]]:
+            return self.reply
+
+    @ray.remote(num_cpus=0)
+    class EchoActor:
+        reply = ECHO_REPLY
 
         async def render_chat(self, model: str, messages: list[dict], **kw) -> tuple[str, list[int]]:
             return self.reply
@@ -126,16 +147,18 @@ def serve_app(model_name: str, model_path: str, variant: str):
         """Times handle calls from inside a replica, as the ingress makes them."""
 
         def __init__(self, tokenizer: DeploymentHandle, echo: DeploymentHandle):
-            self.targets = {"handle_render_chat": tokenizer, "handle_echo": echo}
+            self.handles = {"tokenizer": tokenizer, "echo": echo, "actor": EchoActor.remote()}
 
         async def measure(self, path: str, n: int, concurrency: int) -> list[float]:
-            handle = self.targets[path]
+            deployment, method = PATHS[path]
+            handle = self.handles[deployment]
+            args = (PROMPT_TEXT, False) if method == "encode" else (MESSAGES,)
             times: list[float] = []
 
             async def client(k: int) -> None:
                 for _ in range(k):
                     t0 = time.perf_counter()
-                    await handle.render_chat.remote(model_name, MESSAGES)
+                    await getattr(handle, method).remote(model_name, *args)  # as the ingress calls it
                     times.append(time.perf_counter() - t0)
 
             await asyncio.gather(*(client(n // concurrency) for _ in range(concurrency)))
@@ -147,7 +170,7 @@ def serve_app(model_name: str, model_path: str, variant: str):
 
 
 def through_serve(model_name: str, model_path: str, n: int, concurrencies: list[int], rounds: int,
-                  variants: list[str]) -> list[dict]:
+                  variants: list[str], paths: list[str]) -> list[dict]:
     import ray
     from ray import serve
 
@@ -160,21 +183,21 @@ def through_serve(model_name: str, model_path: str, n: int, concurrencies: list[
                                 logging_config={"log_level": "WARNING"}) for v in variants}
         out = []
         for c in concurrencies:
-            keys = [(v, p) for v in variants for p in ("handle_echo", "handle_render_chat")]
+            keys = [(v, p) for v in variants for p in paths]
             times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
             cpu = {k: [0.0, 0.0] for k in keys}  # CPU seconds of the caller and of the called replica
             for v, p in keys:  # warm-up, not measured
                 callers[v].measure.remote(p, 50, c).result()
             for _ in range(rounds):  # alternate, so drifting machine load hits every path alike
                 for v, p in keys:
-                    app, target = f"tokenizer_bench_{v}", TARGETS[p]
+                    app, target = f"tokenizer_bench_{v}", PATHS[p][0]
                     before = replica_cpu_s(app, "caller"), replica_cpu_s(app, target)
                     times[v, p].extend(callers[v].measure.remote(p, n // rounds, c).result())
                     cpu[v, p][0] += replica_cpu_s(app, "caller") - before[0]
                     cpu[v, p][1] += replica_cpu_s(app, target) - before[1]
             out.extend(stats(p, ts, variant=v, concurrency=c,
                              cpu_caller_us=round(cpu[v, p][0] / len(ts) * 1e6, 1),
-                             cpu_callee_us=round(cpu[v, p][1] / len(ts) * 1e6, 1))
+                             cpu_callee_us=None if PATHS[p][0] == "actor" else round(cpu[v, p][1] / len(ts) * 1e6, 1))
                        for (v, p), ts in times.items())
         return out
     finally:
@@ -192,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a GGUF or Hugging Face directory (default: the default model)")
     ap.add_argument("--variants", default="default",
                     help=f"comma list of Serve settings to compare in one run: {', '.join(VARIANTS)}")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"handle paths to time: {', '.join(PATHS)}")
     ap.add_argument("--no-serve", action="store_true", help="in-process stages only: no Ray")
     args = ap.parse_args(argv)
     path = args.model or default_model_path()
@@ -199,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_serve:
         lines += through_serve("bench-model", path, args.requests,
                                [int(c) for c in args.concurrency.split(",") if c.strip()], args.rounds,
-                               [v for v in args.variants.split(",") if v.strip()])
+                               [v for v in args.variants.split(",") if v.strip()],
+                               [p for p in args.paths.split(",") if p.strip()])
     for line in lines:
         print(json.dumps(line), flush=True)
     return 0

@@ -290,7 +290,8 @@ class TokenizerService:
 @serve.deployment(name="tokenizer", max_ongoing_requests=1000)
 class TokenizerDeployment:
     """Rendering and tokenizing for every model of the app on their own CPU replicas, off the model
-    replicas' cores; each call names its model (a served model name)."""
+    replicas' cores; each call names its model (a served model name). Every method is async though only
+    the sandbox path awaits: Serve runs plain methods in a thread pool, one more thread hop per call."""
 
     def __init__(self, model_paths: dict[str, str], serving_nice: int = 0):
         lower_process_priority(serving_nice)
@@ -304,20 +305,20 @@ class TokenizerDeployment:
         except KeyError:
             raise ValueError(f"no tokenizer for model {model!r}") from None
 
-    def info(self, model: str) -> dict:
+    async def info(self, model: str) -> dict:
         return self.service(model).info()
 
-    def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.service(model).encode(text, add_special_tokens)
 
-    def encode_batch(self, model: str, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    async def encode_batch(self, model: str, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Every prompt of a request in one round trip (each call through a handle costs far more than encoding)."""
         return self.service(model).encode_batch(texts, add_special_tokens)
 
-    def encode_fim(self, model: str, prefix: str, suffix: str) -> list[int]:
+    async def encode_fim(self, model: str, prefix: str, suffix: str) -> list[int]:
         return self.service(model).encode_fim(prefix, suffix)
 
-    def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
+    async def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.service(model).decode(ids, skip_special_tokens)
 
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,
