@@ -76,7 +76,7 @@ def engine_lines(engine: list[dict]) -> list[str]:
     for e in engine:
         if e.get("bench") == "serve_engine":
             out.append(f"- engine alone, offline, batch {e['batch']}, {e['new_tokens']} new tokens, `{e['setting']}` "
-                       f"settings ({e['threads'] or 'all'} torch threads): {e['engine_tok_s']} tok/s "
+                       f"settings (torch threads: {e['threads'] or 'all'}): {e['engine_tok_s']} tok/s "
                        f"(median of {e['engine_runs']})")
         elif e.get("bench") == "serve_vs_engine":
             all_cores = (f"; {e['ratio_all_cores']:.0%} of the engine on all cores" if "ratio_all_cores" in e else "")
