@@ -12,7 +12,7 @@ next-token distribution is compared with fp32's at every continuation position:
 - quantized: `model.weights: quantized`, the GGUF's blocks kept quantized with no dense copy (int4
   kernel at every step size);
 - w8a8: a candidate measured and rejected, defined here only: per-channel int8 weights x per-token
-  int8 activations (`torch._int_mm`), ~1.3x faster than bf16 GEMMs at 16-64 tokens on this CPU.
+  int8 activations (`torch._int_mm`), faster than bf16 GEMMs at 16-64 tokens but too coarse (docs/benchmarks.md).
 
 Per path, one JSON line: top-1 agreement with fp32, mean KL(fp32 || path), the mean drop in log
 probability of fp32's chosen token, and end to end: greedy generation of all prompts together

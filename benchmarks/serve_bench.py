@@ -4,8 +4,11 @@
     python benchmarks/serve_bench.py --start-ours --start-llamacpp [--start-vllm] [--transformers-floor] [--quick]
 
 Every request is a streaming /v1/chat/completions (temperature 0, include_usage). Per sweep point
-(server, variant, concurrency) it prints one JSON line on stdout; servers are swept alternately point
-by point. The Markdown table and PNG plots go to benchmarks/results/ (timestamped + "latest" copies).
+(server, variant, concurrency) it prints one JSON line on stdout (two for mid_long: the streams without
+and with a long prompt arriving mid-stream); servers are swept alternately point by point. With
+--start-ours it first measures the engine alone (serve_engine.py) and ends with ours' tok/s at 16
+streams over the engine's. The Markdown table and PNG plots go to benchmarks/results/ (timestamped +
+"latest" copies).
 Traffic goes to the given URLs only (127.0.0.1 for the servers this script starts); every request
 loop is bounded by a request count and a per-point time cap.
 """
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 import urllib.parse
@@ -28,91 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve_peer_vllm  # noqa: E402
 import serve_peers  # noqa: E402
 import serve_report  # noqa: E402
+from serve_client import one_request, run_midstream, run_point  # noqa: E402
 from serve_prompts import messages_for  # noqa: E402
-from serve_stats import Result, cpu_busy, spread_tokens, summarize  # noqa: E402
+from serve_stats import cpu_busy  # noqa: E402
 
-MAX_TOKENS = {"short": 64, "long": 32}
-
-
-async def one_request(client: httpx.AsyncClient, base: str, model: str, messages: list[dict],
-                      max_tokens: int) -> Result:
-    body = {"model": model, "messages": messages, "stream": True, "temperature": 0.0,
-            "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
-    res = Result()
-    times: list[float] = []
-    chars: list[int] = []
-    usage = None
-    t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream error: {str(chunk['error'])[:200]}"
-                    return res
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        times.append(now)
-                        chars.append(len(text))
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        res.error = f"{type(e).__name__}: {e}"[:200]
-        return res
-    res.end = time.perf_counter()
-    if usage is None:  # server ignores stream_options.include_usage: count content chunks instead
-        res.counted_chunks = True
-        res.completion_tokens = len(times)
-    else:
-        res.completion_tokens = int(usage.get("completion_tokens") or 0)
-        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    if times:
-        res.ttft = times[0] - t0
-        per_chunk = spread_tokens(chars, res.completion_tokens)
-        if len(times) > 1 and res.completion_tokens > 1:
-            res.tpot = (times[-1] - times[0]) / (res.completion_tokens - 1)
-        for i in range(1, len(times)):
-            gap, k = times[i] - times[i - 1], per_chunk[i]
-            res.itl.extend([gap / k] * k)
-    res.ok = True
-    return res
-
-
-async def run_point(client: httpx.AsyncClient, base: str, model: str, prompts: list[list[dict]],
-                    concurrency: int, max_tokens: int, cap_s: float, bar: tqdm) -> dict:
-    """`concurrency` closed-loop workers share the fixed prompt list; nothing starts after the cap."""
-    queue = list(enumerate(prompts))
-    results: list[Result] = []
-    t0 = time.perf_counter()
-    deadline = t0 + cap_s
-
-    async def worker() -> None:
-        while queue and time.perf_counter() < deadline:
-            _, msgs = queue.pop(0)
-            try:
-                r = await asyncio.wait_for(one_request(client, base, model, msgs, max_tokens),
-                                           max(0.1, deadline - time.perf_counter()))
-            except asyncio.TimeoutError:
-                r = Result(error=f"per-point cap of {cap_s:.0f}s reached", end=time.perf_counter())
-            results.append(r)
-            bar.update(1)
-
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
-    bar.update(len(queue))  # never started: the cap was reached
-    ends = [r.end for r in results if r.end]
-    wall = (max(ends) if ends else time.perf_counter()) - t0
-    out = summarize(results, len(prompts), wall, timed_out=bool(queue) or time.perf_counter() > deadline)
-    return out
+# mid_long: short streams (64 tokens) with and without a ~1,000-token prompt (32 tokens) arriving mid-stream
+MAX_TOKENS = {"short": 64, "long": 32, "mid_long": 64}
+ENGINE_TARGET = 0.75  # issue 21: served tok/s at 16 streams at least 75 % of the engine's offline batch-16 tok/s
 
 
 def wait_idle(max_wait: float, threshold: float) -> float | None:
@@ -171,21 +97,29 @@ async def sweep(args, servers: dict[str, str], floor, rows: list[dict]) -> None:
             if not r.ok:
                 raise SystemExit(f"warm-up request to {name} ({url}) failed: {r.error}")
         for variant in args.variants:
-            total = sum(args.n_requests(variant, c) for c in args.concurrency) * (len(servers) + bool(floor))
+            if variant == "mid_long":
+                total = sum(2 * c + 1 for c in args.concurrency) * args.midstream_rounds * len(servers)
+            else:
+                total = sum(args.n_requests(variant, c) for c in args.concurrency) * (len(servers) + bool(floor))
             bar = tqdm(total=total, desc=f"{variant} sweep", unit="req", file=sys.stderr, dynamic_ncols=True)
             for c in args.concurrency:
-                prompts = messages_for(variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c)
+                prompts = [] if variant == "mid_long" else messages_for(
+                    variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c)
                 point = []
                 for name, url in servers.items():
                     bar.set_postfix_str(f"{name} c={c}")
                     busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
+                    common = {"bench": "serve", "server": name, "variant": variant, "concurrency": c,
+                              "model": models[name], "max_tokens": MAX_TOKENS[variant], "prompt_seed": args.prompt_seed}
+                    if variant == "mid_long":
+                        both = await run_midstream(client, url, models[name], c, args.midstream_rounds,
+                                                   args.prompt_seed * 1013 + c, args.point_timeout, bar)
+                        point.extend({**common, **stats, "cpu_busy_before": busy} for stats in both)
+                        continue
                     stats = await run_point(client, url, models[name], prompts, c, MAX_TOKENS[variant],
                                             args.point_timeout, bar)
-                    point.append({"bench": "serve", "server": name, "variant": variant, "concurrency": c,
-                                  "model": models[name], "max_tokens": MAX_TOKENS[variant],
-                                  "prompt_seed": args.prompt_seed, **stats,
-                                  "cpu_busy_before": busy})
-                if floor is not None:
+                    point.append({**common, **stats, "cpu_busy_before": busy})
+                if floor is not None and variant != "mid_long":
                     bar.set_postfix_str(f"transformers c={c}")
                     busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
                     stats = await asyncio.to_thread(floor.run_point, prompts, c, MAX_TOKENS[variant],
@@ -195,12 +129,27 @@ async def sweep(args, servers: dict[str, str], floor, rows: list[dict]) -> None:
                                   "concurrency": c, "model": floor.name, "max_tokens": MAX_TOKENS[variant],
                                   "prompt_seed": args.prompt_seed,
                                   **stats, "tokens_from": "generate", "cpu_busy_before": busy})
-                add_ratios(point, args.ours)
+                for flag in (False, True):  # mid_long: ours against each peer with the same scenario
+                    add_ratios([x for x in point if bool(x.get("long_prompt_mid_stream")) == flag], args.ours)
                 for line in point:
                     tqdm.write(json.dumps(line), file=sys.stdout)
                     sys.stdout.flush()
                 rows.extend(point)
             bar.close()
+
+
+def measure_engine(args) -> list[dict]:
+    """benchmarks/serve_engine.py in a child process (its memory goes with it); its JSON lines."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_engine.py"),
+           "--batch", str(args.engine_batch), "--rounds", str(args.engine_rounds)]
+    print(f"measuring the engine alone: {' '.join(cmd[1:])}", file=sys.stderr)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.start_timeout, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"serve_engine.py failed with exit code {proc.returncode}")
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    return lines
 
 
 def parse_args(argv=None):
@@ -219,7 +168,14 @@ def parse_args(argv=None):
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
     ap.add_argument("--requests", type=int, default=0,
                     help="requests per point (default: short max(4*c, 8), long max(2*c, 8))")
-    ap.add_argument("--variants", default="short,long", help="short (max_tokens 64), long (~1k-token prompts, 32)")
+    ap.add_argument("--variants", default="short,long",
+                    help="short (max_tokens 64), long (~1k-token prompts, 32), mid_long (c short streams with and "
+                         "without a ~1k-token prompt arriving mid-stream: the streams' ITL p99)")
+    ap.add_argument("--midstream-rounds", type=int, default=3, help="mid_long: rounds with and without the long prompt")
+    ap.add_argument("--engine-batch", type=int, default=16,
+                    help="with --start-ours: first measure the engine alone offline at this batch (benchmarks/"
+                         "serve_engine.py, cluster.yaml's engine settings) and report served/engine; 0 = skip")
+    ap.add_argument("--engine-rounds", type=int, default=3, help="rounds of the offline engine measurement (median)")
     ap.add_argument("--prompt-seed", type=int, default=None,
                     help="seed of the long prompts (default: from the clock, so a server's prefix cache "
                          "holds nothing from an earlier run); recorded in every JSON line")
@@ -257,6 +213,13 @@ def main(argv=None) -> int:
     servers: dict[str, str] = {}
     started: list[serve_peers.Started] = []
     floor = None
+    engine: list[dict] = []
+    if args.start_ours and args.engine_batch > 0:
+        if args.url:
+            print("--url servers are running: the engine is not measured beside them (--engine-batch 0 to "
+                  "silence this)", file=sys.stderr)
+        else:  # before any server starts, so nothing shares the machine with it
+            engine = measure_engine(args)
     try:
         if args.start_llamacpp:
             started.append(serve_peers.start_llamacpp(args.start_timeout))
@@ -286,8 +249,12 @@ def main(argv=None) -> int:
         except KeyboardInterrupt:
             print(f"interrupted: reporting the {len(rows)} finished points", file=sys.stderr)
         if rows:
-            paths = serve_report.write(rows, args.results_dir)
-            print(serve_report.markdown(rows), file=sys.stderr)
+            ratio = serve_report.served_vs_engine(rows, engine, args.ours, ENGINE_TARGET)
+            for line in ratio:
+                print(json.dumps(line), flush=True)
+            engine += ratio
+            paths = serve_report.write(rows, args.results_dir, engine)
+            print(serve_report.markdown(rows, engine), file=sys.stderr)
             print("wrote " + ", ".join(paths), file=sys.stderr)
     finally:
         for s in reversed(started):

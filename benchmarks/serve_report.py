@@ -9,11 +9,13 @@ import sys
 import time
 
 COLUMNS = [
-    ("server", "server"), ("variant", "variant"), ("concurrency", "conc."), ("completed", "ok"),
-    ("errors", "errors"), ("output_tokens_per_s", "out tok/s"), ("requests_per_s", "req/s"),
+    ("server", "server"), ("variant", "variant"), ("concurrency", "conc."),
+    ("long_prompt_mid_stream", "long prompt mid-stream"), ("completed", "ok"), ("errors", "errors"), ("output_tokens_per_s", "out tok/s"), ("requests_per_s", "req/s"),
     ("ttft_p50_s", "TTFT p50 s"), ("ttft_p95_s", "TTFT p95 s"), ("itl_p50_ms", "ITL p50 ms"),
-    ("itl_p95_ms", "ITL p95 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
+    ("itl_p95_ms", "ITL p95 ms"), ("itl_p99_ms", "ITL p99 ms"), ("tpot_p50_ms", "TPOT p50 ms"),
+    ("long_ttft_p50_s", "long prompt TTFT p50 s"),
 ]
+PLOTTED = ("short", "long")  # variants swept over concurrency (mid_long is two scenarios per point)
 # ours / peer, on ours' line: for the first peer as top-level fields, for every peer under "vs"
 RATIOS = [("ratio_tokens_per_s", "tok/s ratio"), ("ratio_ttft_p50", "TTFT ratio")]
 
@@ -40,12 +42,48 @@ def columns(rows: list[dict]) -> list[tuple[str | tuple[str, str], str]]:
     return [(k, t) for k, t in COLUMNS + ratios if any(_value(r, k) is not None for r in rows)]
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], engine: list[dict] | None = None) -> str:
     cols = columns(rows)
     out = ["| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         out.append("| " + " | ".join(_cell(_value(r, k)) for k, _ in cols) + " |")
-    return "\n".join(out)
+    return "\n".join(out + engine_lines(engine or []))
+
+
+def served_vs_engine(rows: list[dict], engine: list[dict], ours: str, target: float) -> list[dict]:
+    """Ours' short-prompt tok/s at the engine's batch over the engine's offline tok/s (both settings)."""
+    by = {x["setting"]: x for x in engine if x.get("bench") == "serve_engine"}
+    if "served" not in by:
+        return []
+    batch = by["served"]["batch"]
+    row = next((r for r in rows if r["server"] == ours and r["variant"] == "short" and r["concurrency"] == batch), None)
+    served = row and row.get("output_tokens_per_s")
+    if not served:
+        return []
+    out = {"bench": "serve_vs_engine", "server": ours, "variant": "short", "concurrency": batch,
+           "served_tok_s": served, "engine_tok_s": by["served"]["engine_tok_s"],
+           "ratio": round(served / by["served"]["engine_tok_s"], 3), "target_ratio": target}
+    out["target_met"] = out["ratio"] >= target
+    if "all_cores" in by:
+        out.update(engine_all_cores_tok_s=by["all_cores"]["engine_tok_s"],
+                   ratio_all_cores=round(served / by["all_cores"]["engine_tok_s"], 3))
+    return [out]
+
+
+def engine_lines(engine: list[dict]) -> list[str]:
+    """The same run's offline engine measurement and the served/engine ratio, as sentences."""
+    out = []
+    for e in engine:
+        if e.get("bench") == "serve_engine":
+            out.append(f"- engine alone, offline, batch {e['batch']}, {e['new_tokens']} new tokens, `{e['setting']}` "
+                       f"settings (torch threads: {e['threads'] or 'all'}): {e['engine_tok_s']} tok/s "
+                       f"(median of {e['engine_runs']})")
+        elif e.get("bench") == "serve_vs_engine":
+            all_cores = (f"; {e['ratio_all_cores']:.0%} of the engine on all cores" if "ratio_all_cores" in e else "")
+            out.append(f"- served at {e['concurrency']} streams ({e['server']}, short): {e['served_tok_s']} tok/s = "
+                       f"**{e['ratio']:.0%}** of the engine with the served settings (target "
+                       f"{e['target_ratio']:.0%}: {'met' if e['target_met'] else 'not met'}){all_cores}")
+    return [""] + out if out else []
 
 
 def plot(rows: list[dict], variant: str, path: str) -> None:
@@ -78,8 +116,9 @@ def plot(rows: list[dict], variant: str, path: str) -> None:
     plt.close(fig)
 
 
-def write(rows: list[dict], results_dir: str) -> list[str]:
-    """serve-<ts>.{jsonl,md} and serve-<variant>-<ts>.png, each copied to a *-latest name."""
+def write(rows: list[dict], results_dir: str, engine: list[dict] | None = None) -> list[str]:
+    """serve-<ts>.{jsonl,md} and serve-<variant>-<ts>.png, each copied to a *-latest name; `engine`
+    (the same run's offline engine lines) follows the points in the JSON lines and the table."""
     os.makedirs(results_dir, exist_ok=True)
     ts = time.strftime("%Y%m%d-%H%M%S")
     written = []
@@ -93,11 +132,11 @@ def write(rows: list[dict], results_dir: str) -> list[str]:
 
     def jsonl(path):
         with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            f.writelines(json.dumps(r) + "\n" for r in rows + (engine or []))
 
     def md(path):
         with open(path, "w") as f:
-            f.write(markdown(rows) + "\n")
+            f.write(markdown(rows, engine) + "\n")
 
     emit("serve", "jsonl", jsonl)
     emit("serve", "md", md)
@@ -106,6 +145,6 @@ def write(rows: list[dict], results_dir: str) -> list[str]:
     except ImportError:  # the numbers are written; only the pictures need it
         print("matplotlib is not installed: no plots (.venv/bin/pip install matplotlib)", file=sys.stderr)
         return written
-    for variant in dict.fromkeys(r["variant"] for r in rows):
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] in PLOTTED):
         emit(f"serve-{variant}", "png", lambda p, v=variant: plot(rows, v, p))
     return written

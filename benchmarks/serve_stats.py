@@ -61,6 +61,7 @@ def summarize(results: list[Result], n_requested: int, wall: float, timed_out: b
         "ttft_p50_s": rnd(percentile(ttft, 50)), "ttft_p95_s": rnd(percentile(ttft, 95)),
         "itl_p50_ms": rnd(None if not itl else 1000 * percentile(itl, 50), 2),
         "itl_p95_ms": rnd(None if not itl else 1000 * percentile(itl, 95), 2),
+        "itl_p99_ms": rnd(None if not itl else 1000 * percentile(itl, 99), 2),
         "tpot_p50_ms": rnd(None if not tpot else 1000 * percentile(tpot, 50), 2),
         "tpot_p95_ms": rnd(None if not tpot else 1000 * percentile(tpot, 95), 2),
         "output_tokens_per_s": rnd(toks / wall if wall > 0 else None, 2),

@@ -4,8 +4,8 @@ On a CPU host the engine process does the work that tokens/s depends on, while t
 processes (ingress, tokenizer, the model replica's event loop) wake for every request and every
 streamed message; at equal priority the kernel lets them preempt the engine mid-step. Giving them
 a higher nice value keeps their latency (they still run whenever a core is free) but hands the
-engine the core when both want it. Measured on 2 cores, c=16 (docs/benchmarks.md): 213-234 ->
-256-288 tok/s. Raising one's own nice value needs no privilege, unlike lowering the engine's.
+engine the core when both want it (its effect: docs/benchmarks.md). Raising one's own nice value
+needs no privilege, unlike lowering the engine's.
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ class EmbeddingsRoutes:
         per_input = min(info["max_model_len"], info["capacity_tokens"])
         if self.config.max_prompt_tokens:
             per_input = min(per_input, self.config.max_prompt_tokens)
-        prompts = [list(x) if isinstance(x, list) else await self.tokenizer.encode.remote(x) for x in items]
+        texts = [x for x in items if not isinstance(x, list)]
+        encoded = iter(await self.tokenizer.encode_batch.remote(texts) if texts else [])  # one round trip
+        prompts = [list(x) if isinstance(x, list) else next(encoded) for x in items]
         total = E.check_tokens(prompts, per_input, (await self.tokenizer_info())["vocab_size"])
         vectors = await call_model(self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None)),
                                    self.config.retry_after_s)

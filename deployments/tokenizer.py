@@ -249,7 +249,17 @@ class TokenizerService:
         return self.encode(f"{pre}{prefix}{suf}{suffix}{mid}", add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._backend is not None and not add_special_tokens:
+            # Straight to Rust: transformers' encode re-checks its arguments and the backend's
+            # truncation and padding state on every call (2-3x the cost of the encoding itself here).
+            return self._backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts in one call (the backend encodes them in parallel)."""
+        if self._backend is not None and not add_special_tokens:
+            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        return [self.encode(t, add_special_tokens) for t in texts]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
@@ -280,7 +290,8 @@ class TokenizerService:
 @serve.deployment(name="tokenizer", max_ongoing_requests=1000)
 class TokenizerDeployment:
     """Rendering and tokenizing for every model of the app on their own CPU replicas, off the model
-    replicas' cores; each call names its model (a served model name)."""
+    replicas' cores; each call names its model (a served model name). Every method is async though only
+    the sandbox path awaits: Serve runs plain methods in a thread pool, one more thread hop per call."""
 
     def __init__(self, model_paths: dict[str, str], serving_nice: int = 0):
         lower_process_priority(serving_nice)
@@ -294,16 +305,20 @@ class TokenizerDeployment:
         except KeyError:
             raise ValueError(f"no tokenizer for model {model!r}") from None
 
-    def info(self, model: str) -> dict:
+    async def info(self, model: str) -> dict:
         return self.service(model).info()
 
-    def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.service(model).encode(text, add_special_tokens)
 
-    def encode_fim(self, model: str, prefix: str, suffix: str) -> list[int]:
+    async def encode_batch(self, model: str, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Every prompt of a request in one round trip (each call through a handle costs far more than encoding)."""
+        return self.service(model).encode_batch(texts, add_special_tokens)
+
+    async def encode_fim(self, model: str, prefix: str, suffix: str) -> list[int]:
         return self.service(model).encode_fim(prefix, suffix)
 
-    def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
+    async def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.service(model).decode(ids, skip_special_tokens)
 
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,

@@ -33,3 +33,27 @@ def test_sweep_of_a_running_server_writes_lines_table_and_plot(server, tmp_path)
     assert "| ours | short | 1 | 2 | 0 |" in table and "| ours | short | 2 | 2 | 0 |" in table
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "serve-short-latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mid_stream_long_prompt_scenario(server, tmp_path):
+    """mid_long: the streams' ITL with and without a ~1,000-token prompt sent once they all stream."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import serve_bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rc = serve_bench.main(["--url", f"ours={server}", "--api-key", API_KEY, "--variants", "mid_long",
+                           "--concurrency", "2", "--midstream-rounds", "1", "--wait-idle", "0",
+                           "--results-dir", str(tmp_path)])
+    assert rc == 0
+    lines = [json.loads(x) for x in (tmp_path / "serve-latest.jsonl").read_text().splitlines()]
+    assert [(x["variant"], x["concurrency"], x["long_prompt_mid_stream"]) for x in lines] == [
+        ("mid_long", 2, False), ("mid_long", 2, True)]
+    for x in lines:
+        assert x["errors"] == 0 and x["completed"] == 2, x
+        assert 0 <= x["itl_p50_ms"] <= x["itl_p95_ms"] <= x["itl_p99_ms"]
+    alone, with_long = lines
+    assert "long_requests" not in alone
+    assert with_long["long_requests"] == 1 and with_long["long_errors"] == 0
+    assert 900 <= with_long["long_prompt_tokens_mean"] <= 1100 and with_long["long_ttft_p50_s"] > 0
+    assert not list(tmp_path.glob("serve-mid_long-*.png"))  # two scenarios per point: no curve to plot

@@ -216,3 +216,14 @@ def test_fill_in_the_middle_prompt(svc, gguf_path, tmp_path):
     vocab = fim.tokenizer.get_vocab()
     assert ids[0] == vocab["<fim_prefix>"] and ids[-1] == vocab["<fim_middle>"] and vocab["<fim_suffix>"] in ids
     assert fim.decode(ids, skip_special_tokens=False) == "<fim_prefix>def add(a, b):\n    return <fim_suffix>\n<fim_middle>"
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_encode_equals_transformers(svc, special):
+    """The fast path (straight to the Rust backend) gives what transformers' encode gives."""
+    texts = [TEXT, LONG, "", " ", "Hi<|im_end|>\n<|im_start|>user\n x", "\x00\ufffd tabs\tand\nnewlines  "]
+    for text in texts:
+        assert svc.encode(text, add_special_tokens=special) == svc.tokenizer.encode(text, add_special_tokens=special)
+    assert svc.encode_batch(texts, special) == [svc.tokenizer.encode(t, add_special_tokens=special) for t in texts]
+    text, ids = svc.render_chat([{"role": "user", "content": TEXT}])
+    assert ids == svc.tokenizer.encode(text, add_special_tokens=False)

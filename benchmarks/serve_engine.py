@@ -1,0 +1,89 @@
+"""The engine alone, offline, with the engine settings a served config gives it: the ceiling that
+serve_bench.py compares the served tok/s against, measured in the same run while no server runs.
+
+    python benchmarks/serve_engine.py [--config cluster.yaml] [--batch 16] [--new-tokens 64] [--rounds 3]
+
+Prints one JSON line per setting: `served` (the config's engine settings as they are: its torch
+threads, prefix cache, weights) and `all_cores` (the same with `cpu_threads_per_rank: 0`, as
+engine_bench.py runs by default). serve_bench.py runs this in a child process, before it starts any server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+
+def engine_config(config_path: str):
+    """The first application's first model's engine config from a Serve config file, model path and device resolved."""
+    import torch
+    import yaml
+
+    from deployments.builder import resolve_device
+    from deployments.config import ServerConfig
+    from model_parallel.model_files import resolve_model_path
+
+    with open(config_path) as f:
+        args = yaml.safe_load(f)["applications"][0].get("args") or {}
+    server = ServerConfig.from_args(args)
+    engine = server.models[0].engine if server.models else server.engine
+    device = resolve_device(engine.parallel.device, {"GPU": float(torch.cuda.device_count())})
+    return dataclasses.replace(
+        engine, model=dataclasses.replace(engine.model, model=resolve_model_path(engine.model.model)),
+        parallel=dataclasses.replace(engine.parallel, device=device))
+
+
+def measure(config_path: str, batch: int, new_tokens: int, rounds: int) -> list[dict]:
+    from engine_bench import bench_ours, prompts
+    from transformers import AutoTokenizer
+
+    from model_parallel.engine import LLMEngine
+
+    base = engine_config(config_path)
+    path = base.model.model
+    if path.endswith(".gguf"):
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    batch_prompts = prompts(tokenizer, batch)
+    settings = {"served": base,
+                "all_cores": dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cpu_threads_per_rank=0))}
+    lines = []
+    for name, config in settings.items():
+        engine = LLMEngine(config)
+        try:
+            runs = [bench_ours(engine, batch_prompts, new_tokens) for _ in range(rounds)]
+        finally:
+            engine.shutdown()
+        runs.sort()
+        lines.append({"bench": "serve_engine", "setting": name, "config": os.path.relpath(config_path, REPO),
+                      "batch": batch, "new_tokens": new_tokens, "rounds": rounds,
+                      "threads": config.parallel.cpu_threads_per_rank,
+                      "device": config.parallel.device, "dtype": config.model.dtype,
+                      "engine_tok_s": round(runs[len(runs) // 2], 1),  # the median round
+                      "engine_runs": [round(x, 1) for x in runs]})
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=os.path.join(REPO, "cluster.yaml"))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    for line in measure(args.config, args.batch, args.new_tokens, args.rounds):
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
