@@ -184,19 +184,19 @@ def test_bad_adapters_are_refused_with_clear_errors(gguf_path, tmp_path):
 
 async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
     """Two slots: idle adapters are evicted least-recently-used first, busy ones never."""
-    from types import SimpleNamespace
-
     from app.errors import APIError
     from deployments.lora_registry import LoRARegistry
+    from model_parallel.engine_client import make_engine_client
 
     base = tiny_llama(tmp_path)
     arch = read_arch(base)
     paths = {n: random_peft_adapter(str(tmp_path / n), arch, rank=4, seed=i) for i, n in enumerate("abcd")}
     config = EngineConfig(model=ModelConfig(model=base, dtype="float32"), cache=CacheConfig(kv_cache_bytes=8 << 20),
                           lora=LoRAConfig(max_loras=2, max_lora_rank=4, allowed_roots=(str(tmp_path),)))
-    executor = make_executor(config, base, arch)
+    client = make_engine_client(config)  # the engine on a thread of this process, as a replica's
+    executor = client.engine.executor
     evicted: list[str] = []
-    registry = LoRARegistry(config.lora, SimpleNamespace(arch=arch, executor=executor), on_evict=evicted.append)
+    registry = LoRARegistry(config.lora, client, on_evict=evicted.append)
     try:
         ids = [1, 2, 3]
         a = await registry.acquire("a", paths["a"])  # busy
@@ -223,4 +223,4 @@ async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
         assert err.value.status_code == 400 and err.value.to_dict()["error"]["code"] == "invalid_lora_adapter"
         assert registry.names() == ["c", "d"]
     finally:
-        executor.shutdown()
+        client.shutdown()
