@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -97,10 +98,11 @@ def _check_code(code: int, kernel: str) -> None:
     raise ValueError(f"{kernel}: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _require(ok: bool, kernel: str, what: str) -> None:
-    """A real check at the boundary (not an assert: those vanish under -O, and C would read out of bounds)."""
+def _require(ok: bool, kernel: str, what: str | Callable[[], str]) -> None:
+    """A real check at the boundary (not an assert: those vanish under -O, and C would read out of bounds).
+    `what` may be a function, so a message with values is only formatted when the check fails."""
     if not ok:
-        raise ValueError(f"{kernel}: {what}")
+        raise ValueError(f"{kernel}: {what if isinstance(what, str) else what()}")
 
 
 _BF16, _I32, _I64 = torch.bfloat16, torch.int32, torch.int64  # module globals: cheaper than torch.<dtype>
@@ -114,6 +116,10 @@ def _cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (k_cache.dtype in KERNEL_DTYPES and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
             and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.is_cpu and v_cache.is_cpu)
+
+
+def _table_ok(x: torch.Tensor, rows: int, width: int) -> bool:
+    return x.dtype == torch.float32 and x.numel() == rows * width and x.shape[0] == rows and x.is_contiguous()
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -197,7 +203,7 @@ class PagedKernels:
         hk, nb, bs, d = k_cache.shape
         _require(k.dim() == 3 and k.shape == v.shape and k.shape[0] == n and k.shape[1] == hk and k.shape[2] == d
                  and k.dtype == v.dtype == k_cache.dtype and k.is_cpu and v.is_cpu, "write_kv",
-                 f"k and v must be [{n}, {hk}, {d}] {k_cache.dtype} on the CPU")
+                 lambda: f"k and v must be [{n}, {hk}, {d}] {k_cache.dtype} on the CPU")
         k, stride = _rows(k)
         v, v_stride = _rows(v)
         if v_stride != stride:
@@ -227,7 +233,7 @@ class PagedKernels:
                  "[Hk, num_blocks, block_size, D] tensors in bf16 or fp32")
         hk, nb, bs, d = k_cache.shape
         _require(q.dim() == 3 and q.shape[2] == d and q.shape[1] % hk == 0 and q.dtype == k_cache.dtype
-                 and q.is_cpu, name, f"q must be [T, a multiple of {hk}, {d}] {k_cache.dtype} on the CPU")
+                 and q.is_cpu, name, lambda: f"q must be [T, a multiple of {hk}, {d}] {k_cache.dtype} on the CPU")
         q, q_stride = _rows(q)
         t, hq, _ = q.shape
         out = torch.empty(t, hq, d, dtype=q.dtype)
@@ -247,7 +253,7 @@ class PagedKernels:
         t, h = x.shape
         _require(_cpu_1d(weight, _BF16, h) and (residual is None or (
             residual.shape == x.shape and residual.dtype == x.dtype and residual.is_cpu)),
-            "add_rms_norm", f"weight must be contiguous bf16 [{h}] and residual bf16 {tuple(x.shape)}")
+            "add_rms_norm", lambda: f"weight must be contiguous bf16 [{h}] and residual bf16 {tuple(x.shape)}")
         x = x.contiguous()
         has_residual = residual is not None
         res = residual.contiguous() if residual is not None else torch.empty_like(x)
@@ -270,14 +276,13 @@ class PagedKernels:
         cos, sin: contiguous fp32 with T rows of head_dim (RotaryEmbedding.tables)."""
         name = "rotary"
         _require(0 < head_dim <= _ROTARY_MAX_DIM and head_dim % 2 == 0, name,
-                 f"head dim {head_dim} unsupported (even, at most {_ROTARY_MAX_DIM})")
+                 lambda: f"head dim {head_dim} unsupported (even, at most {_ROTARY_MAX_DIM})")
         _require(qkv.dim() == 2 and qkv.dtype == _BF16 and qkv.is_contiguous() and qkv.is_cpu
                  and 0 <= num_heads * head_dim <= qkv.shape[1], name,
-                 f"qkv must be contiguous bf16 [T, >= {num_heads} x {head_dim}] on the CPU")
-        n = qkv.shape[0] * head_dim
-        _require(all(x.dtype == torch.float32 and x.numel() == n and x.shape[0] == qkv.shape[0] and x.is_contiguous()
-                     for x in (cos, sin)), name, f"cos and sin must be contiguous fp32 with {qkv.shape[0]} rows of "
-                 f"{head_dim}")
+                 lambda: f"qkv must be contiguous bf16 [T, >= {num_heads} x {head_dim}] on the CPU")
+        t = qkv.shape[0]
+        _require(_table_ok(cos, t, head_dim) and _table_ok(sin, t, head_dim), name,
+                 lambda: f"cos and sin must be contiguous fp32 with {t} rows of {head_dim}")
         _check_code(self._rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                                  num_heads, head_dim), name)
 

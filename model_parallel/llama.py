@@ -51,12 +51,11 @@ class LlamaAttention(nn.Module):
         if self.kernels is not None and qkv.dtype == torch.bfloat16 and self.rotary.rotary_dim == d:
             # Rotate q and k in place; q, k and v stay views of qkv, which the kernels read strided.
             self.kernels.rotary_(qkv, (q_size + kv_size) // d, d, rope[0], rope[1])
-            q = qkv[:, :q_size].view(t, -1, d)
-            k = qkv[:, q_size : q_size + kv_size].view(t, -1, d)
+            q, k, v = qkv.view(t, -1, d).split((q_size // d, kv_size // d, kv_size // d), 1)
         else:
             qk = self.rotary.apply(qkv[:, : q_size + kv_size].view(t, -1, d), rope)  # q and k heads together
             q, k = qk[:, : q_size // d], qk[:, q_size // d :]
-        v = qkv[:, q_size + kv_size :].view(t, -1, d)
+            v = qkv[:, q_size + kv_size :].view(t, -1, d)
         o = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, **self.attn_options)
         return self.o_proj.forward(o)
 
