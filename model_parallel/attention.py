@@ -179,9 +179,12 @@ class SDPAAttention:
         if self.kernels is not None and meta.seq_block_tables is not None and k_cache.dtype in KERNEL_DTYPES:
             if window is not None or softcap is not None:
                 raise RuntimeError("windowed or soft-capped attention needs the torch metadata")
-            self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = self.kernels.paged_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.seq_ctx_lens,
-                                               meta.seq_q_starts, meta.seq_q_lens, scale=scale)
+            step = meta.derived.get("kernel_step")
+            if step is None:  # the step's sequence inputs, checked by the first layer for all of them
+                step = meta.derived["kernel_step"] = self.kernels.step_args(
+                    meta.seq_block_tables, meta.seq_ctx_lens, meta.seq_q_starts, meta.seq_q_lens, meta.slot_mapping)
+            self.kernels.write_kv(k, v, k_cache, v_cache, step)
+            out = self.kernels.paged_attention(q, k_cache, v_cache, step, scale=scale)
             return out.view(t, hq * d)
         write_cache(k_cache, meta.slot_mapping, k)
         write_cache(v_cache, meta.slot_mapping, v)

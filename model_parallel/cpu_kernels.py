@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -97,20 +98,28 @@ def _check_code(code: int, kernel: str) -> None:
     raise ValueError(f"{kernel}: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _require(ok: bool, kernel: str, what: str) -> None:
-    """A real check at the boundary (not an assert: those vanish under -O, and C would read out of bounds)."""
+def _require(ok: bool, kernel: str, what: str | Callable[[], str]) -> None:
+    """A real check at the boundary (not an assert: those vanish under -O, and C would read out of bounds).
+    `what` may be a function, so a message with values is only formatted when the check fails."""
     if not ok:
-        raise ValueError(f"{kernel}: {what}")
+        raise ValueError(f"{kernel}: {what if isinstance(what, str) else what()}")
+
+
+_BF16, _I32, _I64 = torch.bfloat16, torch.int32, torch.int64  # module globals: cheaper than torch.<dtype>
 
 
 def _cpu_1d(t: torch.Tensor, dtype: torch.dtype, n: int) -> bool:
-    return t.dtype == dtype and t.dim() == 1 and t.shape[0] == n and t.is_contiguous() and t.device.type == "cpu"
+    return t.dtype == dtype and t.dim() == 1 and t.shape[0] == n and t.is_contiguous() and t.is_cpu
 
 
 def _cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (k_cache.dtype in KERNEL_DTYPES and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
             and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu")
+            and k_cache.is_cpu and v_cache.is_cpu)
+
+
+def _table_ok(x: torch.Tensor, rows: int, width: int) -> bool:
+    return x.dtype == torch.float32 and x.numel() == rows * width and x.shape[0] == rows and x.is_contiguous()
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -119,6 +128,21 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
         x = x.contiguous()
     return x, x.stride(0)
+
+
+class StepArgs:
+    """A step's per-sequence kernel inputs, checked once (PagedKernels.step_args) and read by every
+    layer's kernel calls: at batch 1 the checks cost more than the attention itself. Holds the
+    tensors, so their pointers stay valid."""
+
+    __slots__ = ("tables", "ctx_lens", "q_starts", "q_lens", "slots", "num_seqs", "width", "ptrs", "slots_ptr")
+
+    def __init__(self, tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                 slots: torch.Tensor | None) -> None:
+        self.tables, self.ctx_lens, self.q_starts, self.q_lens, self.slots = tables, ctx_lens, q_starts, q_lens, slots
+        self.num_seqs, self.width = tables.shape
+        self.ptrs = (tables.data_ptr(), ctx_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr())
+        self.slots_ptr = slots.data_ptr() if slots is not None else 0
 
 
 class PagedKernels:
@@ -142,70 +166,94 @@ class PagedKernels:
         # level at 2,048; the scalar fallback loses from a few tokens, so then the model keeps torch's.
         self.vectorized = bool(lib.kernels_vectorized())
 
+    def step_args(self, block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
+                  q_lens: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> StepArgs:
+        """Check a step's sequence inputs once (shapes: paged_attention and write_kv); without
+        q_starts and q_lens, one query row per sequence (decode)."""
+        name = "paged_attention"
+        s = ctx_lens.shape[0] if ctx_lens.dim() == 1 else -1
+        _require(_cpu_1d(ctx_lens, _I32, s), name, "ctx_lens must be contiguous int32 [S]")
+        _require(block_tables.dtype == _I32 and block_tables.dim() == 2 and block_tables.shape[0] == s
+                 and block_tables.is_contiguous() and block_tables.is_cpu, name,
+                 "block_tables must be contiguous int32 [S, max_blocks]")
+        if q_lens is None:
+            q_starts = torch.arange(s, dtype=_I32)
+            q_lens = torch.ones(s, dtype=_I32)
+        _require(q_starts is not None and _cpu_1d(q_starts, _I32, s) and _cpu_1d(q_lens, _I32, s), name,
+                 "q_starts and q_lens must be contiguous int32 [S]")
+        assert q_starts is not None  # for the type checker; checked just above
+        if slots is not None:
+            _require(_cpu_1d(slots, _I64, slots.shape[0] if slots.dim() == 1 else -1), "write_kv",
+                     "slots must be contiguous int64 [T]")
+        return StepArgs(block_tables, ctx_lens, q_starts, q_lens, slots)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+                 slots: torch.Tensor | StepArgs) -> None:
         """k, v: [T, Hk, D] (rows may be strided); caches [Hk, num_blocks, block_size, D]; slots: [T] int64
-        (negative: skipped). Raises ValueError on inputs the kernel cannot index safely."""
+        (negative: skipped), or a step's StepArgs holding them. Raises ValueError on inputs the kernel
+        cannot index safely."""
+        if isinstance(slots, StepArgs):
+            _require(slots.slots is not None, "write_kv", "the step's slots were not given to step_args")
+            slots_ptr, n = slots.slots_ptr, slots.slots.shape[0]  # type: ignore[union-attr]
+        else:
+            _require(_cpu_1d(slots, _I64, k.shape[0]), "write_kv", "slots must be contiguous int64 [T]")
+            slots_ptr, n = slots.data_ptr(), slots.shape[0]
         _require(_cache_ok(k_cache, v_cache), "write_kv", "caches must be matching contiguous CPU "
                  "[Hk, num_blocks, block_size, D] tensors in bf16 or fp32")
         hk, nb, bs, d = k_cache.shape
-        _require(k.dim() == 3 and k.shape == v.shape and k.shape[1:] == (hk, d) and k.dtype == v.dtype == k_cache.dtype
-                 and k.device.type == "cpu" and v.device.type == "cpu", "write_kv",
-                 f"k and v must be [T, {hk}, {d}] {k_cache.dtype} on the CPU")
-        _require(_cpu_1d(slots, torch.int64, k.shape[0]), "write_kv", "slots must be contiguous int64 [T]")
+        _require(k.dim() == 3 and k.shape == v.shape and k.shape[0] == n and k.shape[1] == hk and k.shape[2] == d
+                 and k.dtype == v.dtype == k_cache.dtype and k.is_cpu and v.is_cpu, "write_kv",
+                 lambda: f"k and v must be [{n}, {hk}, {d}] {k_cache.dtype} on the CPU")
         k, stride = _rows(k)
         v, v_stride = _rows(v)
         if v_stride != stride:
             k, v = k.contiguous(), v.contiguous()
             stride = k.stride(0)
         _check_code(self._write[k_cache.dtype](k.data_ptr(), v.data_ptr(), stride, k_cache.data_ptr(),
-                                               v_cache.data_ptr(), slots.data_ptr(), k.shape[0], hk, d, nb, bs),
-                    "write_kv")
+                                               v_cache.data_ptr(), slots_ptr, n, hk, d, nb, bs), "write_kv")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
-                        q_lens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                        block_tables: torch.Tensor | StepArgs, ctx_lens: torch.Tensor | None = None,
+                        q_starts: torch.Tensor | None = None, q_lens: torch.Tensor | None = None,
+                        scale: float | None = None) -> torch.Tensor:
         """Each sequence's query rows over its paged context, causal: q [T, Hq, D] (rows may be
         strided); per sequence (int32): block_tables [S, max_blocks], ctx_lens [S] (its context after
         this step), q_starts [S] (its first row in q) and q_lens [S]; without q_starts and q_lens,
-        one row per sequence (decode); scale of q.k, D^-0.5 by default. Returns [T, Hq, D] contiguous.
+        one row per sequence (decode); or, in block_tables' place, a step's StepArgs holding them all.
+        scale of q.k, D^-0.5 by default. Returns [T, Hq, D] contiguous.
         Raises ValueError on inputs the kernel cannot index safely (the per-sequence index checks run in C, O(sequences x blocks))."""
         name = "paged_attention"
+        if isinstance(block_tables, StepArgs):
+            step = block_tables
+        else:
+            _require(ctx_lens is not None, name, "ctx_lens is required with block tables")
+            assert ctx_lens is not None  # for the type checker; checked just above
+            step = self.step_args(block_tables, ctx_lens, q_starts, q_lens)
         _require(_cache_ok(k_cache, v_cache), name, "caches must be matching contiguous CPU "
                  "[Hk, num_blocks, block_size, D] tensors in bf16 or fp32")
         hk, nb, bs, d = k_cache.shape
         _require(q.dim() == 3 and q.shape[2] == d and q.shape[1] % hk == 0 and q.dtype == k_cache.dtype
-                 and q.device.type == "cpu", name, f"q must be [T, a multiple of {hk}, {d}] {k_cache.dtype} on the CPU")
-        s = ctx_lens.shape[0] if ctx_lens.dim() == 1 else -1
-        _require(_cpu_1d(ctx_lens, torch.int32, s), name, "ctx_lens must be contiguous int32 [S]")
-        _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == s
-                 and block_tables.is_contiguous() and block_tables.device.type == "cpu", name,
-                 "block_tables must be contiguous int32 [S, max_blocks]")
+                 and q.is_cpu, name, lambda: f"q must be [T, a multiple of {hk}, {d}] {k_cache.dtype} on the CPU")
         q, q_stride = _rows(q)
         t, hq, _ = q.shape
-        if q_lens is None:
-            q_starts = torch.arange(s, dtype=torch.int32)
-            q_lens = torch.ones(s, dtype=torch.int32)
-        _require(q_starts is not None and _cpu_1d(q_starts, torch.int32, s) and _cpu_1d(q_lens, torch.int32, s), name,
-                 "q_starts and q_lens must be contiguous int32 [S]")
-        assert q_starts is not None  # for the type checker; checked just above
         out = torch.empty(t, hq, d, dtype=q.dtype)
+        tables, lens, starts, qlens = step.ptrs
         _check_code(self._attention[k_cache.dtype](
-            q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            ctx_lens.data_ptr(), q_starts.data_ptr(), q_lens.data_ptr(), out.data_ptr(), t, s, hq, hk, d, nb, bs,
-            block_tables.shape[1], d**-0.5 if scale is None else scale, torch.get_num_threads()), name)
+            q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(), tables, lens, starts, qlens,
+            out.data_ptr(), t, step.num_seqs, hq, hk, d, nb, bs, step.width, d**-0.5 if scale is None else scale,
+            torch.get_num_threads()), name)
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 [T, H]: (weight * rms_norm(x + residual), x + residual); the sum is written into
         `residual` in place (the caller's old residual is dead after the call)."""
-        _require(x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu", "add_rms_norm",
+        _require(x.dim() == 2 and x.dtype == _BF16 and x.is_cpu, "add_rms_norm",
                  "x must be bf16 [T, H] on the CPU")
         t, h = x.shape
-        _require(_cpu_1d(weight, torch.bfloat16, h) and (residual is None or (
-            residual.shape == x.shape and residual.dtype == x.dtype and residual.device.type == "cpu")),
-            "add_rms_norm", f"weight must be contiguous bf16 [{h}] and residual bf16 {tuple(x.shape)}")
+        _require(_cpu_1d(weight, _BF16, h) and (residual is None or (
+            residual.shape == x.shape and residual.dtype == x.dtype and residual.is_cpu)),
+            "add_rms_norm", lambda: f"weight must be contiguous bf16 [{h}] and residual bf16 {tuple(x.shape)}")
         x = x.contiguous()
         has_residual = residual is not None
         res = residual.contiguous() if residual is not None else torch.empty_like(x)
@@ -215,7 +263,7 @@ class PagedKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """bf16 [T, 2I] (gate | up) -> [T, I]."""
-        _require(x.dim() == 2 and x.shape[1] % 2 == 0 and x.dtype == torch.bfloat16 and x.device.type == "cpu",
+        _require(x.dim() == 2 and x.shape[1] % 2 == 0 and x.dtype == _BF16 and x.is_cpu,
                  "silu_and_mul", "x must be bf16 [T, 2I] on the CPU")
         x = x.contiguous()
         t, width = x.shape
@@ -228,21 +276,20 @@ class PagedKernels:
         cos, sin: contiguous fp32 with T rows of head_dim (RotaryEmbedding.tables)."""
         name = "rotary"
         _require(0 < head_dim <= _ROTARY_MAX_DIM and head_dim % 2 == 0, name,
-                 f"head dim {head_dim} unsupported (even, at most {_ROTARY_MAX_DIM})")
-        _require(qkv.dim() == 2 and qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and qkv.device.type == "cpu"
+                 lambda: f"head dim {head_dim} unsupported (even, at most {_ROTARY_MAX_DIM})")
+        _require(qkv.dim() == 2 and qkv.dtype == _BF16 and qkv.is_contiguous() and qkv.is_cpu
                  and 0 <= num_heads * head_dim <= qkv.shape[1], name,
-                 f"qkv must be contiguous bf16 [T, >= {num_heads} x {head_dim}] on the CPU")
-        n = qkv.shape[0] * head_dim
-        _require(all(x.dtype == torch.float32 and x.numel() == n and x.shape[0] == qkv.shape[0] and x.is_contiguous()
-                     for x in (cos, sin)), name, f"cos and sin must be contiguous fp32 with {qkv.shape[0]} rows of "
-                 f"{head_dim}")
+                 lambda: f"qkv must be contiguous bf16 [T, >= {num_heads} x {head_dim}] on the CPU")
+        t = qkv.shape[0]
+        _require(_table_ok(cos, t, head_dim) and _table_ok(sin, t, head_dim), name,
+                 lambda: f"cos and sin must be contiguous fp32 with {t} rows of {head_dim}")
         _check_code(self._rotary(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
                                  num_heads, head_dim), name)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Index of each row's largest value ([R, V] bf16 -> [R] int64), first on ties, as torch.argmax."""
-        _require(logits.dtype == torch.bfloat16 and logits.dim() == 2 and logits.shape[1] > 0
-                 and logits.device.type == "cpu", "argmax", "logits must be bf16 [R, V > 0] on the CPU")
+        _require(logits.dtype == _BF16 and logits.dim() == 2 and logits.shape[1] > 0
+                 and logits.is_cpu, "argmax", "logits must be bf16 [R, V > 0] on the CPU")
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         out = torch.empty(logits.shape[0], dtype=torch.long)

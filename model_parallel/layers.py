@@ -22,16 +22,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); fusing the residual add saves one pass over activations."""
+        weight = self.weight
         if (self.kernels is not None and self.kernels.vectorized and x.dtype == torch.bfloat16
-                and self.weight.dtype == torch.bfloat16):
-            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+                and weight.dtype == torch.bfloat16):
+            return self.kernels.add_rms_norm(x, residual, weight, self.eps)
         if residual is not None:
             x = x + residual
         residual = x
         # Normalise in fp32 as the reference does, then cast back; one fused op rather than six
         # (per-op dispatch is a large share of a small-batch step on CPU).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype), residual
+        return weight * normed.to(x.dtype), residual
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

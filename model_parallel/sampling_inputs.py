@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model_parallel.outputs import TokenLogprob
-from model_parallel.sampler import Penalties, SamplingTensors, gather_logprobs, sample
+from model_parallel.sampler import Penalties, SamplingTensors, gather_logprobs, greedy, sample
 from model_parallel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -196,7 +196,12 @@ class SamplingInputs:
         if len(keep) < len(seqs):
             logits = logits[keep]
         try:
-            ids, lps = sample(logits, self.tensors(rows, logits.device), argmax)
+            if all(r.params.greedy and r.params.logprobs is None and not r.bias and r.bitmask is None
+                   and r.history is None for r in rows):
+                # What `sample` would do with these rows' tensors, without building them.
+                ids, lps = greedy(logits, argmax), None
+            else:
+                ids, lps = sample(logits, self.tensors(rows, logits.device), argmax)
             self._collect(out, rows, ids, lps)
         except Exception:
             # One row's parameters broke the batch: redo it row by row (from the same random state, so

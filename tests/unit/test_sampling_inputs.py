@@ -143,3 +143,28 @@ def test_grammar_bitmask_expands_to_exactly_the_allowed_tokens():
     # A model vocabulary wider than the tokenizer's: the extra rows are never allowed.
     wide = allowed_tokens(bitmask(allowed).unsqueeze(0), 130)[0]
     assert wide.shape == (130,) and wide.nonzero().flatten().tolist() == allowed
+
+
+def test_greedy_batch_takes_the_fast_path_only_without_bias_masks_or_logprobs():
+    """Plain greedy rows skip the sampling tensors; a greedy row with a logit bias, a min_tokens mask or
+    logprobs still gets them, and every row matches the full sampler (`sample_on_device`) on the same batch."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    best = logits.float().argmax(-1)
+    greedy, boosted = SamplingParams(temperature=0.0), (int(best[1]) + 1) % VOCAB
+    seqs = [seq_step("plain", greedy),
+            seq_step("bias", dataclasses.replace(greedy, logit_bias=((boosted, 100.0),))),
+            seq_step("masked", greedy, mask_token_ids=(int(best[2]),)),
+            seq_step("logprobs", dataclasses.replace(greedy, logprobs=2))]
+    inputs = SamplingInputs(VOCAB)
+    built: list[int] = []
+    tensors = inputs.tensors
+    inputs.tensors = lambda rows, device: built.append(len(rows)) or tensors(rows, device)  # type: ignore[method-assign]
+    alone = inputs.sample(seqs[:1], logits[:1])
+    assert built == [] and alone.sampled == {"plain": int(best[0])}
+    result = inputs.sample(seqs, logits)
+    assert built == [4]
+    rows = [inputs.row(s, logits.device) for s in seqs]
+    expected, _ = sample_on_device(logits, tensors(rows, logits.device))
+    assert [result.sampled[s.request_id] for s in seqs] == expected.tolist()
+    assert result.sampled["bias"] == boosted and result.sampled["masked"] != int(best[2])
+    assert set(result.logprobs) == {"logprobs"}
