@@ -31,6 +31,8 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from deployments.serving_env import serving_env  # noqa: E402
+
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -81,6 +83,9 @@ VARIANTS: dict[str, dict[str, dict[str, str]]] = {
     "both_on_loop": {"tokenizer": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
                      "echo": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
                      "caller": {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}},
+    # serving.env's throughput mode in every replica (HAProxy and direct ingress are the HTTP side's).
+    "serving_env": {d: {"RAY_SERVE_THROUGHPUT_OPTIMIZED": serving_env()["RAY_SERVE_THROUGHPUT_OPTIMIZED"],
+                        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"} for d in ("tokenizer", "echo", "caller")},
 }
 
 
