@@ -1,9 +1,9 @@
 """`engine_bench.py --tp N`: tensor parallel on CPU, once per all-reduce backend (`--cpu-allreduce`), same run.
 
 Two JSON lines kinds, each naming its backend:
-- `"bench": "allreduce"`: microseconds per TP all-reduce of a [rows, hidden] activation, timed in N fresh
-  processes through model_parallel.allreduce (no model, no Ray): what one decode step pays 2 x layers + 1
-  times.
+- `"bench": "allreduce"`: microseconds (median and mean) per TP all-reduce of a [rows, hidden] activation,
+  timed in N fresh processes through model_parallel.allreduce (no model, no Ray): what one decode step pays
+  2 x layers + 1 times.
 - `"bench": "engine_tp"`: the engine at TP=N (Ray actors, one per rank): median decode step time of a
   batch of chat prompts and generate tokens/s, rounds alternating between the backends' engines.
 """
@@ -44,17 +44,21 @@ def _time_allreduce(rank: int, world: int, init: str, backend: str, dtype: torch
         for _ in range(20):
             reduce(x)
         dist.barrier()
-        t0 = time.perf_counter()
+        times = []
         for _ in range(iters):
+            t0 = time.perf_counter()
             reduce(x)
-        result[f"{shape[0]}x{shape[1]}"] = round((time.perf_counter() - t0) / iters * 1e6, 1)
+            times.append(time.perf_counter() - t0)
+        # A spinning kernel is fast until a peer is descheduled: the mean shows those stalls, p50 not.
+        result[f"{shape[0]}x{shape[1]}"] = {"p50": round(statistics.median(times) * 1e6, 1),
+                                            "mean": round(statistics.fmean(times) * 1e6, 1)}
     if rank == 0:
         out.put((name, result))
     dist.destroy_process_group()
 
 
 def allreduce_us(backend: str, world: int, dtype: torch.dtype, shapes: list[tuple[int, int]], iters: int,
-                 threads: int) -> tuple[str, dict[str, float]]:
+                 threads: int) -> tuple[str, dict[str, dict[str, float]]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 
@@ -184,7 +185,9 @@ def test_disconnect_mid_stream_frees_slot_and_blocks(server, auth, model_name, c
 
 
 def test_tensor_parallel_2_replica_through_serve(server, client, model_name, auth):
-    """A second application whose model replica drives two TP actors in its placement group (gloo)."""
+    """A second application whose model replica drives two TP actors in its placement group (cpu_allreduce
+    auto: DeepSpeed's shm all-reduce where the extra is installed, as CI installs it; gloo otherwise)."""
+    import ray
     from openai import OpenAI
     from ray import serve
 
@@ -210,5 +213,9 @@ def test_tensor_parallel_2_replica_through_serve(server, client, model_name, aut
         assert got.choices[0].message.content == ref.choices[0].message.content
         handle = serve.get_deployment_handle("llm", app_name="tp2")
         assert handle.stats.remote().result()["num_steps"] > 0
+        ranks = [ray.get_actor(a["name"], namespace=a["namespace"]) for a in ray.util.list_named_actors(True)
+                 if a["name"].startswith("rayllm-tp:tp2:llm:")]
+        used = ray.get([r.__ray_call__.remote(lambda worker: worker.allreduce_backend) for r in ranks])
+        assert used == ["deepspeed" if importlib.util.find_spec("deepspeed") else "gloo"] * 2
     finally:
         serve.delete("tp2")
