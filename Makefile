@@ -32,8 +32,12 @@ $(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(BIN)/python
 	$(PIP_INSTALL) xgrammar==0.2.8
 	touch $@
 
+# CPU test installs add the deepspeed extra, so tests/model/test_allreduce.py runs its shm all-reduce.
+comma := ,
+TEST_EXTRAS := $(if $(GPU),test,test$(comma)deepspeed)
+
 $(VENV)/.installed-test: $(INSTALLED)
-	$(PIP_INSTALL) $(PINS) -e '.[test]'
+	$(PIP_INSTALL) $(PINS) -e '.[$(TEST_EXTRAS)]'
 	touch $@
 
 install: $(INSTALLED)

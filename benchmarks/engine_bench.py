@@ -4,6 +4,7 @@
                                       [--rounds 2] [--threads 0] [--no-prefix-cache] [--device cpu|cuda]
                                       [--variants default,batch_invariant,quantized] [--model PATH]
                                       [--shape llama-3.1-8b|tiny]
+                                      [--tp 2 --cpu-allreduce gloo,deepspeed]
 
 `--shape` benchmarks a model of that shape with random weights instead of the default model (no
 download; every output line says `random_weights`): prompts are random token ids, outputs ignore EOS.
@@ -306,6 +307,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="--shape: random prompt length")
+    ap.add_argument("--tp", type=int, default=1, help="> 1: CPU tensor parallel, see engine_bench_tp.py")
+    ap.add_argument("--cpu-allreduce", default="gloo,deepspeed", help="--tp: the all-reduce backends to compare")
     args = ap.parse_args()
     if args.shape:
         return bench_shape(args)
@@ -314,6 +317,10 @@ def main() -> None:
     path = args.model or default_model_path()
     d, f = os.path.dirname(path), os.path.basename(path)
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if args.tp > 1:
+        from engine_bench_tp import bench_tp
+
+        return bench_tp(args, path, partial(prompts, tokenizer))
     batches = [int(b) for b in args.batches.split(",")]
     cases = [(dt, b) for dt in args.dtypes.split(",") for b in batches]
     bar = tqdm(total=len(cases), desc="engine bench", file=sys.stderr)

@@ -103,8 +103,14 @@ class ParallelConfig:
     executor: str = "auto"
     # CUDA: capture decode steps as CUDA graphs for a ladder of batch sizes (cuda_graphs.py). Ignored on CPU.
     cuda_graphs: bool = True
+    # CPU, tensor_parallel_size > 1: the all-reduce of row-parallel outputs (model_parallel/allreduce.py).
+    # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
+    # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
+    cpu_allreduce: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_allreduce not in ("auto", "gloo", "deepspeed"):
+            raise ValueError("cpu_allreduce must be auto, gloo or deepspeed")
         if self.executor not in ("auto", "ray"):
             raise ValueError("executor must be auto or ray")
         if self.tensor_parallel_size < 1:

@@ -7,6 +7,7 @@ out of the full checkpoint tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +32,17 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    # The in-place sum across ranks that every all_reduce below goes through (allreduce.make_all_reduce
+    # picks it: NCCL, gloo or DeepSpeed's shm kernel); needed when size > 1.
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if self.size > 1 and self.reduce is None:
+            raise ValueError("a TPGroup of more than one rank needs its reduce function")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.reduce is not None and self.size > 1:
+            return self.reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

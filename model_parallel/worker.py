@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from model_parallel import kv_cache
+from model_parallel.allreduce import make_all_reduce
 from model_parallel.attention import make_attention_backend
 from model_parallel.config import EngineConfig, LlamaArch
 from model_parallel.loader import load_weights
@@ -94,15 +95,18 @@ class Worker:
             self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
             self.single_sequence_threads = config.parallel.cpu_threads_single_sequence
         self.device = device
-        group = None
+        self.dtype = getattr(torch, config.model.torch_dtype_name)
+        self.tp = TPGroup()
+        self.allreduce_backend = ""  # the TP all-reduce in use: nccl, gloo or deepspeed (none at TP=1)
         if world > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
                 backend, init_method=dist_init, rank=rank, world_size=world, timeout=timedelta(minutes=10)
             )
             group = dist.group.WORLD
-        self.tp = TPGroup(rank, world, group)
-        self.dtype = getattr(torch, config.model.torch_dtype_name)
+            self.allreduce_backend, reduce = make_all_reduce(
+                config.parallel.cpu_allreduce, device, self.dtype, rank, world, dist_init, group)
+            self.tp = TPGroup(rank, world, group, reduce)
         self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
         torch.manual_seed(config.model.seed)
         # Parameters are created in the target dtype on the target device: no fp32 copy of the model

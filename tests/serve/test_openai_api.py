@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 
@@ -184,16 +185,19 @@ def test_disconnect_mid_stream_frees_slot_and_blocks(server, auth, model_name, c
 
 
 def test_tensor_parallel_2_replica_through_serve(server, client, model_name, auth):
-    """A second application whose model replica drives two TP actors in its placement group (gloo)."""
+    """A second application whose model replica drives two TP actors in its placement group (all-reduce:
+    DeepSpeed's shm kernel where the extra is installed, as CI installs it; gloo otherwise)."""
+    import ray
     from openai import OpenAI
     from ray import serve
 
     from deployments.builder import build_app
 
     api_key = auth["Authorization"].removeprefix("Bearer ")
+    allreduce = "deepspeed" if importlib.util.find_spec("deepspeed") else "gloo"
     app = build_app({"api_keys": [api_key], "engine": {
         "model": {"dtype": "float32", "max_model_len": 2048}, "cache": {"kv_cache_bytes": 128 << 20},
-        "parallel": {"tensor_parallel_size": 2, "device": "cpu"}}})
+        "parallel": {"tensor_parallel_size": 2, "device": "cpu", "cpu_allreduce": allreduce}}})
     serve.run(app, name="tp2", route_prefix="/tp2", blocking=False)
     try:
         tp2 = OpenAI(base_url=f"{server}/tp2/v1", api_key=api_key, max_retries=0, timeout=120)
@@ -210,5 +214,9 @@ def test_tensor_parallel_2_replica_through_serve(server, client, model_name, aut
         assert got.choices[0].message.content == ref.choices[0].message.content
         handle = serve.get_deployment_handle("llm", app_name="tp2")
         assert handle.stats.remote().result()["num_steps"] > 0
+        ranks = [ray.get_actor(a["name"], namespace=a["namespace"]) for a in ray.util.list_named_actors(True)
+                 if a["name"].startswith("rayllm-tp:tp2:llm:")]
+        used = ray.get([r.__ray_call__.remote(lambda worker: worker.allreduce_backend) for r in ranks])
+        assert used == [allreduce] * 2
     finally:
         serve.delete("tp2")

@@ -40,6 +40,9 @@ def test_bad_engine_config_is_rejected():
         EngineConfig.from_dict({"bogus": {}})
     with pytest.raises(TypeError):
         EngineConfig.from_dict({"model": {"not_a_field": 1}})
+    with pytest.raises(ValueError, match="cpu_allreduce"):
+        EngineConfig.from_dict({"parallel": {"cpu_allreduce": "mpi"}})
+    assert EngineConfig.from_dict({"parallel": {"cpu_allreduce": "deepspeed"}}).parallel.cpu_allreduce == "deepspeed"
 
 
 def test_tp_placement_bundles():

@@ -58,3 +58,10 @@ def test_fresh_installs_pick_their_pins(tree):
 def test_cpu_serve_after_a_cpu_install_does_nothing_more(tree):
     _touch_after_sources(tree / ".venv" / ".installed")
     assert "pip install" not in _dry_run(tree, "serve")
+
+
+def test_cpu_test_installs_bring_the_deepspeed_extra(tree):
+    """So tests/model/test_allreduce.py runs DeepSpeed's shm all-reduce in CI; GPU installs leave it out."""
+    assert "-c constraints/cpu.txt -e '.[test,deepspeed]'" in _dry_run(tree, "install-test")
+    gpu = _dry_run(tree, "install-test", "GPU=1")
+    assert "-e '.[test]'" in gpu and "deepspeed" not in gpu
