@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app import protocol as P
-from app.errors import APIError, not_found
+from app.errors import APIError, not_found, replica_failed
 from app.sse import GenerationDelta
 from deployments.config import ServerConfig
 
@@ -32,12 +32,6 @@ class Overloaded(APIError):
 def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
     # Serve's backpressure_config (status, retry_after_s) wins when the deployment sets one.
     return Overloaded(getattr(exc, "_status_code", None) or 503, getattr(exc, "_retry_after_s", None) or retry_after_s)
-
-
-def replica_failed(exc: BaseException) -> APIError:
-    """A model replica (or its process) died under a request: a clear, retryable error."""
-    return APIError(503, f"The model replica serving this request failed ({type(exc).__name__}); "
-                    "it is being replaced, retry the request.", type="server_error", code="model_replica_failed")
 
 
 def request_timeout(timeout_s: float) -> APIError:
@@ -67,7 +61,7 @@ async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, ret
         except BackPressureError as exc:
             err = overloaded(exc, retry_after_s)
         except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-            err = replica_failed(exc)
+            err = replica_failed(type(exc).__name__)
         if err is not None:
             raise err
         yield d
@@ -91,7 +85,7 @@ async def call_model(call: Awaitable[Any], retry_after_s: float) -> Any:
     except BackPressureError as exc:
         err = overloaded(exc, retry_after_s)
     except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-        err = replica_failed(exc)
+        err = replica_failed(type(exc).__name__)
     raise err
 
 
