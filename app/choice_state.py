@@ -118,7 +118,6 @@ class GenerationState:
         self.choices: dict[int, ChoiceState] = {}
         self.prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (prompt tokens, cached tokens)
         self.first_token_at: float | None = None  # time.monotonic() of the first generated token
-        self.replica_id: str | None = None
 
     def add(self, d: GenerationDelta) -> tuple[ChoiceState, list[dict[str, Any]] | None]:
         """Feeds one delta to its choice; returns the choice and the delta's parsed pieces (see ChoiceState)."""
@@ -129,8 +128,6 @@ class GenerationState:
         self.prompts[d.index // self.n] = (d.prompt_tokens, d.cached_tokens)
         if self.first_token_at is None and d.token_ids:
             self.first_token_at = time.monotonic()
-        if d.replica_id and self.replica_id is None:
-            self.replica_id = d.replica_id
         return choice, choice.add(d)
 
     def sorted_choices(self) -> list[ChoiceState]:

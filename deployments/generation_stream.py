@@ -36,17 +36,20 @@ class Generation:
         self.deadline = None if timeout_s is None else t0 + timeout_s
         self.on_complete = on_complete
         self.first: DeltaBatch | None = None
+        self.replica_id: str | None = None  # set on the first delta by the serving replica
 
     @property
     def headers(self) -> dict[str, str]:
         """Debug: the serving replica's id, so tests can see where Serve routed the request."""
-        return {"x-replica-id": self.state.replica_id} if self.state.replica_id else {}
+        return {"x-replica-id": self.replica_id} if self.replica_id else {}
 
     async def _next(self) -> DeltaBatch | None:
         had_token = self.state.first_token_at is not None
         batch = await next_batch(self.it, self.deadline, self.timeout_s, self.retry_after_s)
-        if batch is not None and not had_token and any(d.token_ids for d in batch):
-            self.metrics.first_token(self.model, time.monotonic() - self.t0)
+        if batch and not had_token:
+            self.replica_id = self.replica_id or batch[0].replica_id
+            if any(d.token_ids for d in batch):
+                self.metrics.first_token(self.model, time.monotonic() - self.t0)
         return batch
 
     def _close(self, outcome: str) -> None:
@@ -59,7 +62,8 @@ class Generation:
         try:
             while (batch := await self._next()) is not None:
                 for d in batch:
-                    self.fmt.feed(*self.state.add(d), d)
+                    choice, pieces = self.state.add(d)
+                    self.fmt.feed(choice, d, pieces)
             self.fmt.finish()
             outcome = self.state.outcome()
             if self.on_complete is not None:
