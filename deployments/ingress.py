@@ -26,6 +26,7 @@ from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
 from deployments import ops_routes as ops
 from deployments.auth import Access, cache_salt
+from deployments.completion_store import completion_store
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
@@ -43,7 +44,6 @@ from deployments.request_guards import (
     conversation_not_found,
 )
 from deployments.responses_routes import ResponsesRoutes
-from deployments.store_tap import completion_store
 
 log = logging.getLogger("ray.serve")
 

@@ -73,7 +73,7 @@ def cancel(gen: Any) -> None:
 
 async def call_model(call: Awaitable[Any], retry_after_s: float) -> Any:
     """A unary call to a model deployment, with a full queue or a dead replica as the same OpenAI errors
-    as `guarded`; raised outside the except block, as there."""
+    as `next_batch`; raised outside the except block, as there."""
     err: APIError | None = None
     try:
         return await call

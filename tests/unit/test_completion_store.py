@@ -10,8 +10,8 @@ import pytest
 from app import protocol as P
 from app.choice_state import GenerationState
 from app.io_struct import GenerationDelta
+from deployments.completion_store import completion_store
 from deployments.conversation_store import ConversationStore, StorageUnavailable
-from deployments.store_tap import completion_store
 
 
 def generated(texts: list[str], finish: str | None = "stop") -> GenerationState:
