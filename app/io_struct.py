@@ -8,6 +8,7 @@ module pulls in neither torch nor the model replica's code, so the ingress stays
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from model_parallel.sampling_params import GuidedSpec, SamplingParams
 
@@ -40,6 +41,29 @@ class GenerateRequest:
     trace_id: str = ""  # the HTTP request's X-Request-Id: prefixes engine ids, so aborts and logs carry it
 
 
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class LogprobEntry(TypedDict):
+    """One token's logprob as the model replica sends it: already chat-shaped (OpenAI's `logprobs.content`)."""
+
+    token: str
+    logprob: float | None  # None: the first prompt token (prompt_logprobs), which has no logprob
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ModelInfo(TypedDict):
+    """The model replica's `model_info()`: what the ingress validates requests against."""
+
+    max_model_len: int
+    capacity_tokens: int
+    hidden_size: int
+
+
 @dataclass
 class GenerationDelta:
     """What the model deployment yields per choice per step (in batches: `DeltaBatch`)."""
@@ -47,13 +71,13 @@ class GenerationDelta:
     index: int  # choice index (completions with several prompts: prompt_i * n + j)
     text: str  # new text since the previous delta (stop strings already handled)
     token_ids: list[int]  # new token ids
-    logprobs: list[dict] | None  # per new token: {"token", "logprob", "bytes", "top_logprobs": [...]}
+    logprobs: list[LogprobEntry] | None  # one per new token
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     matched_stop: str | int | None
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int  # cumulative for this choice
-    prompt_logprobs: list[dict | None] | None = None  # first delta only, echo + logprobs; first entry None
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # first delta only, echo + logprobs
     prompt_text: str | None = None  # first delta only, completions echo
     hidden_states: list[list[float]] | None = None  # return_hidden_states: one vector per new token
     # Set on a request's first delta only: the serving replica, returned as the `x-replica-id` header.

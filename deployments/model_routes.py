@@ -15,6 +15,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from app.errors import APIError, model_not_found
+from app.io_struct import ModelInfo
 from app.responses import ModelCard
 from deployments.adapter_table import AdapterTable
 from deployments.config import ModelEntry
@@ -66,10 +67,10 @@ class ModelRoute:
         self.created = created
         lora = entry.engine.lora
         self.adapters = RouteAdapters(entry.name, entry.aliases, dict(lora.adapters), created, lora.allowed_roots)
-        self._info: dict | None = None
+        self._info: ModelInfo | None = None
         self._tok_info: dict | None = None
 
-    async def info(self) -> dict:
+    async def info(self) -> ModelInfo:
         if self._info is None:
             self._info = await self.llm.model_info.remote()
         return self._info
