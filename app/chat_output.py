@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from app.holdback import HeldSuffix
 from app.tools import ParsedCall, ToolPlan, new_call_id
 
 log = logging.getLogger(__name__)
@@ -20,12 +21,7 @@ log = logging.getLogger(__name__)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (to hold back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+_HOLD_THINK_CLOSE = HeldSuffix((THINK_CLOSE,))
 
 
 class ThinkSplitter:
@@ -54,7 +50,7 @@ class ThinkSplitter:
                 reasoning, self.buf = self.buf[:end], self.buf[end + len(THINK_CLOSE):]
                 self.state, self.strip_newlines = "after", True
             else:
-                keep = 0 if final else _partial_suffix(self.buf, THINK_CLOSE)
+                keep = 0 if final else _HOLD_THINK_CLOSE(self.buf)
                 reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return reasoning, ""
         if self.state == "after":
@@ -70,6 +66,7 @@ class ToolExtractor:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
+        self._hold_open = HeldSuffix((plan.format.open,))
         self.buf = ""
         self.inside = False
         self.started = False
@@ -105,7 +102,7 @@ class ToolExtractor:
             if not self.inside:
                 start = self.buf.find(fmt.open)
                 if start < 0:
-                    keep = 0 if final else _partial_suffix(self.buf, fmt.open)
+                    keep = 0 if final else self._hold_open(self.buf)
                     if len(self.buf) > keep:
                         events.append(("content", self.buf[: len(self.buf) - keep]))
                     self.buf = self.buf[len(self.buf) - keep:]

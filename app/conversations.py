@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from app.errors import bad_request
-from app.messages import Strict
+from app.messages import Strict, text_of
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS = 64
@@ -71,17 +71,9 @@ def conversation_id(value: str | dict[str, Any] | None) -> str | None:
     return cid
 
 
-def _text_of(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-
-
 def message_item(role: str, content: Any) -> dict[str, Any]:
     """A stored message item (no id yet): input_text for what came in, output_text for the assistant."""
-    text = _text_of(content)
+    text = text_of(content)
     if role == "assistant":
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     else:
@@ -114,7 +106,7 @@ def client_item(item: dict[str, Any], index: int) -> dict[str, Any]:
 
 def history_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Stored items as chat messages (reasoning items are kept, not replayed: templates drop them anyway)."""
-    return [{"role": it["role"], "content": _text_of(it.get("content"))}
+    return [{"role": it["role"], "content": text_of(it.get("content"))}
             for it in items if it.get("type", "message") == "message" and it.get("role") in _ROLES]
 
 

@@ -59,16 +59,20 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
     return APIError(404, message, param=param, code=code)
 
 
-def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+def model_not_found(model: str | None, available: Sequence[str] = ()) -> APIError:
+    """A `model` no route serves (naming the models there are, when the caller lists them)."""
+    listed = f" Available models: {', '.join(available)}" if available else ""
+    return APIError(404, f"The model `{model}` does not exist.{listed}", param="model", code="model_not_found")
+
+
+def replica_failed(detail: str) -> APIError:
+    """A model replica (its engine, or the replica itself) died under a request: a clear, retryable 503."""
+    return APIError(503, f"The model replica serving this request failed ({detail}); it is being replaced, "
+                    "retry the request.", type="server_error", code="model_replica_failed")
 
 
 def server_error(message: str = "internal server error", code: str | None = None) -> APIError:
     return APIError(500, message, code=code)
-
-
-def unavailable(message: str = "the model is not available", code: str | None = None) -> APIError:
-    return APIError(503, message, code=code)
 
 
 # Pydantic puts union branch names into `loc` ("str", "list[str]", "tagged-union[...]", model class names);

@@ -132,3 +132,31 @@ class StreamOptions(Strict):
 class ResponseFormat(Loose):
     type: Literal["text", "json_object", "json_schema", "structural_tag", "regex", "grammar"]
     json_schema: dict[str, Any] | None = None
+
+
+# Part types whose text a text-only model reads: chat's, the Responses API's (stored conversation items), refusals.
+_TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def text_of(content: Any) -> str:
+    """OpenAI content as text: a string, None (""), or a list of parts whose texts are joined.
+
+    A part this text-only model cannot read (an image, audio...) is a ValueError naming its type.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message content must be a string or a list of parts, not {type(content).__name__}")
+    parts: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            parts.append(part)
+            continue
+        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+        key = _TEXT_KEYS.get(kind) if isinstance(part, dict) else None
+        if key is None:
+            raise ValueError(f"{kind} content is not supported by this text-only model")
+        parts.append(str(part.get(key) or ""))
+    return "".join(parts)

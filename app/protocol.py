@@ -9,10 +9,10 @@ and are re-exported here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from app.errors import APIError, bad_request, unsupported
+from app.io_struct import StopOptions
 from app.messages import ChatMessage, ContentPart, ResponseFormat, StreamOptions  # noqa: F401  (re-exported)
 from app.request_models import (  # noqa: F401  (re-exported)
     MAX_STOP_SEQUENCES,
@@ -194,17 +194,6 @@ def to_sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: i
         )
     except ValueError as exc:  # SamplingParams re-checks its own invariants
         raise bad_request(str(exc)) from None
-
-
-@dataclass(frozen=True)
-class StopOptions:
-    """Text-level stopping and detokenization, applied beside the engine (which only knows token ids)."""
-
-    stop: tuple[str, ...] = ()
-    stop_regex: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
 
 
 def stop_options(req: SamplingFields) -> StopOptions:

@@ -178,6 +178,7 @@ class CompletionChunk(OpenAIObject):
 
 
 class ModelCard(OpenAIObject):
+    _omit_none = frozenset({"max_model_len"})  # adapters' cards: their base model's card has it
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)

@@ -1,8 +1,8 @@
 """OpenAI's Responses API, output side: engine deltas -> Response output items, and the semantic stream
 events that build them (each with its sequence_number), as the SDK's `responses.stream` helper reads them.
 
-One ResponseAssembler serves both a stream and a whole response, so the two never disagree: the text
-goes through the chat path's output parser (reasoning, tool calls) delta by delta either way.
+One ResponseAssembler serves both a stream and a whole response, so the two never disagree: it is fed the
+pieces the chat path's output parser (reasoning, tool calls) made of each delta (app.choice_state).
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import json
 import time
 from typing import Any
 
-from app.chat_output import ChatOutputParser
 from app.errors import APIError, server_error
+from app.io_struct import GenerationDelta
 from app.responses_api import ResponseCreate, new_item_id
-from app.sse import GenerationDelta
 
 
 def skeleton(req: ResponseCreate, response_id: str, model: str, conversation_id: str | None) -> dict[str, Any]:
@@ -45,9 +44,8 @@ def sse(event: dict[str, Any]) -> str:
 class ResponseAssembler:
     """Deltas of one generation in, semantic events out; `final()` is the whole Response."""
 
-    def __init__(self, frame: dict[str, Any], parser: ChatOutputParser | None) -> None:
+    def __init__(self, frame: dict[str, Any]) -> None:
         self.frame = frame
-        self.parser = parser
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written (the last of self.output)
@@ -66,18 +64,15 @@ class ResponseAssembler:
         return [self.event("response.created", response=self.snapshot()),
                 self.event("response.in_progress", response=self.snapshot())]
 
-    def feed(self, d: GenerationDelta) -> list[dict[str, Any]]:
+    def feed(self, d: GenerationDelta, pieces: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """A delta and its parsed pieces (None: the choice is not parsed, its text is the answer)."""
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
         new_tokens = d.completion_tokens - self.output_tokens
         self.output_tokens = d.completion_tokens
         if d.logprobs:
             self.pending_logprobs.extend(d.logprobs)
-        if self.parser is None:
+        if pieces is None:
             pieces = [{"content": d.text}] if d.text else []
-        else:
-            pieces = self.parser.feed(d.text) if d.text else []
-            if d.finish_reason is not None:
-                pieces += self.parser.finish()
         if pieces and all("reasoning_content" in p for p in pieces):
             self.reasoning_tokens += new_tokens  # a delta spanning both is counted as answer
         if d.finish_reason is not None:

@@ -6,13 +6,9 @@ adapters are loaded and unloaded; the replicas hold the weights (deployments/lor
 
 from __future__ import annotations
 
-from app.errors import APIError
+from app.errors import APIError, model_not_found
+from app.responses import ModelCard
 from deployments.adapter_paths import resolve_allowed
-
-
-def _unknown_model(model: str | None) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", type="not_found_error", param="model",
-                    code="model_not_found")
 
 
 class AdapterTable:
@@ -41,15 +37,14 @@ class AdapterTable:
 
     def card(self, name: str) -> dict:
         # `root` is the adapter's name, not its directory: clients learn nothing of the server's files.
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
-                "root": name, "parent": self.base_model}
+        return ModelCard(id=name, created=self.created, root=name, parent=self.base_model).model_dump()
 
     def resolve(self, model: str | None, lora_path: str | list[str | None] | None) -> tuple[str | None, str | None]:
         """(adapter name, its path) for a request's `model` and `lora_path`, or (None, None) for the
         base model; 404 for an unknown adapter name, 400 for contradicting fields."""
         name = self.name_of(model) if model is not None else None
         if name is not None and name not in self.paths:
-            raise _unknown_model(model)
+            raise model_not_found(model)
         if isinstance(lora_path, list):  # SGLang's per-prompt form: one adapter per request here
             distinct = set(lora_path)
             if len(distinct) > 1:

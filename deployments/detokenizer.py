@@ -9,6 +9,7 @@ from typing import Any
 import re2  # google-re2: linear-time matching, so no pattern can stall the replica's event loop
 from transformers import PreTrainedTokenizerBase
 
+from app.holdback import HeldSuffix
 from app.request_models import re2_options
 
 # Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
@@ -92,12 +93,7 @@ class IncrementalDetokenizer:
         self.stop = tuple(s for s in stop if s)
         self.stop_regex = tuple(re2.compile(r, re2_options()) for r in stop_regex)
         self.include_stop = include_stop_str_in_output
-        # For the hold-back check: last character -> (k, prefix) for every proper stop prefix ending in
-        # it, so a step whose text ends in a character that no stop contains costs O(1).
-        self._prefix_lens: dict[str, list[tuple[int, str]]] = {}
-        for s in self.stop:
-            for k in range(len(s) - 1, 0, -1):
-                self._prefix_lens.setdefault(s[k - 1], []).append((k, s[:k]))
+        self._held = HeldSuffix(self.stop)
         # Window (vLLM's prefix/read offsets, with the prefix offset kept at 0 by dropping older ids):
         # ids[:read] decoded to prefix_text, already emitted; ids[read:] not yet turned into text.
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -173,8 +169,4 @@ class IncrementalDetokenizer:
     def _holdback(self, pending: str) -> int:
         """How many trailing characters of pending could begin a stop string (or a regex match)."""
         hold = min(REGEX_HOLDBACK_CHARS, len(pending)) if self.stop_regex else 0
-        if pending:
-            for k, prefix in self._prefix_lens.get(pending[-1], ()):
-                if k > hold and pending.endswith(prefix):
-                    hold = k
-        return hold
+        return max(hold, self._held(pending))

@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from app.protocol import StopOptions
-from app.sse import GenerationDelta
+from app.io_struct import GenerateRequest, GenerationDelta, StopOptions
 from app.structured import pick_choice
 from model_parallel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deployments.llm_server import GenerateRequest, LLMServer
+    from deployments.llm_server import LLMServer
 
 
 async def best_of(server: LLMServer, req: GenerateRequest) -> list[GenerationDelta]:

@@ -6,52 +6,44 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app import conversations as C
 from app import protocol as P
 from app.chat_output import output_parser_factory
+from app.choice_state import GenerationState
 from app.errors import APIError, not_found
-from app.sse import (
-    GenerationDelta,
-    collect_chat,
-    collect_completion,
-    stream_chat,
-    stream_completion,
-)
+from app.io_struct import GenerateRequest
+from app.sse import ChatFormat, CompletionFormat, OpenAIFormat, WireFormat
 from app.structured import guided_spec
 from app.tools import ToolPlan, plan_tools
 from deployments import ops_routes as ops
 from deployments.auth import Access, cache_salt
+from deployments.completion_store import completion_store
 from deployments.config import ServerConfig
 from deployments.conversation_store import ConversationStore
 from deployments.cpu_priority import lower_process_priority
 from deployments.embeddings_routes import EmbeddingsRoutes
+from deployments.generation_stream import Generation, OnComplete
 from deployments.http_app import app, parse, parse_query, read_body, request_id_of
-from deployments.llm_server import GenerateRequest
 from deployments.metrics import server_metrics
 from deployments.model_routes import ModelRoutes
 from deployments.playground import PlaygroundRoutes
 from deployments.request_guards import (
     call_model,
-    cancel,
     check_request,
     check_sampling,
     check_tokens,
     conversation_not_found,
-    flatten,
-    guarded,
-    note_replica,
 )
 from deployments.responses_routes import ResponsesRoutes
-from deployments.store_tap import storing_tap
 
 log = logging.getLogger("ray.serve")
 
@@ -94,53 +86,28 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
                            param="messages") from None
 
-    async def run(self, greq: GenerateRequest, stream_fn, collect_fn, req: P.SamplingFields, tap=None, **extra):
-        """`tap` wraps the delta stream (conversation storage); it sees every delta before the client."""
-        stream = bool(req.stream)
-        kw = dict(request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()), n=greq.n,
-                  **extra)
-        if stream:
-            opts = req.stream_options
-            kw |= dict(include_usage=bool(opts and opts.include_usage),
-                       continuous_usage_stats=bool(opts and opts.continuous_usage_stats),
-                       trace_id=greq.trace_id or None)
+    def openai_format(self, cls: type[OpenAIFormat], greq: GenerateRequest, req: P.SamplingFields,
+                      state: GenerationState) -> OpenAIFormat:
+        opts = req.stream_options if req.stream else None
+        return cls(state, request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()),
+                   include_usage=bool(opts and opts.include_usage),
+                   continuous_usage_stats=bool(opts and opts.continuous_usage_stats), trace_id=greq.trace_id or None)
+
+    async def run(self, greq: GenerateRequest, fmt: WireFormat, req: P.SamplingFields,
+                  on_complete: OnComplete | None = None):
+        """One generation, streamed or whole (deployments.generation_stream); `on_complete` (storage) runs
+        after the last delta, before the response ends."""
         t0 = time.monotonic()
-        gen = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
-        seen: dict[str, str] = {}
-        metered = self.metrics.meter(guarded(note_replica(flatten(gen), seen), self.config.request_timeout_s, t0,
-                                             self.config.retry_after_s),
-                                     (greq.lora and getattr(req, "model", None)) or self.model_name, t0, greq.n)
-        deltas = metered if tap is None else tap(metered)
-        if not stream:
-            try:
-                body = (await collect_fn(deltas, **kw)).model_dump()
-                return JSONResponse(body, headers=seen)
-            finally:
-                cancel(gen)
-        # Wait for the first batch before answering, so early refusals are plain HTTP errors.
-        try:
-            first = await anext(deltas)
-        except StopAsyncIteration:
-            first = None
-        except BaseException:  # a 504 or an error before the first token: nothing will read gen again
-            cancel(gen)
-            raise
-
-        async def replay() -> AsyncIterator[GenerationDelta]:
-            if first is not None:
-                yield first
-            async for d in deltas:
-                yield d
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for event in stream_fn(replay(), **kw):
-                    yield event
-            finally:  # client disconnect lands here: cancelling the stream aborts the request upstream
-                cancel(gen)
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | seen)
+        call = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
+        gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
+                         self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
+                         retry_after_s=self.config.retry_after_s, on_complete=on_complete)
+        if not req.stream:
+            body = await gen.body()
+            return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)
+        await gen.start()  # early refusals stay plain HTTP errors
+        return StreamingResponse(gen.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | gen.headers)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -196,10 +163,9 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq, parser_factory = await self.prepare_chat(request, owner, req, messages, rid)
-        tap = None
-        if req.store:
-            tap = storing_tap(self.store, self.model_name, owner, req, cid, rid, last_input, parser_factory)
-        return await self.run(greq, stream_chat, collect_chat, req, tap=tap, parser_factory=parser_factory)
+        save = completion_store(self.store, self.model_name, owner, req, cid, rid, last_input) if req.store else None
+        fmt = self.openai_format(ChatFormat, greq, req, GenerationState(greq.n, parser_factory))
+        return await self.run(greq, fmt, req, on_complete=save)
 
     async def prepare_chat(self, request: Request, owner: str, req: P.ChatCompletionRequest, messages: list[dict],
                            rid: str, param: str = "messages") -> tuple[GenerateRequest, Any]:
@@ -284,7 +250,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
                                echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of,
                                lora=lora[0], lora_path=lora[1],
                                trace_id=request_id_of(request))
-        return await self.run(greq, stream_completion, collect_completion, req)
+        fmt = self.openai_format(CompletionFormat, greq, req, GenerationState(greq.n, legacy_logprobs=True))
+        return await self.run(greq, fmt, req)
 
     async def tokenizer_info(self) -> dict:
         return await self.routes.current.tokenizer_info()

@@ -11,13 +11,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ray import serve
 
-from app.errors import APIError
-from app.protocol import StopOptions
-from app.sse import GenerationDelta
+from app.errors import APIError, replica_failed
+from app.io_struct import GenerateRequest, GenerationDelta
 from app.structured import literal_choices
 from deployments.cpu_priority import lower_process_priority
 from deployments.detokenizer import IncrementalDetokenizer
@@ -37,23 +36,6 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 GRAMMAR_CACHE_BYTES = 256 << 20
 
 
-@dataclass
-class GenerateRequest:
-    """What the ingress sends for one HTTP request: all prompts, each sampled n times."""
-
-    request_id: str
-    prompts: list[list[int]]
-    params: SamplingParams
-    stop: StopOptions
-    n: int = 1
-    echo_texts: list[str] | None = None  # completions echo: prompt text emitted first
-    lora: str | None = None  # adapter name (also the Serve multiplexed model id); None = base model
-    lora_path: str | None = None  # its PEFT directory, loaded on this replica on first use
-    guided: GuidedSpec | None = None  # grammar constraint (structured output, forced tool calls)
-    best_of: int | None = None  # completions: sample best_of per prompt, return the n most likely
-    trace_id: str = ""  # the HTTP request's X-Request-Id: prefixes engine ids, so aborts and logs carry it
-
-
 def replica_id() -> str | None:
     try:
         return str(serve.get_replica_context().replica_id.unique_id)
@@ -66,7 +48,7 @@ def tag_replica(batch: list) -> None:
     the `x-replica-id` response header), so tests can see where Serve routed a request."""
     rid = replica_id()
     if rid is not None and batch and isinstance(batch[0], GenerationDelta):
-        batch[0].replica_id = rid  # type: ignore[attr-defined]
+        batch[0].replica_id = rid
 
 
 def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
@@ -89,9 +71,7 @@ def engine_failure(exc: Exception) -> Exception:
     from model_parallel.engine import EngineDeadError  # imported late: this module is imported by the ingress
 
     if isinstance(exc, EngineDeadError):
-        detail = (str(exc).splitlines() or [""])[0][:300]  # Ray's actor errors run to many lines
-        return APIError(503, f"The model replica failed and is being replaced; retry the request. ({detail})",
-                        type="server_error", code="model_replica_failed")
+        return replica_failed((str(exc).splitlines() or [""])[0][:300])  # Ray's actor errors run to many lines
     return exc
 
 

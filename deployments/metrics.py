@@ -15,10 +15,11 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from app.choice_state import GenerationState
 
 log = logging.getLogger("ray.serve")
 
@@ -139,39 +140,20 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def meter(self, deltas: AsyncIterator, model: str, t0: float, n: int = 1) -> AsyncIterator:
-        """Pass a request's deltas through, recording its latencies and token counts when it ends."""
-        first: float | None = None
-        prompts: dict[int, int] = {}
-        completions: dict[int, int] = {}
-        reasons: dict[int, str] = {}
-        reason = "error"
-        try:
-            async for d in deltas:
-                if first is None and d.token_ids:
-                    first = time.monotonic()
-                    self.record("vllm:time_to_first_token_seconds", first - t0, model)
-                prompts[d.index // max(n, 1)] = d.prompt_tokens  # a prompt counts once for its n choices
-                completions[d.index] = d.completion_tokens
-                if d.finish_reason is not None:
-                    reasons[d.index] = d.finish_reason
-                yield d
-            reason = next(iter(reasons.values()), "stop")
-        except GeneratorExit:  # the client went away mid-stream
-            reason = "abort"
-            raise
-        finally:
-            end = time.monotonic()
-            generated = sum(completions.values())
-            self.record("vllm:prompt_tokens", float(sum(prompts.values())), model)
-            self.record("vllm:generation_tokens", float(generated), model)
-            self.record("vllm:e2e_request_latency_seconds", end - t0, model)
-            longest = max(completions.values(), default=0)
-            if first is not None and longest > 1:
-                self.record("vllm:time_per_output_token_seconds", (end - first) / (longest - 1), model)
-            if reason != "error" and any(r == "abort" for r in reasons.values()):
-                reason = "abort"
-            self.record("vllm:request_success", 1.0, model, finished_reason=reason)
+    def first_token(self, model: str, seconds: float) -> None:
+        self.record("vllm:time_to_first_token_seconds", seconds, model)
+
+    def request_done(self, state: GenerationState, model: str, t0: float, outcome: str) -> None:
+        """A request's latencies and token counts, from its state, when it ends (`outcome`: its finish
+        reason, "abort" when the client left, "error")."""
+        end = time.monotonic()
+        self.record("vllm:prompt_tokens", float(state.prompt_tokens), model)
+        self.record("vllm:generation_tokens", float(state.completion_tokens), model)
+        self.record("vllm:e2e_request_latency_seconds", end - t0, model)
+        longest = max((c.completion_tokens for c in state.choices.values()), default=0)
+        if state.first_token_at is not None and longest > 1:
+            self.record("vllm:time_per_output_token_seconds", (end - state.first_token_at) / (longest - 1), model)
+        self.record("vllm:request_success", 1.0, model, finished_reason=outcome)
 
 
 _metrics: ServerMetrics | None = None

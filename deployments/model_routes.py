@@ -14,7 +14,9 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from app.errors import APIError
+from app.errors import APIError, model_not_found
+from app.io_struct import ModelInfo
+from app.responses import ModelCard
 from deployments.adapter_table import AdapterTable
 from deployments.config import ModelEntry
 
@@ -65,10 +67,10 @@ class ModelRoute:
         self.created = created
         lora = entry.engine.lora
         self.adapters = RouteAdapters(entry.name, entry.aliases, dict(lora.adapters), created, lora.allowed_roots)
-        self._info: dict | None = None
+        self._info: ModelInfo | None = None
         self._tok_info: dict | None = None
 
-    async def info(self) -> dict:
+    async def info(self) -> ModelInfo:
         if self._info is None:
             self._info = await self.llm.model_info.remote()
         return self._info
@@ -81,8 +83,8 @@ class ModelRoute:
     async def card(self, model_id: str | None = None) -> dict:
         """The model's card; an alias's card has the alias as id and the model as root."""
         info = await self.info()
-        return {"id": model_id or self.name, "object": "model", "created": self.created, "owned_by": "rayllm-tp",
-                "root": self.name, "parent": None, "max_model_len": info["max_model_len"]}
+        return ModelCard(id=model_id or self.name, created=self.created, root=self.name,
+                         max_model_len=info["max_model_len"]).model_dump()
 
 
 _current: ContextVar[ModelRoute | None] = ContextVar("rayllm_model_route", default=None)
@@ -115,8 +117,7 @@ class ModelRoutes:
         return route
 
     def unknown(self, model: str) -> APIError:
-        return APIError(404, f"The model `{model}` does not exist. Available models: " + ", ".join(sorted(self.by_name)),
-                        type="not_found_error", param="model", code="model_not_found")
+        return model_not_found(model, sorted(self.by_name))
 
     def select(self, model: str | None) -> ModelRoute:
         """Find the model and make it this request's (see the module docstring)."""

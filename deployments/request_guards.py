@@ -1,12 +1,11 @@
 """What the ingress enforces around a request: server limits (bounds, body size), the request timeout,
-and the model deployment's failures (full queue, dead replica) as OpenAI errors; plus the delta-stream
-adapters the ingress chains (flatten, note_replica, guarded)."""
+and the model deployment's failures (full queue, dead replica) as OpenAI errors."""
 
 # No `from __future__ import annotations`, like the ingress: these run inside the Serve replica.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -14,8 +13,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from app import protocol as P
-from app.errors import APIError, not_found
-from app.sse import GenerationDelta
+from app.errors import APIError, not_found, replica_failed
 from deployments.config import ServerConfig
 
 
@@ -34,43 +32,34 @@ def overloaded(exc: BackPressureError, retry_after_s: float) -> Overloaded:
     return Overloaded(getattr(exc, "_status_code", None) or 503, getattr(exc, "_retry_after_s", None) or retry_after_s)
 
 
-def replica_failed(exc: BaseException) -> APIError:
-    """A model replica (or its process) died under a request: a clear, retryable error."""
-    return APIError(503, f"The model replica serving this request failed ({type(exc).__name__}); "
-                    "it is being replaced, retry the request.", type="server_error", code="model_replica_failed")
-
-
 def request_timeout(timeout_s: float) -> APIError:
     return APIError(504, f"The request did not finish within the server's request timeout ({timeout_s:g} s).",
                     type="server_error", code="request_timeout")
 
 
-async def guarded(deltas: AsyncIterator, timeout_s: float | None, t0: float, retry_after_s: float) -> AsyncIterator:
-    """The request's deltas, with its timeout enforced, and a full queue or a dead replica as OpenAI errors.
+async def next_batch(it: Any, deadline: float | None, timeout_s: float | None, retry_after_s: float) -> Any:
+    """The model call's next streamed batch (None at its end), with the request's timeout enforced (the
+    monotonic `deadline`), and a full queue or a dead replica as OpenAI errors.
 
     Back-pressure is caught here rather than by an exception handler: Serve installs its own handler
     for BackPressureError on the ingress app (a plain-text 503), replacing any of ours.
     """
-    it = aiter(deltas)
-    while True:
-        # Errors are raised after the except blocks, so they carry no __context__: Serve's ASGI wrapper
-        # answers any exception whose context is a BackPressureError with its own plain-text 503.
-        err: APIError | None = None
-        try:
-            # asyncio.timeout, not wait_for: no extra task per delta on the hot path.
-            async with asyncio.timeout(None if timeout_s is None else max(t0 + timeout_s - time.monotonic(), 0)):
-                d = await anext(it)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            err = request_timeout(timeout_s or 0)
-        except BackPressureError as exc:
-            err = overloaded(exc, retry_after_s)
-        except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-            err = replica_failed(exc)
-        if err is not None:
-            raise err
-        yield d
+    # Errors are raised after the except blocks, so they carry no __context__: Serve's ASGI wrapper
+    # answers any exception whose context is a BackPressureError with its own plain-text 503.
+    err: APIError | None = None
+    try:
+        # asyncio.timeout, not wait_for: no extra task per batch on the hot path.
+        async with asyncio.timeout(None if deadline is None else max(deadline - time.monotonic(), 0)):
+            return await anext(it)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        err = request_timeout(timeout_s or 0)
+    except BackPressureError as exc:
+        err = overloaded(exc, retry_after_s)
+    except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+        err = replica_failed(type(exc).__name__)
+    raise err
 
 
 def cancel(gen: Any) -> None:
@@ -84,14 +73,14 @@ def cancel(gen: Any) -> None:
 
 async def call_model(call: Awaitable[Any], retry_after_s: float) -> Any:
     """A unary call to a model deployment, with a full queue or a dead replica as the same OpenAI errors
-    as `guarded`; raised outside the except block, as there."""
+    as `next_batch`; raised outside the except block, as there."""
     err: APIError | None = None
     try:
         return await call
     except BackPressureError as exc:
         err = overloaded(exc, retry_after_s)
     except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-        err = replica_failed(exc)
+        err = replica_failed(type(exc).__name__)
     raise err
 
 
@@ -194,18 +183,3 @@ def too_large(size: int, limit: int) -> APIError:
 
 def conversation_not_found(cid: str) -> APIError:
     return not_found(f"Conversation with id '{cid}' not found.", param="conversation", code="conversation_not_found")
-
-
-async def flatten(gen) -> AsyncIterator[GenerationDelta]:
-    async for batch in gen:
-        for delta in batch:
-            yield delta
-
-
-async def note_replica(deltas: AsyncIterator[GenerationDelta], seen: dict[str, str]):
-    """Records the serving replica's id (set on a request's first delta) as the x-replica-id header."""
-    async for d in deltas:
-        rid = getattr(d, "replica_id", None)
-        if rid and not seen:
-            seen["x-replica-id"] = rid
-        yield d

@@ -7,8 +7,6 @@ run machinery; app.responses_events turns its deltas into the Response and its s
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -18,9 +16,11 @@ from ray import cloudpickle
 from app import conversations as C
 from app import protocol as P
 from app import responses_api as R
+from app.choice_state import ChoiceState, GenerationState
 from app.errors import APIError, bad_request, not_found
+from app.io_struct import GenerationDelta
 from app.responses_events import ResponseAssembler, skeleton, sse
-from app.sse import GenerationDelta
+from app.sse import Pieces, WireFormat
 from deployments.http_app import app, parse, parse_query
 from deployments.request_guards import conversation_not_found
 from deployments.response_store import ResponseStore
@@ -35,14 +35,36 @@ def response_not_found(rid: str, param: str = "response_id") -> APIError:
     return not_found(f"Response with id '{rid}' not found.", param=param, code="response_not_found")
 
 
-@dataclass
-class _Body:
-    """The whole Response for the ingress's run(), which serialises what its collector returns."""
+class ResponsesFormat(WireFormat):
+    """A Response and its semantic events (app.responses_events), written as the stream loop feeds it."""
 
-    body: dict[str, Any]
+    def __init__(self, state: GenerationState, frame: dict[str, Any], rid: str) -> None:
+        super().__init__(state)
+        self.asm = ResponseAssembler(frame)
+        self.rid = rid
 
-    def model_dump(self) -> dict[str, Any]:
-        return self.body
+    def head(self) -> str:
+        return "".join(sse(ev) for ev in self.asm.start())
+
+    def feed(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> None:
+        self.asm.feed(d, pieces)
+
+    def delta(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> str:
+        return "".join(sse(ev) for ev in self.asm.feed(d, pieces))
+
+    def finish(self) -> str:
+        return "".join(sse(ev) for ev in self.asm.finish())
+
+    def tail(self) -> str:
+        return sse(self.asm.done_event())
+
+    def error(self, exc: BaseException) -> str:
+        if not isinstance(exc, APIError):
+            log.error("response stream failed (%s)", self.rid, exc_info=exc)
+        return "".join(sse(ev) for ev in self.asm.error_events(R.renamed(exc) if isinstance(exc, APIError) else exc))
+
+    def body(self) -> dict[str, Any]:
+        return self.asm.final()
 
 
 class ResponsesRoutes:
@@ -89,11 +111,12 @@ class ResponsesRoutes:
         rid = R.new_item_id("resp")
         messages = [m.model_dump(exclude_none=True) for m in chat.messages]
         greq, factory = await self.prepare_chat(request, owner, chat, messages, rid, param="input")
-        frame = skeleton(req, rid, req.model or self.model_name, cid)
+        fmt = ResponsesFormat(GenerationState(greq.n, factory), skeleton(req, rid, req.model or self.model_name, cid),
+                              rid)
 
-        async def keep(asm: ResponseAssembler) -> None:
+        async def keep(_: GenerationState) -> None:
             """Stores the response (and the turn in its conversation) before the client sees it end."""
-            body = asm.final()
+            body = fmt.asm.final()
             if body["status"] == "cancelled" or (req.store is False and cid is None):
                 return
             try:
@@ -102,34 +125,7 @@ class ResponsesRoutes:
             except KeyError:
                 raise conversation_not_found(cid or "") from None
 
-        async def collect(deltas: AsyncIterator[GenerationDelta], **_: Any) -> _Body:
-            asm = ResponseAssembler(frame, factory() if factory is not None else None)
-            async for d in deltas:
-                asm.feed(d)
-            asm.finish()
-            await keep(asm)
-            return _Body(asm.final())
-
-        async def stream(deltas: AsyncIterator[GenerationDelta], **_: Any) -> AsyncIterator[str]:
-            asm = ResponseAssembler(frame, factory() if factory is not None else None)
-            for ev in asm.start():
-                yield sse(ev)
-            try:
-                async for d in deltas:
-                    for ev in asm.feed(d):
-                        yield sse(ev)
-                for ev in asm.finish():
-                    yield sse(ev)
-                await keep(asm)
-            except Exception as exc:  # the 200 is sent: the failure becomes events
-                if not isinstance(exc, APIError):
-                    log.error("response stream failed (%s)", rid, exc_info=exc)
-                for ev in asm.error_events(R.renamed(exc) if isinstance(exc, APIError) else exc):
-                    yield sse(ev)
-                return
-            yield sse(asm.done_event())
-
-        return await self.run(greq, stream, collect, chat)
+        return await self.run(greq, fmt, chat, on_complete=keep)
 
     @app.get("/v1/responses/{rid}")
     async def get_response(self, rid: str, request: Request) -> JSONResponse:

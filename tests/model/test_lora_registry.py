@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from app.errors import APIError
-from app.protocol import StopOptions
-from deployments.llm_server import GenerateRequest, LLMServer
+from app.io_struct import GenerateRequest, StopOptions
+from deployments.llm_server import LLMServer
 from model_parallel.config import (
     CacheConfig,
     EngineConfig,

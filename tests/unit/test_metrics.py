@@ -7,7 +7,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.sse import GenerationDelta
+from app.choice_state import GenerationState
+from app.io_struct import GenerationDelta
 from deployments.config import ServerConfig
 from deployments.metrics import ServerMetrics
 
@@ -26,17 +27,14 @@ def _delta(index: int, tokens: int, total: int, finish: str | None = None) -> Ge
                            completion_tokens=total)
 
 
-async def test_meter_records_vllm_metrics_per_request():
+def test_request_metrics_come_from_the_generation_state():
     m = ServerMetrics()
-
-    async def deltas():
-        for i in range(2):  # two choices (n=2) of one prompt
-            yield _delta(i, 1, 1)
-        yield _delta(0, 2, 3, "length")
-        yield _delta(1, 1, 2, "stop")
-
-    got = [d async for d in m.meter(deltas(), "my-adapter", time.monotonic() - 0.5, n=2)]
-    assert len(got) == 4
+    state = GenerationState(n=2)  # two choices of one prompt
+    t0 = time.monotonic() - 0.5
+    for d in [_delta(0, 1, 1), _delta(1, 1, 1), _delta(0, 2, 3, "length"), _delta(1, 1, 2, "stop")]:
+        state.add(d)
+    m.first_token("my-adapter", time.monotonic() - t0)
+    m.request_done(state, "my-adapter", t0, state.outcome())
     s = _samples(m)
     label = (("model_name", "my-adapter"),)
     assert s[("vllm:prompt_tokens_total", label)] == 7  # the prompt counts once for its two choices
@@ -48,16 +46,11 @@ async def test_meter_records_vllm_metrics_per_request():
     assert s[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "my-adapter")))] == 1
 
 
-async def test_meter_counts_errors_and_engine_gauges():
+def test_errors_and_engine_gauges():
     m = ServerMetrics()
-
-    async def failing():
-        yield _delta(0, 1, 1)
-        raise RuntimeError("engine failed")
-
-    with pytest.raises(RuntimeError):
-        async for _ in m.meter(failing(), "base", time.monotonic()):
-            pass
+    state = GenerationState()
+    state.add(_delta(0, 1, 1))
+    m.request_done(state, "base", time.monotonic(), "error")
     m.set_engine_stats({"num_running": 3, "num_waiting": 2, "kv_usage": 0.25, "prefix_hit_rate": 0.5}, "base")
     s = _samples(m)
     assert s[("vllm:request_success_total", (("finished_reason", "error"), ("model_name", "base")))] == 1

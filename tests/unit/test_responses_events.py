@@ -16,10 +16,11 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
 from app.chat_output import ChatOutputParser
+from app.choice_state import GenerationState
+from app.io_struct import GenerationDelta
 from app.request_models import ChatCompletionRequest
 from app.responses_api import ResponseCreate
 from app.responses_events import ResponseAssembler, skeleton, sse
-from app.sse import GenerationDelta
 from app.tools import plan_tools
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -38,10 +39,12 @@ def deltas(pieces: list[str], finish: str = "stop", prompt: int = 10, cached: in
 def run(pieces: list[str], parser: ChatOutputParser | None = None, finish: str = "stop",
         **body) -> tuple[list[dict], dict]:
     req = ResponseCreate.model_validate({"input": "x"} | body)
-    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None), parser)
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None))
+    state = GenerationState(1, (lambda: parser) if parser is not None else None)  # the choice's parser
     events = asm.start()
     for d in deltas(pieces, finish):
-        events += asm.feed(d)
+        _, parsed = state.add(d)
+        events += asm.feed(d, parsed)
     events += asm.finish()
     events.append(asm.done_event())
     return events, asm.final()
@@ -131,11 +134,11 @@ def test_function_call_items(choice):
 
 def test_logprobs_reach_the_text_part():
     req = ResponseCreate.model_validate({"input": "x"})
-    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None), None)
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None))
     lp = [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}]
     d = GenerationDelta(index=0, text="Hi", token_ids=[1], logprobs=lp, finish_reason="stop", matched_stop=None,
                         prompt_tokens=1, cached_tokens=0, completion_tokens=1)
-    events = asm.start() + asm.feed(d) + asm.finish() + [asm.done_event()]
+    events = asm.start() + asm.feed(d, None) + asm.finish() + [asm.done_event()]
     check_with_sdk(events, asm.final())
     assert [e for e in events if e["type"] == "response.output_text.delta"][0]["logprobs"] == lp
     assert asm.final()["output"][0]["content"][0]["logprobs"] == lp
@@ -143,8 +146,8 @@ def test_logprobs_reach_the_text_part():
 
 def test_error_events_after_the_stream_began():
     req = ResponseCreate.model_validate({"input": "x"})
-    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None), None)
-    events = asm.start() + asm.feed(deltas(["partial"], finish=None)[0]) + asm.error_events(RuntimeError("boom"))
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None))
+    events = asm.start() + asm.feed(deltas(["partial"], finish=None)[0], None) + asm.error_events(RuntimeError("boom"))
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     for e in events:
         EVENT.validate_python(e)

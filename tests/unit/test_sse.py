@@ -1,4 +1,7 @@
-"""Stream chunk sequencing and non-stream assembly, checked against our models and the OpenAI SDK's types."""
+"""Stream chunk sequencing and non-stream assembly, checked against our models and the OpenAI SDK's types.
+
+The formats are driven by the ingress's real stream loop (deployments.generation_stream), fed batches of one
+delta each as the model deployment would stream them."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ from openai.types import Completion as SDKCompletion
 from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatChunk
 
+from app.choice_state import GenerationState, ParserFactory
 from app.errors import APIError
+from app.io_struct import GenerationDelta
 from app.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -20,17 +25,9 @@ from app.responses import (
     ModelList,
     TokenizeResponse,
 )
-from app.sse import (
-    SSE_DONE,
-    GenerationDelta,
-    collect_chat,
-    collect_completion,
-    legacy_logprobs,
-    sse_error,
-    sse_event,
-    stream_chat,
-    stream_completion,
-)
+from app.sse import SSE_DONE, ChatFormat, CompletionFormat, OpenAIFormat, sse_event
+from deployments.generation_stream import Generation
+from deployments.metrics import ServerMetrics
 
 KW: dict[str, Any] = dict(request_id="r1", model="m", created=1)
 
@@ -47,15 +44,30 @@ def lp(tok: str, val: float | None, top: int = 1) -> dict:
     return {"token": tok, "logprob": val, "bytes": list(tok.encode()), "top_logprobs": alts}
 
 
-async def agen(items: list) -> Any:
+async def batches(items: list) -> Any:
     for item in items:
         if isinstance(item, BaseException):
             raise item
-        yield item
+        yield [item]
 
 
-async def events(gen: Any) -> list[str]:
-    return [e async for e in gen]
+def generation(cls: type[OpenAIFormat], items: list, n: int = 1, parser_factory: ParserFactory | None = None,
+               **kw: Any) -> Generation:
+    state = GenerationState(n, parser_factory, legacy_logprobs=cls is CompletionFormat)
+    return Generation(batches(items), cls(state, **KW, **kw), metrics=ServerMetrics(), model="m", t0=0.0,
+                      timeout_s=None, retry_after_s=1.0)
+
+
+async def stream(cls: type[OpenAIFormat], items: list, **kw: Any) -> list[str]:
+    """The SSE body's events, one string each (the loop writes each batch's events as one string)."""
+    gen = generation(cls, items, **kw)
+    await gen.start()
+    body = "".join([e async for e in gen.events()])
+    return [e + "\n\n" for e in body.split("\n\n")[:-1]]
+
+
+async def collect(cls: type[OpenAIFormat], items: list, **kw: Any) -> Any:
+    return await generation(cls, items, **kw).body()
 
 
 def chunks(out: list[str]) -> list[dict]:
@@ -70,8 +82,6 @@ def test_sse_event_formats():
     assert sse_event({"a": None, "b": "é"}) == 'data: {"a":null,"b":"é"}\n\n'
     chunk = ChatCompletionChunk(id="x", created=1, model="m", choices=[])
     assert sse_event(chunk) == 'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[]}\n\n'
-    err = json.loads(sse_error(APIError(400, "bad", param="n"))[6:])
-    assert err == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
     assert SSE_DONE == "data: [DONE]\n\n"
 
 
@@ -81,7 +91,7 @@ def test_sse_event_formats():
 async def test_chat_stream_order_and_usage():
     items = [delta(0, "Hel"), delta(0, "", n_tok=2), delta(0, "lo", n_tok=3), delta(0, "", "stop", n_tok=4,
                                                                                   matched_stop=2)]
-    out = chunks(await events(stream_chat(agen(items), n=1, include_usage=True, **KW)))
+    out = chunks(await stream(ChatFormat, items, n=1, include_usage=True))
     for c in out:
         ChatCompletionChunk.model_validate(c)
         SDKChatChunk.model_validate(c)
@@ -95,14 +105,13 @@ async def test_chat_stream_order_and_usage():
 
 
 async def test_chat_stream_without_usage_ends_with_the_finish_chunk():
-    out = chunks(await events(stream_chat(agen([delta(0, "a", "length")]), **KW)))
+    out = chunks(await stream(ChatFormat, [delta(0, "a", "length")]))
     assert [c["choices"][0]["finish_reason"] for c in out] == [None, "length"]
 
 
 async def test_chat_stream_n_choices_each_open_with_the_role_and_usage_counts_the_prompt_once():
     items = [delta(0, "a"), delta(1, "b"), delta(1, "c", "stop", n_tok=2), delta(0, "d", "length", n_tok=2)]
-    out = chunks(await events(stream_chat(agen(items), n=2, include_usage=True, continuous_usage_stats=True,
-                                          **KW)))
+    out = chunks(await stream(ChatFormat, items, n=2, include_usage=True, continuous_usage_stats=True))
     roles = [c["choices"][0]["index"] for c in out if c["choices"] and c["choices"][0]["delta"].get("role")]
     assert roles == [0, 1]
     assert all("usage" in c for c in out)  # continuous_usage_stats
@@ -115,19 +124,19 @@ async def test_chat_stream_n_choices_each_open_with_the_role_and_usage_counts_th
 
 async def test_chat_stream_logprobs_ride_on_their_chunk():
     items = [delta(0, "", logprobs=[lp("\xe2", -0.1)]), delta(0, "é", "stop", logprobs=[lp("\xa9", -0.2)])]
-    out = chunks(await events(stream_chat(agen(items), **KW)))
+    out = chunks(await stream(ChatFormat, items))
     assert [c["choices"][0]["logprobs"]["content"][0]["logprob"] for c in out[1:]] == [-0.1, -0.2]
     for c in out:
         SDKChatChunk.model_validate(c)
 
 
-@pytest.mark.parametrize("fn", [stream_chat, stream_completion])
-async def test_error_mid_stream_is_an_event_then_done(fn):
-    out = await events(fn(agen([delta(0, "a"), APIError(400, "boom", param="max_tokens")]), **KW))
+@pytest.mark.parametrize("fmt", [ChatFormat, CompletionFormat])
+async def test_error_mid_stream_is_an_event_then_done(fmt):
+    out = await stream(fmt, [delta(0, "a"), APIError(400, "boom", param="max_tokens")])
     assert json.loads(out[-2][6:])["error"] == {"message": "boom", "type": "invalid_request_error",
                                                 "param": "max_tokens", "code": None}
     assert out[-1] == SSE_DONE
-    out = await events(fn(agen([delta(0, "a"), RuntimeError("secret detail")]), **KW))
+    out = await stream(fmt, [delta(0, "a"), RuntimeError("secret detail")])
     err = json.loads(out[-2][6:])["error"]
     assert err["type"] == "server_error" and "RuntimeError" in err["message"] and "secret" not in err["message"]
     assert out[-1] == SSE_DONE
@@ -141,7 +150,7 @@ async def test_completion_stream_echo_first_and_usage_over_prompts():
     items = [delta(0, "hi", prompt_text="P: "), delta(2, "yo", prompt_tokens=7, prompt_text="Q: "),
              delta(1, "x", "stop", prompt_text="P: "), delta(3, "z", "length", prompt_tokens=7, prompt_text="Q: "),
              delta(0, "!", "stop", n_tok=2), delta(2, "", "stop", n_tok=1, prompt_tokens=7)]
-    out = chunks(await events(stream_completion(agen(items), n=2, include_usage=True, **KW)))
+    out = chunks(await stream(CompletionFormat, items, n=2, include_usage=True))
     for c in out:  # (the SDK's Completion type wants a finish_reason, so it cannot check chunks)
         CompletionChunk.model_validate(c)
     assert out[0]["choices"][0] == {"index": 0, "text": "P: hi", "logprobs": None, "finish_reason": None}
@@ -158,7 +167,7 @@ async def test_completion_stream_echo_first_and_usage_over_prompts():
 async def test_completion_stream_legacy_logprobs_offsets_continue_across_chunks():
     first = delta(0, "b", prompt_text="a", prompt_logprobs=[None], logprobs=[lp("b", -0.5)])
     items = [first, delta(0, "cd", logprobs=[lp("c", -1.0), lp("d", -2.0)]), delta(0, "", "stop")]
-    out = chunks(await events(stream_completion(agen(items), **KW)))
+    out = chunks(await stream(CompletionFormat, items))
     assert out[0]["choices"][0]["text"] == "ab"
     assert out[0]["choices"][0]["logprobs"] == {"tokens": ["", "b"], "token_logprobs": [None, -0.5],
                                                 "top_logprobs": [None, {"b": -0.5}], "text_offset": [0, 1]}
@@ -172,7 +181,7 @@ async def test_completion_stream_legacy_logprobs_offsets_continue_across_chunks(
 async def test_collect_chat_concatenates_and_sums_usage_over_choices():
     items = [delta(0, "a", logprobs=[lp("a", -0.1, top=2)]), delta(1, "b"), delta(1, "c", "length", n_tok=2),
              delta(0, "d", "stop", n_tok=2, matched_stop="\n", logprobs=[lp("d", -0.2)])]
-    body = await collect_chat(agen(items), n=2, **KW)
+    body = await collect(ChatFormat, items, n=2)
     assert isinstance(body, ChatCompletionResponse)
     data = body.model_dump()
     SDKChatCompletion.model_validate(data)
@@ -193,7 +202,7 @@ async def test_collect_completion_echo_and_legacy_logprobs_offsets():
     first = delta(0, " x", prompt_text="ab", prompt_logprobs=[lp("a", None), lp("b", -0.5)],
                   logprobs=[lp(" x", -1.0)])
     items = [first, delta(0, "yz", logprobs=[lp("y", -0.3), lp("z", -0.4)]), delta(0, "", "stop", n_tok=3)]
-    body = await collect_completion(agen(items), n=1, **KW)
+    body = await collect(CompletionFormat, items, n=1)
     assert isinstance(body, CompletionResponse)
     data = body.model_dump()  # (the SDK types the echo's leading null as float, so it cannot check this one)
     c = data["choices"][0]
@@ -209,7 +218,7 @@ async def test_collect_completion_echo_and_legacy_logprobs_offsets():
 
 async def test_collect_completion_without_echo_or_logprobs():
     items = [delta(0, "a", prompt_text=None), delta(1, "b", "stop"), delta(0, "c", "length", n_tok=2)]
-    data = (await collect_completion(agen(items), n=2, **KW)).model_dump()
+    data = (await collect(CompletionFormat, items, n=2)).model_dump()
     SDKCompletion.model_validate(data)
     assert [(c["text"], c["logprobs"], c["finish_reason"]) for c in data["choices"]] == [
         ("ac", None, "length"), ("b", None, "stop")]
@@ -218,12 +227,7 @@ async def test_collect_completion_without_echo_or_logprobs():
 
 async def test_collect_propagates_errors():
     with pytest.raises(APIError):
-        await collect_chat(agen([delta(0, "a"), APIError(400, "boom")]), **KW)
-
-
-def test_legacy_logprobs_text_offset():
-    out = legacy_logprobs([lp("He", -0.1), lp("llo", -0.2), lp(" world", -0.3)], text_start=4)
-    assert out["text_offset"] == [4, 6, 9] and out["tokens"] == ["He", "llo", " world"]
+        await collect(ChatFormat, [delta(0, "a"), APIError(400, "boom")])
 
 
 # ---- other routes' bodies -------------------------------------------------------------------

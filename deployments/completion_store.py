@@ -1,53 +1,37 @@
-"""Storing a chat completion (`store`, `conversation`) from its delta stream, once generation ends."""
+"""Storing a chat completion (`store`, `conversation`) from its generation state, once generation ends."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 
 from app import conversations as C
 from app import protocol as P
-from app.chat_output import merge_deltas
-from app.sse import GenerationDelta, UsageCounter
+from app.choice_state import GenerationState
 from deployments.conversation_store import ConversationStore, StorageUnavailable
 from deployments.request_guards import conversation_not_found
 
 
-def storing_tap(store: ConversationStore, model: str, owner: str, req: P.ChatCompletionRequest, cid: str | None,
-                rid: str, last_input: dict, parser_factory=None):
-    """A delta tap that stores the completion (and the turn, in the conversation) once generation ends.
+def completion_store(store: ConversationStore, model: str, owner: str, req: P.ChatCompletionRequest,
+                     cid: str | None, rid: str, last_input: dict) -> Callable[[GenerationState], Awaitable[None]]:
+    """What the stream loop calls after the last delta: stores the completion (and the turn, in the
+    conversation), reading the same per-choice state the response was written from.
 
     The write happens after the last delta and before the response ends (the stream's [DONE] or the
     JSON body), in one transaction: a failed or aborted generation stores nothing, and a client that
     saw the end of its response can rely on it being stored. When the write fails, the response is a
     503 `storage_unavailable` whose error object carries the completion (`error.completion`).
     """
-    async def tap(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
-        usage = UsageCounter(req.n or 1)
-        texts: dict[int, list[str]] = {}
-        finish: dict[int, str | None] = {}
-        async for d in deltas:
-            usage.add(d)
-            texts.setdefault(d.index, []).append(d.text)
-            if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
-            yield d
-        if any(finish.get(i) in (None, "abort") for i in texts):
+    async def save(state: GenerationState) -> None:
+        if not state.complete():
             return  # not a whole generation: nothing is stored
-        choices = []
-        for i in sorted(texts):
-            message: dict = {"role": "assistant", "content": "".join(texts[i])}
-            reason = finish[i]
-            if parser_factory is not None:  # the same split as the response: thoughts, answer, tool calls
-                parser = parser_factory()
-                message |= merge_deltas(parser.feed(message["content"], final=True))
-                reason = parser.finish_reason(reason)
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+        choices = [{"index": c.index, "message": {"role": "assistant"} | c.message(), "logprobs": None,
+                    "finish_reason": c.reason()} for c in state.sorted_choices()]
         first = choices[0]["message"]
         think = first.pop("reasoning_content", None)
         body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage.to_dict()}
+                "choices": choices, "usage": state.usage()}
         if req.store_reasoning and think is not None:
             first["reasoning_content"] = think
         items = C.turn_items(last_input, first["content"] or "", think if req.store_reasoning else None) \
@@ -60,4 +44,4 @@ def storing_tap(store: ConversationStore, model: str, owner: str, req: P.ChatCom
             raise StorageUnavailable("the completion was generated but could not be stored (storage is "
                                      "unavailable); it is in error.completion", completion=body) from None
 
-    return tap
+    return save

@@ -1,4 +1,4 @@
-"""Storing a completion from its delta stream; a store that fails after generation loses nothing."""
+"""Storing a completion from its generation state; a store that fails after generation loses nothing."""
 
 from __future__ import annotations
 
@@ -8,23 +8,20 @@ import sqlite3
 import pytest
 
 from app import protocol as P
-from app.sse import GenerationDelta
+from app.choice_state import GenerationState
+from app.io_struct import GenerationDelta
+from deployments.completion_store import completion_store
 from deployments.conversation_store import ConversationStore, StorageUnavailable
-from deployments.store_tap import storing_tap
 
 
-def deltas(texts: list[str]):
-    async def gen():
-        for i, text in enumerate(texts):
-            last = i == len(texts) - 1
-            yield GenerationDelta(index=0, text=text, token_ids=[i], logprobs=None,
-                                  finish_reason="stop" if last else None, matched_stop=None, prompt_tokens=5,
-                                  cached_tokens=0, completion_tokens=i + 1)
-    return gen()
-
-
-async def drain(tap, texts: list[str]) -> list[str]:
-    return [d.text async for d in tap(deltas(texts))]
+def generated(texts: list[str], finish: str | None = "stop") -> GenerationState:
+    state = GenerationState()
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        state.add(GenerationDelta(index=0, text=text, token_ids=[i], logprobs=None,
+                                  finish_reason=finish if last else None, matched_stop=None, prompt_tokens=5,
+                                  cached_tokens=0, completion_tokens=i + 1))
+    return state
 
 
 def test_a_failed_store_carries_the_completion_in_the_503(tmp_path):
@@ -33,28 +30,23 @@ def test_a_failed_store_carries_the_completion_in_the_503(tmp_path):
     x-should-retry: false so OpenAI's SDKs do not pay for the generation again."""
     store = ConversationStore(f"sqlite:///{tmp_path}/conv.db", timeout_s=0.3)
     req = P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "store": True})
-    tap = storing_tap(store, "m", "owner", req, None, "chatcmpl-1", {"role": "user", "content": "hi"})
+    save = completion_store(store, "m", "owner", req, None, "chatcmpl-1", {"role": "user", "content": "hi"})
     holder = sqlite3.connect(tmp_path / "conv.db", isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
-    seen: list[str] = []
-
-    async def run() -> None:
-        async for d in tap(deltas(["Hel", "lo", "!"])):
-            seen.append(d.text)
-
     try:
         with pytest.raises(StorageUnavailable) as err:
-            asyncio.run(run())
+            asyncio.run(save(generated(["Hel", "lo", "!"])))
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    assert seen == ["Hel", "lo", "!"]
     body = err.value.to_dict()["error"]
     assert err.value.status_code == 503 and body["code"] == "storage_unavailable"
     assert body["completion"]["id"] == "chatcmpl-1"
     assert body["completion"]["choices"][0]["message"]["content"] == "Hello!"
     assert err.value.headers == {"x-should-retry": "false"}
     assert store.get_completion("owner", "chatcmpl-1") is None  # nothing half-stored
-    # With the lock gone the same tap stores.
-    asyncio.run(drain(tap, ["Hel", "lo", "!"]))
+    # An aborted generation stores nothing; with the lock gone a whole one is stored.
+    asyncio.run(save(generated(["Hel", "lo"], finish="abort")))
+    assert store.get_completion("owner", "chatcmpl-1") is None
+    asyncio.run(save(generated(["Hel", "lo", "!"])))
     assert store.get_completion("owner", "chatcmpl-1")["choices"][0]["message"]["content"] == "Hello!"
