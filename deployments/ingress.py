@@ -219,6 +219,9 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         if req.suffix is not None and not (await self.tokenizer_info())["has_fim_tokens"]:
             raise APIError(400, "this model has no fill-in-the-middle tokens, so `suffix` cannot be used",
                            param="suffix")
+        # Every text prompt in one round trip to the tokenizer (a handle call costs far more than encoding).
+        strs = [p for p in raw_prompts if isinstance(p, str)] if req.suffix is None else []
+        encoded = iter(await self.tokenizer.encode_batch.remote(strs) if strs else [])
         for p in raw_prompts:
             if req.suffix is not None:
                 if not isinstance(p, str):
@@ -226,7 +229,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
                 prompts.append(await self.tokenizer.encode_fim.remote(p, req.suffix))
                 texts.append(p)
             elif isinstance(p, str):
-                prompts.append(await self.tokenizer.encode.remote(p))
+                prompts.append(next(encoded))
                 texts.append(p)
             else:
                 prompts.append(list(p))

@@ -25,6 +25,7 @@ from deployments.lora_registry import AdapterEntry, LoRARegistry
 from deployments.metrics import publish_engine_stats
 from deployments.tokenizer import TokenizerService
 from model_parallel.config import EngineConfig
+from model_parallel.engine import EngineDeadError
 from model_parallel.guided import CompilerBusyError, GrammarCompiler
 from model_parallel.outputs import RequestOutput, SequenceError, TokenLogprob
 from model_parallel.sampling_params import GuidedSpec, SamplingParams
@@ -68,8 +69,6 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict
 
 def engine_failure(exc: Exception) -> Exception:
     """A dead engine (a TP actor died, a step raised) is a clear, retryable 503; anything else passes as is."""
-    from model_parallel.engine import EngineDeadError  # imported late: this module is imported by the ingress
-
     if isinstance(exc, EngineDeadError):
         return replica_failed((str(exc).splitlines() or [""])[0][:300])  # Ray's actor errors run to many lines
     return exc

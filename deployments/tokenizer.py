@@ -11,11 +11,11 @@ import functools
 import json
 import os
 import re
-from typing import Any
 
 from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from app.messages import text_of
 from app.tools import detect_tool_format, inline_tools, template_knows_tools
 from deployments.cpu_priority import lower_process_priority
 from deployments.detokenizer import fast_backend
@@ -56,26 +56,6 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _text_of(content: Any) -> str | None:
-    """OpenAI content: a string, None, or a list of parts; text parts are joined."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ValueError(f"message content must be a string or a list of parts, not {type(content).__name__}")
-    parts: list[str] = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") == "text":
-            parts.append(str(part.get("text") or ""))
-        elif isinstance(part, dict) and part.get("type") == "refusal":
-            parts.append(str(part.get("refusal") or ""))
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{kind} content is not supported by this text-only model")
-    return "".join(parts)
-
-
 def _tool_calls(calls: list[dict]) -> list[dict]:
     """HF templates expect `arguments` as a mapping (they `tojson` it); OpenAI sends a JSON string."""
     out = []
@@ -110,7 +90,7 @@ class ChatRenderer:
                 raise ValueError(f"messages[{i}] must be an object with a role")
             m = dict(m)
             # Templates concatenate content; None (assistant with tool_calls) renders as empty.
-            m["content"] = _text_of(m.get("content")) or ""
+            m["content"] = text_of(m.get("content"))
             if m["role"] in ROLE_FALLBACK and m["role"] not in known:
                 m["role"] = ROLE_FALLBACK[m["role"]]
             if m.get("tool_calls"):
