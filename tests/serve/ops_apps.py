@@ -50,10 +50,10 @@ class Pace:
     step_s: one more decode step (the slope between a 1-token and a (1 + tokens)-token request).
     """
 
-    def __init__(self, base: str, tokens: int = 32) -> None:
+    def __init__(self, base: str, tokens: int = 32, headers: dict | None = None) -> None:
         def timed(n: int) -> float:
             t0 = time.monotonic()
-            r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(n), timeout=600)
+            r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(n), headers=headers, timeout=600)
             assert r.status_code == 200, r.text
             return time.monotonic() - t0
 
