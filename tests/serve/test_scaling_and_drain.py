@@ -60,7 +60,12 @@ def own_app(server: str, name: str, args: dict):
     app = App(server, name, args)
     yield app
     if name in serve.status().applications:
-        serve.delete(name)  # blocking: its CPUs are free for the next test
+        serve.delete(name, _blocking=False)
+    # Gone before the next test starts (its CPUs free); open streams may drain first.
+    deadline = time.monotonic() + ingress_drain_s() + 3 * app.start_s
+    while name in serve.status().applications:
+        assert time.monotonic() < deadline, f"app {name} not deleted"
+        time.sleep(0.5)
 
 
 @pytest.fixture
@@ -102,9 +107,16 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
     assert results and all(s == 200 and reason == "length" for s, reason in results), results
 
 
-# One model replica; draining may take as long as the stream needs (the tests bound the stream instead).
+def ingress_drain_s() -> float:
+    """How long the ingress lets an open stream finish when it is replaced or deleted (set in code)."""
+    from deployments.ingress import Ingress
+
+    return Ingress._deployment_config.graceful_shutdown_timeout_s
+
+
+# One model replica, draining as long as the ingress does (a longer stream is cut there anyway).
 DRAIN = {"stream_interval_s": 0.05, "llm_deployment_options": {
-    "num_replicas": 1, "graceful_shutdown_timeout_s": 600, "graceful_shutdown_wait_loop_s": 0.5}}
+    "num_replicas": 1, "graceful_shutdown_timeout_s": ingress_drain_s(), "graceful_shutdown_wait_loop_s": 0.5}}
 
 
 @pytest.fixture
@@ -112,10 +124,11 @@ def drained(server, request):
     yield from own_app(server, "ops-drain-" + request.node.name.rsplit("_", 1)[-1], DRAIN)
 
 
-def stream_tokens(app: App, pace: Pace) -> int:
-    """A stream that outlasts a replica's start (what a rolling update waits for) one and a half times,
-    within the model's length."""
-    return pace.tokens_for(1.5 * max(app.start_s, 20 * pace.request_s), cap=SMALL_ENGINE["model"]["max_model_len"] - 64)
+def stream_tokens(pace: Pace) -> int:
+    """A stream of a sixth of the ingress's drain time at the measured pace: long enough to be open when
+    the controller starts draining, short enough to end within the drain even when the redeploy's own
+    start-up slows it threefold (a stream past the drain time is cut, as it would be in production)."""
+    return pace.tokens_for(ingress_drain_s() / 6, cap=SMALL_ENGINE["model"]["max_model_len"] - 64)
 
 
 class OpenStream(threading.Thread):
@@ -161,7 +174,7 @@ def test_in_flight_stream_finishes_while_app_is_redeployed(drained):
     from deployments.builder import build_app
 
     app, pace = drained.name, Pace(drained.base)
-    tokens = stream_tokens(drained, pace)
+    tokens = stream_tokens(pace)
     old = _llm_replica_actors(app)
     stream = OpenStream(drained.base, tokens)
     stream.start()
@@ -191,7 +204,7 @@ def test_in_flight_stream_finishes_while_app_is_shut_down(drained):
     from ray import serve
 
     app, pace = drained.name, Pace(drained.base)
-    tokens = stream_tokens(drained, pace)
+    tokens = stream_tokens(pace)
     stream = OpenStream(drained.base, tokens)
     stream.start()
     assert stream.started.wait(pace.bound(8))
