@@ -87,6 +87,14 @@ def limited(server, apps, auth) -> AppURL:
     return url
 
 
+@pytest.fixture(scope="module")
+def queue_bound(server, apps) -> str:
+    """The same queue bounds with no request timeout: the back-pressure test's long streams must not
+    meet one."""
+    apps.append("ops-queue")
+    return deploy(server, "ops-queue", LIMITS)
+
+
 def _error(r: httpx.Response) -> dict:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -128,17 +136,17 @@ def test_request_chat_template_is_off_by_default(limited):
     assert _error(r)["code"] == "chat_template_not_allowed"
 
 
-async def test_backpressure_gives_503_with_retry_after_never_a_hang(limited):
+async def test_backpressure_gives_503_with_retry_after_never_a_hang(queue_bound):
     """Six streams at once, one model slot and one queue place: two are served, the rest refused at
     once (each 503 before the first stream could have ended), none left hanging."""
-    pace = Pace(limited)
+    pace = Pace(queue_bound)
     # Each admitted stream lasts ~20 request times: all six have arrived while the first still runs.
     tokens = pace.tokens_for(20 * pace.request_s, cap=LIMITS["max_total_tokens"] - 64)
 
     async with httpx.AsyncClient(timeout=2 * pace.bound(tokens)) as http:
         async def one() -> tuple[int, dict, list[str], float]:
             t0 = time.monotonic()
-            async with http.stream("POST", f"{limited}/v1/chat/completions", json=chat_body(tokens, stream=True)) as r:
+            async with http.stream("POST", f"{queue_bound}/v1/chat/completions", json=chat_body(tokens, stream=True)) as r:
                 if r.status_code != 200:
                     await r.aread()
                     return r.status_code, dict(r.headers), [r.text], time.monotonic() - t0
