@@ -1,11 +1,12 @@
 """Multi-LoRA throughput: a 32-request batch spread over 0, 1, 4 and 8 distinct adapters, beside the base model.
 
     python benchmarks/lora_bench.py [--requests 32] [--new-tokens 64] [--rank 16] [--adapters 0,1,4,8] [--rounds 2]
-                                    [--targets q_proj,v_proj] [--threads 1]
+                                    [--targets q_proj,v_proj] [--threads 1] [--batch-invariant]
 
 Adapters are random PEFT files (every q/k/v/o/gate/up/down projection, rank --rank) written to a temp dir.
 "base" is an engine with LoRA disabled; the other points share one engine with lora.max_loras=8, where
-"0 adapters" measures the cost of merely having LoRA enabled. Points are interleaved over --rounds and
+"0 adapters" measures the cost of merely having LoRA enabled. --batch-invariant runs both engines with
+scheduler.batch_invariant (per-adapter oneDNN GEMMs instead of the padded bmm). Points are interleaved over --rounds and
 each keeps its best round (the machine is shared). One JSON line per point, with its ratio to base.
 """
 
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (cluster.yaml's cpu_threads_per_rank)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch-invariant", action="store_true", help="scheduler.batch_invariant on both engines")
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                     help="modules the random adapters train (PEFT's default for Llama is q_proj,v_proj)")
     args = ap.parse_args()
@@ -73,7 +75,8 @@ def main() -> None:
         return EngineConfig(model=ModelConfig(model=path, dtype=args.dtype),
                             parallel=ParallelConfig(cpu_threads_per_rank=args.threads),
                             cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=False),
-                            scheduler=SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=2048),
+                            scheduler=SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=2048,
+                                                      batch_invariant=args.batch_invariant),
                             lora=lora)
 
     base = LLMEngine(config(LoRAConfig()))
@@ -95,7 +98,7 @@ def main() -> None:
             best[key] = max(best.get(key, 0.0), run(multi, batch, ids, args.new_tokens))
     for key, tok_s in best.items():
         print(json.dumps({
-            "bench": "lora", "dtype": args.dtype, "requests": args.requests, "new_tokens": args.new_tokens,
+            "bench": "lora", "batch_invariant": args.batch_invariant, "dtype": args.dtype, "requests": args.requests, "new_tokens": args.new_tokens,
             "rank": args.rank, "targets": args.targets, "adapters": None if key == "base" else int(key), "tok_s": round(tok_s, 1),
             "vs_base": round(tok_s / best["base"], 3),
         }), flush=True)

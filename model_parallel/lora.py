@@ -17,6 +17,13 @@ Layout: the fused layers stack their sub-projections' ranks interleaved (row j*n
 j of sub-projection i), so an adapter of rank r uses the leading r*n_sub rows of its slot, whatever
 the padding to max_lora_rank; B uses the same columns, block-diagonal (sub-projection i's output rows
 read only its own rank columns).
+
+Batch-invariant mode (`scheduler.batch_invariant`): a row's delta must not depend on the other rows
+of the step. The padded bmm (its shapes follow the batch), the fused addmm (one rounding, where the
+other paths round the delta first) and plain matmuls (oneDNN's blocking follows the row count) all
+break that, so each slot's A and B are laid out once per load like the base weights (OneDNNWeight,
+row blocks probed bit-equal to one row at a time), each group's rows run through them, and the
+rounded delta is added to its rows only; base rows are never touched.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from model_parallel.config import LlamaArch, LoRAConfig
 from model_parallel.lora_files import TARGETS, LoRAError, UnknownAdapterError, read_peft_adapter
+from model_parallel.parallel import OneDNNWeight
 
 
 @dataclass
@@ -60,7 +68,7 @@ class LoRALinear:
 
     def __init__(self, n_sub: int, in_features: int, out_pieces: list[tuple[int, int, int]],
                  in_slice: tuple[int, int] | None, config: LoRAConfig, batch: LoRABatch,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, batch_invariant: bool = False):
         """out_pieces: per sub-projection (local row offset, start in the full tensor, size).
         in_slice: (start, size) of the full input that this rank owns (row-parallel), else None."""
         self.n_sub = n_sub
@@ -81,9 +89,12 @@ class LoRALinear:
         # Slots whose adapter targets this layer: an adapter of q/v only (PEFT's default) costs nothing
         # in o/gate/up/down.
         self.used: set[int] = set()
+        self.batch_invariant = batch_invariant
+        self.invariant: dict[int, tuple[OneDNNWeight, OneDNNWeight]] = {}  # slot -> (A, B), batch_invariant only
 
     def clear(self, slot: int) -> None:
         self.used.discard(slot)
+        self.invariant.pop(slot, None)
         self.a[slot].zero_()
         self.b[slot].zero_()
 
@@ -97,10 +108,26 @@ class LoRALinear:
         self.b[slot, offset : offset + size, cols] = b[start : start + size].to(self.b.dtype)
         self.used.add(slot)
 
+    def finish(self, slot: int, rank: int) -> None:
+        """After every sub-projection of `slot` is set: its batch-invariant GEMMs, cut to the adapter's rank."""
+        if self.batch_invariant and slot in self.used:
+            width = rank * self.n_sub
+            self.invariant[slot] = (OneDNNWeight(self.a[slot, :width], True), OneDNNWeight(self.b[slot, :, :width].contiguous(), True))
+
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += B_s A_s x for each slot s in the batch (in place; out is the layer's fresh output)."""
         batch = self.batch
         if not batch.groups or self.used.isdisjoint(batch.slots):
+            return out
+        if self.batch_invariant:
+            for slot, _, rows in batch.groups:
+                if slot in self.used:
+                    shrink, expand = self.invariant[slot]
+                    delta = expand(shrink(x if rows is None else x.index_select(0, rows), None), None)
+                    if rows is None:
+                        out.add_(delta)
+                    else:
+                        out.index_add_(0, rows, delta)
             return out
         plan = batch.plan
         if plan is not None:  # four ops, however many adapters are in the step
@@ -126,8 +153,11 @@ class LoRALinear:
 class LoRAManager:
     """One per rank: builds the LoRALinears into a model, loads adapters into slots, sets each step's rows."""
 
-    def __init__(self, model: torch.nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+                 batch_invariant: bool = False):
+        """batch_invariant: every delta through OneDNNWeight GEMMs (needs oneDNN: CPU, bf16 or fp32)."""
         self.config = config
+        self.batch_invariant = batch_invariant
         self.arch: LlamaArch = model.arch  # type: ignore[assignment]
         self.batch = LoRABatch()
         self.device = device
@@ -141,18 +171,18 @@ class LoRAManager:
                 (0, qkv.ranges["q"][0], qkv.q_size),
                 (qkv.q_size, qkv.ranges["k"][0], qkv.kv_size),
                 (qkv.q_size + qkv.kv_size, qkv.ranges["v"][0], qkv.kv_size),
-            ], None, config, self.batch, dtype, device)
+            ], None, config, self.batch, dtype, device, batch_invariant)
             rows = [attn.o_proj]
             if hasattr(mlp, "gate_up_proj"):  # a dense MLP (a mixture of experts takes no adapters)
                 gu = mlp.gate_up_proj
                 gu.lora = LoRALinear(2, gu.weight.shape[1], [
                     (off, start, size) for off, (start, size) in zip(gu.offsets, gu.pieces, strict=True)
-                ], None, config, self.batch, dtype, device)
+                ], None, config, self.batch, dtype, device, batch_invariant)
                 rows.append(mlp.down_proj)
             for row in rows:
                 out_f, in_size = row.weight.shape
                 row.lora = LoRALinear(1, in_size, [(0, 0, out_f)], (row.in_start, in_size), config, self.batch,
-                                      dtype, device)
+                                      dtype, device, batch_invariant)
 
     def load(self, slot: int, lora_id: int, path: str) -> int:
         """Read `path` into `slot` for requests tagged `lora_id`; returns the adapter's rank."""
@@ -163,6 +193,8 @@ class LoRAManager:
         for (layer_idx, module), (a, b) in adapter.weights.items():
             block, attr, sub = TARGETS[module]
             getattr(getattr(self.layers[layer_idx], block), attr).lora.set(slot, sub, a, b)
+        for lin in self._linears():
+            lin.finish(slot, adapter.rank)
         self.id_to_slot[lora_id] = slot
         self.slot_rank[slot] = adapter.rank
         return adapter.rank
@@ -171,11 +203,13 @@ class LoRAManager:
         for lora_id in [i for i, s in self.id_to_slot.items() if s == slot]:
             del self.id_to_slot[lora_id]
         self.slot_rank.pop(slot, None)
-        for layer in self.layers:
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
-                        getattr(layer.mlp, "down_proj", None)):
-                if lin is not None:
-                    lin.lora.clear(slot)
+        for lin in self._linears():
+            lin.clear(slot)
+
+    def _linears(self) -> list[LoRALinear]:
+        mods = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+                 getattr(layer.mlp, "down_proj", None)) for layer in self.layers]
+        return [m.lora for group in mods for m in group if m is not None]
 
     def set_batch(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Per sequence: its adapter id (0 = base) and its token count this step, in batch order."""
@@ -197,6 +231,8 @@ class LoRAManager:
         batch.max_rank = max((self.slot_rank[slot] for slot in groups), default=0)
         batch.slots = frozenset(groups)
         batch.plan = None
+        if self.batch_invariant:  # one GEMM pair per adapter, never the padded bmm
+            return
         if len(groups) > 1 or any(len(rows) < offset for rows in groups.values()):
             lo, hi = min(groups), max(groups)
             longest = max(len(rows) for rows in groups.values())

@@ -106,9 +106,11 @@ class OneDNNWeight:
 
     Batch-invariant mode (`row_block`): with the layout hint 64, a row's result changes once the row
     count M passes 32 (another blocking); with hint 1 it holds for small M but the reduction is split
-    differently once M x K grows (K=1536: from M ~200). So the weight is laid out with hint 1 and
-    every call runs in blocks of at most `row_block` rows, the largest size that a probe at load
-    finds bit-equal to one row at a time.
+    differently once M x K grows (K=1536: from M ~200). One row alone takes yet another kernel, whose
+    sums round differently for some inputs (seen on AMD EPYC at K=1536: the last row of a prefill,
+    alone in its block, changed with the batch). So the weight is laid out with hint 1, every call
+    runs in blocks of at most `row_block` rows, and a single row is padded to two: the largest block
+    that a probe at load finds bit-equal to each row computed in a two-row call.
     """
 
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
@@ -119,33 +121,42 @@ class OneDNNWeight:
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not self.row_block or x.shape[0] <= self.row_block:
+    def _block(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A block of rows; one row goes through a two-row call (a zero row beside it)."""
+        if x.shape[0] != 1:
             return self._gemm(x, bias)
-        return torch.cat([self._gemm(part, bias) for part in x.split(self.row_block)])
+        return self._gemm(torch.nn.functional.pad(x, (0, 0, 0, 1)), bias)[:1]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if not self.row_block:
+            return self._gemm(x, bias)
+        if x.shape[0] <= self.row_block:
+            return self._block(x, bias)
+        return torch.cat([self._block(part, bias) for part in x.split(self.row_block)])
 
 
-ROW_BLOCKS = (128, 64, 32, 16, 8)
+ROW_BLOCKS = (128, 64, 32, 16, 8, 4)
 
 
 def _probe_row_block(gemm: OneDNNWeight, k: int, dtype: torch.dtype) -> int:
-    """The largest row block whose every row equals the one-row GEMM of that row, at 1 and 2 threads."""
+    """The largest row block whose every row equals that row's result in a two-row call (the shape a
+    single row runs in), at 1 and 2 threads."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ROW_BLOCKS[0], k, generator=g).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        solo = torch.cat([gemm._gemm(x[i : i + 1], None) for i in range(x.shape[0])])
+        pairs = torch.cat([gemm._block(x[i : i + 1], None) for i in range(x.shape[0])])
         for block in ROW_BLOCKS:
             ok = True
             for t in {1, 2, threads}:
                 torch.set_num_threads(t)
-                ok = ok and all(torch.equal(gemm._gemm(x[:m], None), solo[:m]) for m in (block, block - 1, block // 2 + 1))
+                ok = ok and all(torch.equal(gemm._gemm(x[:m], None), pairs[:m]) for m in (block, block - 1, block // 2 + 1))
             if ok:
                 return block
     finally:
         torch.set_num_threads(threads)
-    return 1
+    return 1  # every row in its own two-row call: the reference itself
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,

@@ -132,7 +132,9 @@ class Worker:
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None
-        self.lora = LoRAManager(self.model, config.lora, self.dtype, device) if config.lora.enabled else None
+        self.lora = (LoRAManager(self.model, config.lora, self.dtype, device,
+                                 batch_invariant=invariant and onednn_available(device, self.dtype))
+                     if config.lora.enabled else None)
 
     def kv_bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn.qkv_proj

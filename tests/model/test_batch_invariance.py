@@ -2,7 +2,9 @@
 
 One target prompt runs alone, then inside batches of 2, 8 and 24 mixed prompts (arriving together and
 staggered, so its decode rows share steps with other prompts' prefill chunks), with its prefix from
-the cache, with its prefill chunked, and beside sequences decoding with a LoRA adapter. Its logits at
+the cache, with its prefill chunked, and beside sequences decoding with LoRA adapters (one adapter,
+or a mix of two adapters and the base model). The same target under an adapter runs alone and beside
+base requests, its own adapter and the mix. Its logits at
 every generated position are compared with the solo run's with `torch.equal`.
 
 The engine runs the shipped settings (cluster.yaml: bf16, int4 small-batch copies of the GGUF's Q4
@@ -72,18 +74,22 @@ class LogitRecorder:
 
 
 def run(engine: LLMEngine, recorder: LogitRecorder, target: list[int], others: list[list[int]], tag: str, *,
-        stagger: int = 0, warm_prefix: bool = False, lora_id: int = 0) -> torch.Tensor:
-    """The target's logits [NEW_TOKENS, vocab] with `others` in the batch; others join after `stagger`
-    steps (so the target's decode steps carry their prefill), under adapter `lora_id` when set."""
+        stagger: int = 0, warm_prefix: bool = False, lora_id: int | list[int] = 0, target_lora: int = 0) -> torch.Tensor:
+    """The target's logits [NEW_TOKENS, vocab] (under adapter `target_lora`, 0 = base) with `others` in
+    the batch; others join after `stagger` steps (so the target's decode steps carry their prefill),
+    other i under adapter `lora_id` (or `lora_id[i % len]` for a mix of adapters and base)."""
     engine.reset_prefix_cache()
     if warm_prefix:  # the target's prompt blocks are cached by an earlier request
-        engine.generate([target], SamplingParams(temperature=0, max_tokens=1))
+        engine.add_request(f"{tag}-warm", target, SamplingParams(temperature=0, max_tokens=1), lora_slot=target_lora)
+        while engine.has_work():
+            engine.step()
     rid = f"{tag}-target"
-    engine.add_request(rid, target, GREEDY)
+    engine.add_request(rid, target, GREEDY, lora_slot=target_lora)
     for _ in range(stagger):
         engine.step()
+    ids = lora_id if isinstance(lora_id, list) else [lora_id]
     for i, p in enumerate(others):
-        engine.add_request(f"{tag}-{i}", p, GREEDY, lora_slot=lora_id)
+        engine.add_request(f"{tag}-{i}", p, GREEDY, lora_slot=ids[i % len(ids)])
     while engine.has_work():
         engine.step()
     return torch.stack(recorder.rows.pop(rid))
@@ -107,36 +113,65 @@ def prompts(hf_tokenizer, chat_prompts) -> tuple[list[int], list[list[int]]]:
     return target, others
 
 
+# Neighbours that mix two adapters and the base model (the grouped LoRA path, padding rows included).
+MIX = [7, 9, 0]
+
+
+def load_adapters(engine: LLMEngine, tmp_path) -> None:
+    arch = engine.executor.worker.arch
+    for slot, (lora_id, rank) in enumerate([(7, 8), (9, 4)], start=1):  # ranks differ: 9's is padded in a mix
+        path = random_peft_adapter(str(tmp_path / f"adapter{lora_id}"), arch, rank, seed=lora_id)
+        engine.executor.load_lora(slot, lora_id, path)
+
+
+def compare(engine: LLMEngine, rec: LogitRecorder, refs: dict[int, torch.Tensor], target: list[int],
+            cases: dict[str, dict], bad: dict[str, str]) -> None:
+    for name, kw in cases.items():
+        ref = refs[kw.get("target_lora", 0)]
+        if (m := mismatch(ref, run(engine, rec, target, tag=name, **kw))) is not None:
+            bad[name] = m
+
+
 def scenarios(gguf_path: str, batch_invariant: bool, prompts, tmp_path, weights: str = "auto") -> dict[str, str]:
-    """Mismatches against the solo run, by scenario (an empty dict: all bit-equal)."""
+    """Mismatches against the solo run (of the base model, or of adapter 7 for the `adapter-` cases), by
+    scenario (an empty dict: all bit-equal)."""
     target, others = prompts
     engine = make_engine(gguf_path, batch_invariant, weights=weights)
     bad: dict[str, str] = {}
     try:
         rec = LogitRecorder(engine)
-        ref = run(engine, rec, target, [], "solo")
-        adapter = random_peft_adapter(str(tmp_path / "adapter"), engine.executor.worker.arch, 8, seed=1)
-        engine.executor.load_lora(1, 7, adapter)
-        cases = {
+        load_adapters(engine, tmp_path)
+        refs = {0: run(engine, rec, target, [], "solo"), 7: run(engine, rec, target, [], "solo-7", target_lora=7)}
+        assert not torch.equal(refs[0], refs[7])  # the adapter does change the target's logits
+        compare(engine, rec, refs, target, {
             "batch2": dict(others=others[:1]),
             "batch8": dict(others=others[:7]),
             "batch24": dict(others=others),
             "batch24-staggered": dict(others=others, stagger=2),
             "prefix-cached": dict(others=[], warm_prefix=True),
             "prefix-cached-batch8": dict(others=others[:7], warm_prefix=True),
+            # (1) a base request beside adapter requests
             "lora-neighbours": dict(others=others[:7], lora_id=7),
-        }
-        for name, kw in cases.items():
-            if (m := mismatch(ref, run(engine, rec, target, tag=name, **kw))) is not None:
-                bad[name] = m
+            "mixed-lora-neighbours": dict(others=others[:8], lora_id=MIX),
+            "mixed-lora-neighbours-24-staggered": dict(others=others, lora_id=MIX, stagger=2),
+            # (2) an adapter request beside base requests, its own adapter, and a mix
+            "adapter-base-neighbours": dict(others=others[:7], target_lora=7),
+            "adapter-same-neighbours": dict(others=others[:7], lora_id=7, target_lora=7),
+            "adapter-mixed-neighbours": dict(others=others[:8], lora_id=MIX, target_lora=7),
+            "adapter-mixed-24-staggered": dict(others=others, lora_id=MIX, stagger=2, target_lora=7),
+            "adapter-prefix-cached-mixed": dict(others=others[:8], lora_id=MIX, warm_prefix=True, target_lora=7),
+        }, bad)
     finally:
         engine.shutdown()
     chunked = make_engine(gguf_path, batch_invariant, chunk_tokens=64, weights=weights)  # ~200 tokens: 4 chunks
     try:
         rec = LogitRecorder(chunked)
-        for name, kw in {"chunked": dict(others=[]), "chunked-batch8": dict(others=others[:7], stagger=1)}.items():
-            if (m := mismatch(ref, run(chunked, rec, target, tag=name, **kw))) is not None:
-                bad[name] = m
+        load_adapters(chunked, tmp_path)
+        compare(chunked, rec, refs, target, {
+            "chunked": dict(others=[]),
+            "chunked-batch8": dict(others=others[:7], stagger=1),
+            "adapter-chunked-mixed": dict(others=others[:8], lora_id=MIX, stagger=1, target_lora=7),
+        }, bad)
     finally:
         chunked.shutdown()
     return bad

@@ -40,3 +40,34 @@ def sse_lines(r: httpx.Response) -> list[str]:
 def chat_body(max_tokens: int, stream: bool = False, **kw) -> dict:
     return {"model": MODEL, "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
             "ignore_eos": True, **kw}
+
+
+class Pace:
+    """How fast an app serves on this machine now, measured through HTTP at the start of a test, so that
+    token counts and time bounds scale with the machine instead of being fixed seconds.
+
+    request_s: a 1-token chat request end to end (HTTP, template, tokenizer, prefill, one step).
+    step_s: one more decode step (the slope between a 1-token and a (1 + tokens)-token request).
+    """
+
+    def __init__(self, base: str, tokens: int = 32, headers: dict | None = None) -> None:
+        def timed(n: int) -> float:
+            t0 = time.monotonic()
+            r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(n), headers=headers, timeout=600)
+            assert r.status_code == 200, r.text
+            return time.monotonic() - t0
+
+        timed(1)  # warm: the first request pays one-time costs
+        self.request_s = min(timed(1) for _ in range(2))
+        self.step_s = max((timed(1 + tokens) - self.request_s) / tokens, 1e-3)
+
+    def tokens_for(self, seconds: float, cap: int) -> int:
+        """Enough decode steps to take `seconds` at the measured pace (at most `cap`)."""
+        return max(1, min(cap, int(seconds / self.step_s) + 1))
+
+    def bound(self, tokens: int, margin: float = 4.0) -> float:
+        """An upper bound for a request of `tokens` steps: `margin` times its measured cost."""
+        return margin * (self.request_s + tokens * self.step_s)
+
+    def __repr__(self) -> str:
+        return f"Pace(request {self.request_s * 1e3:.0f} ms, step {self.step_s * 1e3:.1f} ms)"

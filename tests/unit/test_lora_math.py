@@ -86,3 +86,47 @@ def test_lora_config_validation():
                 dict(max_loras=1, adapters={"a": "/a", "b": "/b"}), dict(max_loras=1, adapters={"x:y": "/a"})):
         with pytest.raises(ValueError):
             LoRAConfig(**bad)
+
+
+def test_batch_invariant_delta_of_a_row_does_not_depend_on_its_batch(tmp_path):
+    """scheduler.batch_invariant, bf16: a row's output (base output + its adapter's delta) is bit-equal
+    alone, beside base rows, beside other adapters' rows, in a long prefill and at any offset; base rows
+    are left untouched. The deltas are still B A x."""
+    from model_parallel.parallel import onednn_available
+
+    if not onednn_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("torch built without oneDNN")
+    model = LlamaForCausalLM(ARCH, TPGroup(), None)
+    manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), torch.bfloat16, torch.device("cpu"),
+                          batch_invariant=True)
+    for slot, (lora_id, rank) in enumerate([(7, 8), (9, 3)], start=1):
+        manager.load(slot, lora_id, random_peft_adapter(str(tmp_path / str(lora_id)), ARCH, rank=rank, seed=lora_id))
+    lin = model.layers[0].mlp.down_proj.lora  # K = 96
+    g = torch.Generator().manual_seed(0)
+    x, base = torch.randn(300, 96, generator=g).bfloat16(), torch.randn(300, 64, generator=g).bfloat16()
+
+    def rows_out(lora_ids: list[int], lens: list[int], start: int) -> torch.Tensor:
+        manager.set_batch(lora_ids, lens)
+        n = sum(lens)
+        return lin.apply(x[start : start + n], base[start : start + n].clone())
+
+    alone = torch.cat([rows_out([7], [1], t) for t in range(300)])
+    for lora_ids, lens in [([7, 0], [1, 1]), ([0, 7, 9], [3, 1, 2]), ([9, 7, 0, 7], [5, 1, 7, 2]),
+                           ([7, 9], [40, 260]), ([9, 0, 7], [150, 1, 149]), ([0, 7], [1, 39])]:
+        out = rows_out(lora_ids, lens, 0)
+        t = 0
+        for lora_id, n in zip(lora_ids, lens, strict=True):
+            if lora_id == 7:
+                assert torch.equal(out[t : t + n], alone[t : t + n]), (lora_ids, lens)
+            elif lora_id == 0:
+                assert torch.equal(out[t : t + n], base[t : t + n]), (lora_ids, lens)
+            t += n
+    a, b = manager_delta_weights(manager, 7)
+    want = base.float() + (x.float() @ a.t().float()) @ b.t().float()
+    torch.testing.assert_close(alone.float(), want, atol=0.1, rtol=0.02)
+
+
+def manager_delta_weights(manager: LoRAManager, lora_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lin = manager.layers[0].mlp.down_proj.lora
+    slot, rank = manager.id_to_slot[lora_id], manager.slot_rank[manager.id_to_slot[lora_id]]
+    return lin.a[slot, :rank], lin.b[slot, :, :rank]

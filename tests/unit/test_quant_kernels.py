@@ -80,3 +80,28 @@ def test_prepack_covers_every_linear_layer_and_the_lm_head():
     model = tiny_model()
     assert prepack_onednn_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
     assert all(m.onednn is not None for m in model.modules() if hasattr(m, "onednn"))
+
+
+def test_batch_invariant_onednn_rows_do_not_depend_on_the_batch():
+    """Batch-invariant layout: each row's result is the same alone (1 row), in any batch size and at
+    any offset (including a block that leaves it alone at the end), at 1 and 2 threads. K=1536 as in
+    SmolLM2's down_proj, where oneDNN's one-row kernel rounds differently from its batched one."""
+    if not parallel.onednn_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    weight = torch.randn(576, 1536).bfloat16()
+    gemm = OneDNNWeight(weight, batch_invariant=True)
+    # Blocks of 1 would be invariant but run a prefill row by row (this weight: 1 before one-row calls
+    # were padded to two, 128 since).
+    assert gemm.row_block >= 8
+    x = torch.randn(300, 1536).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            alone = torch.cat([gemm(x[i : i + 1], None) for i in range(x.shape[0])])
+            for rows in (2, 7, gemm.row_block, gemm.row_block + 1, 129, 299):
+                for offset in (0, 1):
+                    assert torch.equal(gemm(x[offset : offset + rows], None), alone[offset : offset + rows]), (t, rows)
+    finally:
+        torch.set_num_threads(threads)
