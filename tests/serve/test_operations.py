@@ -70,6 +70,9 @@ LIMITS = {"max_prompt_tokens": 64, "max_total_tokens": 512, "max_n": 2, "max_req
           "llm_deployment_options": {"max_ongoing_requests": 1, "max_queued_requests": 1}}
 
 
+TIMEOUT_CAP = LIMITS["max_total_tokens"] - 16  # the longest request the timeout test may send
+
+
 class AppURL(str):
     """An app's base URL, with the request timeout it was deployed with."""
 
@@ -79,8 +82,10 @@ class AppURL(str):
 @pytest.fixture(scope="module")
 def limited(server, apps, auth) -> AppURL:
     """The bounds above and a request timeout that ordinary requests clear by far on this machine (6x an
-    8-token request, measured on the session app, same model), so only the timeout test's meet it."""
-    timeout_s = max(2.0, round(Pace(server, headers=auth).bound(8, margin=6.0), 1))
+    8-token request, measured on the session app, same model), so only the timeout test's meet it; and
+    at most a quarter of the longest request the bounds allow, so that one outlasts it twice over."""
+    pace = Pace(server, headers=auth)
+    timeout_s = max(1.0, round(min(pace.bound(8, margin=6.0), TIMEOUT_CAP * pace.step_s / 4), 1))
     apps.append("ops-limits")
     url = AppURL(deploy(server, "ops-limits", LIMITS | {"request_timeout_s": timeout_s}))
     url.timeout_s = timeout_s
@@ -172,10 +177,7 @@ async def test_backpressure_gives_503_with_retry_after_never_a_hang(queue_bound)
 def test_request_timeout_is_an_openai_error(limited):
     pace = Pace(limited)
     timeout_s = limited.timeout_s
-    cap = LIMITS["max_total_tokens"] - 16
-    tokens = pace.tokens_for(2 * timeout_s, cap)  # twice longer than the app's timeout
-    if tokens == cap:
-        pytest.skip(f"{cap} tokens take under {2 * timeout_s} s at {pace}: no request outlasts the timeout")
+    tokens = pace.tokens_for(2 * timeout_s, TIMEOUT_CAP)  # twice longer than the app's timeout
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": tokens, "ignore_eos": True}
     late = timeout_s + pace.bound(8)  # the timeout, then the abort and the error's way back
     t0 = time.monotonic()
