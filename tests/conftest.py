@@ -46,6 +46,12 @@ def hf_model(gguf_path):
 
 
 @pytest.fixture(scope="session")
+def eos(hf_tokenizer) -> list[int]:
+    """The default model's end-of-turn and end-of-text ids: what stops a chat answer."""
+    return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="session")
 def chat_prompts(hf_tokenizer) -> list[list[int]]:
     questions = [
         "What is the capital of France?",

@@ -88,11 +88,6 @@ def reference_outputs(gguf_path, chat_prompts, eos) -> list[list[int]]:
     return outs
 
 
-@pytest.fixture(scope="module")
-def eos(hf_tokenizer) -> list[int]:
-    return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
-
-
 def test_greedy_equals_transformers_generate(gguf_path, eos, chat_prompts, reference_outputs, backend):
     engine = LLMEngine(config(gguf_path, backend), eos_token_ids=eos)
     try:

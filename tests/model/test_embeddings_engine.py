@@ -45,11 +45,6 @@ def engine(gguf_path, eos) -> LLMEngine:
     eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def eos(hf_tokenizer) -> list[int]:
-    return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
-
-
 def test_last_token_pooling_equals_transformers_and_frees_blocks(engine, hf_model, hf_tokenizer):
     texts = ["The cat sat on the mat.", "A long document about rivers. " * 12]  # the second: several chunks
     prompts = [hf_tokenizer(t).input_ids for t in texts]

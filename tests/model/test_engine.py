@@ -26,11 +26,6 @@ def make_engine(gguf_path: str, eos: list[int], tp: int = 1, backend: str = "aut
 
 
 @pytest.fixture(scope="module")
-def eos(hf_tokenizer) -> list[int]:
-    return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
-
-
-@pytest.fixture(scope="module")
 def engine(gguf_path, eos) -> LLMEngine:
     eng = make_engine(gguf_path, eos)
     yield eng

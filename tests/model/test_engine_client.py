@@ -35,11 +35,6 @@ def config(gguf_path: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def eos(hf_tokenizer) -> list[int]:
-    return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
-
-
-@pytest.fixture(scope="module")
 def offline(gguf_path, eos, chat_prompts) -> tuple[LLMEngine, list[list[int]]]:
     """An LLMEngine and what it generates offline for the first four prompts (the last one seeded)."""
     engine = LLMEngine(config(gguf_path), eos_token_ids=eos)

@@ -62,11 +62,6 @@ def config(gguf_path: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def eos(hf_tokenizer) -> list[int]:
-    return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
-
-
-@pytest.fixture(scope="module")
 def engine(gguf_path, eos):
     eng = LLMEngine(config(gguf_path), eos_token_ids=eos)
     yield eng
