@@ -250,38 +250,50 @@ def test_requested_tokens_are_capped(abuse, abuse_same_replica):
     assert "default" in err["message"]
 
 
-async def test_504_before_the_first_token_cancels_the_generation(abuse, abuse_handle, abuse_same_replica):
-    """Eight long requests fill the engine (max_num_seqs 8); a ninth, streamed, waits behind them and
-    gets a 504 before its first token. Every one is then aborted: the engine goes idle at once, not
-    after the ~1000 tokens each asked for."""
-    long = chat(max_tokens=480, ignore_eos=True, temperature=1)
+async def test_504_before_the_first_token_cancels_the_generation(server, auth, abuse, abuse_handle,
+                                                                 abuse_same_replica, hf_tokenizer):
+    """Eight long generations fill the engine (max_num_seqs 8); they go to the model deployment itself, so
+    the app's request timeout never cuts them, and their length comes from the pace measured now (four
+    timeouts' worth of steps). A ninth request, through HTTP, waits behind them and gets a 504 before its
+    first token, and its generation is aborted at once: it leaves the engine's queue while the eight run."""
+    from app.io_struct import GenerateRequest, StopOptions
+    from model_parallel.sampling_params import SamplingParams
+    from tests.serve.ops_apps import Pace
 
-    async def busy() -> int:
-        s = await abuse_handle.stats.remote()
-        return s["num_running"] + s["num_waiting"]
+    timeout_s = ABUSE["request_timeout_s"]
+    pace = Pace(server, headers=auth)  # the session app, same model: the abuse app's timeout would cut it
+    tokens = pace.tokens_for(4 * timeout_s, cap=900)
+    ids = hf_tokenizer("Count from one to one thousand.").input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
-    status = None
-    async with httpx.AsyncClient(timeout=BOUND_S) as http:
-        # The fillers time out too (the app's 2 s bound), after which the ninth may start in time: on a
-        # loaded machine the race can go either way, so the scenario is tried up to three times.
-        for _ in range(3):
-            while await busy():
-                await asyncio.sleep(0.1)
-            fill = [asyncio.create_task(http.post(f"{abuse}/v1/chat/completions", json=long)) for _ in range(8)]
-            deadline = time.monotonic() + 5
-            while await busy() < 8 and time.monotonic() < deadline:  # the engine is full: the ninth waits
-                await asyncio.sleep(0.02)
-            # A long prompt: once a slot frees, its prefill alone takes several chunked steps.
-            ninth = long | {"stream": True, "max_tokens": 64,
-                            "messages": [{"role": "user", "content": "word " * 880}]}
+    async def fill(i: int) -> None:
+        req = GenerateRequest(request_id=f"filler-{i}", prompts=[ids], params=params, stop=StopOptions())
+        async for _ in abuse_handle.options(stream=True).generate.remote(req):
+            pass
+
+    async def stats() -> dict:
+        return await abuse_handle.stats.remote()
+
+    fillers = [asyncio.create_task(fill(i)) for i in range(8)]
+    try:
+        deadline = time.monotonic() + pace.bound(8)
+        while (await stats())["num_running"] < 8:  # the engine is full: the ninth waits
+            assert time.monotonic() < deadline, await stats()
+            await asyncio.sleep(0.02)
+        ninth = chat(max_tokens=8, stream=True)
+        async with httpx.AsyncClient(timeout=BOUND_S) as http:
+            t0 = time.monotonic()
             r = await http.post(f"{abuse}/v1/chat/completions", json=ninth)
-            status = r.status_code
-            assert {(await f).status_code for f in fill} <= {200, 504}
-            if status == 504:
-                assert r.json()["error"]["code"] == "request_timeout"
-                break
-    assert status == 504
-    deadline = time.monotonic() + 5
-    while (s := await abuse_handle.stats.remote())["num_running"] + s["num_waiting"] and time.monotonic() < deadline:
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout", r.text
+        assert time.monotonic() - t0 < timeout_s + pace.bound(8)
+        s = await stats()
+        assert s["num_running"] == 8 and s["num_waiting"] == 0, s  # the ninth aborted, the eight still run
+        assert not any(f.done() for f in fillers)
+    finally:
+        for f in fillers:
+            f.cancel()
+        await asyncio.gather(*fillers, return_exceptions=True)
+    deadline = time.monotonic() + pace.bound(8)
+    while (s := await stats())["num_running"] + s["num_waiting"] and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    assert s["num_running"] == s["num_waiting"] == 0, s
+    assert s["num_running"] == s["num_waiting"] == 0, s  # leaving a stream aborts its generation
