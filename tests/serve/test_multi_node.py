@@ -16,12 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.serve.conftest import _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_replicas_on_several_nodes_survive_losing_one():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     env.pop("RAY_ADDRESS", None)  # its own cluster, not one this process may have joined
+    # Its own HAProxy stats and metrics ports: the session app's HAProxy holds the ones conftest chose.
+    env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port()), str(_free_port())
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multi_node_scenario.py"))], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)

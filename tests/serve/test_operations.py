@@ -145,8 +145,8 @@ async def test_backpressure_gives_503_with_retry_after_never_a_hang(queue_bound)
     """Six streams at once, one model slot and one queue place: two are served, the rest refused at
     once (each 503 before the first stream could have ended), none left hanging."""
     pace = Pace(queue_bound)
-    # Each admitted stream lasts ~20 request times: all six have arrived while the first still runs.
-    tokens = pace.tokens_for(20 * pace.request_s, cap=LIMITS["max_total_tokens"] - 64)
+    # Each admitted stream lasts ~60 request times: all six have arrived while the first still runs.
+    tokens = pace.tokens_for(60 * pace.request_s, cap=LIMITS["max_total_tokens"] - 64)
 
     async with httpx.AsyncClient(timeout=2 * pace.bound(tokens)) as http:
         async def one() -> tuple[int, dict, list[str], float]:
