@@ -98,44 +98,51 @@ async def sweep(args, servers: dict[str, str], floor, rows: list[dict]) -> None:
                 raise SystemExit(f"warm-up request to {name} ({url}) failed: {r.error}")
         for variant in args.variants:
             if variant == "mid_long":
-                total = sum(2 * c + 1 for c in args.concurrency) * args.midstream_rounds * len(servers)
+                total = sum(2 * c + 1 for c in args.concurrency) * args.midstream_rounds * len(servers) * args.rounds
             else:
-                total = sum(args.n_requests(variant, c) for c in args.concurrency) * (len(servers) + bool(floor))
+                total = sum(args.n_requests(variant, c) for c in args.concurrency) * (len(servers) + bool(floor)) * args.rounds
             bar = tqdm(total=total, desc=f"{variant} sweep", unit="req", file=sys.stderr, dynamic_ncols=True)
             for c in args.concurrency:
-                prompts = [] if variant == "mid_long" else messages_for(
-                    variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c)
-                point = []
-                for name, url in servers.items():
-                    bar.set_postfix_str(f"{name} c={c}")
-                    busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
-                    common = {"bench": "serve", "server": name, "variant": variant, "concurrency": c,
-                              "model": models[name], "max_tokens": MAX_TOKENS[variant], "prompt_seed": args.prompt_seed}
-                    if variant == "mid_long":
-                        both = await run_midstream(client, url, models[name], c, args.midstream_rounds,
-                                                   args.prompt_seed * 1013 + c, args.point_timeout, bar)
-                        point.extend({**common, **stats, "cpu_busy_before": busy} for stats in both)
-                        continue
-                    stats = await run_point(client, url, models[name], prompts, c, MAX_TOKENS[variant],
-                                            args.point_timeout, bar)
-                    point.append({**common, **stats, "cpu_busy_before": busy})
-                if floor is not None and variant != "mid_long":
-                    bar.set_postfix_str(f"transformers c={c}")
-                    busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
-                    stats = await asyncio.to_thread(floor.run_point, prompts, c, MAX_TOKENS[variant],
-                                                    args.point_timeout)
-                    bar.update(len(prompts))
-                    point.append({"bench": "serve", "server": "transformers", "variant": variant,
-                                  "concurrency": c, "model": floor.name, "max_tokens": MAX_TOKENS[variant],
-                                  "prompt_seed": args.prompt_seed,
-                                  **stats, "tokens_from": "generate", "cpu_busy_before": busy})
-                for flag in (False, True):  # mid_long: ours against each peer with the same scenario
-                    add_ratios([x for x in point if bool(x.get("long_prompt_mid_stream")) == flag], args.ours)
-                for line in point:
-                    tqdm.write(json.dumps(line), file=sys.stdout)
-                    sys.stdout.flush()
-                rows.extend(point)
+                for rnd in range(args.rounds):  # every server once per round, so drifting load hits all
+                    rows.extend(await sweep_point(args, client, servers, models, floor, variant, c, rnd, bar))
             bar.close()
+
+
+async def sweep_point(args, client: httpx.AsyncClient, servers: dict[str, str], models: dict[str, str], floor,
+                      variant: str, c: int, rnd: int, bar) -> list[dict]:
+    """One round of one point: every server (and the floor) in turn; rounds change the prompts' salt."""
+    prompts = [] if variant == "mid_long" else messages_for(
+        variant, args.n_requests(variant, c), salt=args.prompt_seed * 1009 + c + 7919 * rnd)
+    point = []
+    for name, url in servers.items():
+        bar.set_postfix_str(f"{name} c={c}")
+        busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
+        common = {"bench": "serve", "server": name, "variant": variant, "concurrency": c,
+                  "model": models[name], "max_tokens": MAX_TOKENS[variant], "prompt_seed": args.prompt_seed, "round": rnd}
+        if variant == "mid_long":
+            both = await run_midstream(client, url, models[name], c, args.midstream_rounds,
+                                       args.prompt_seed * 1013 + c + 7919 * rnd, args.point_timeout, bar)
+            point.extend({**common, **stats, "cpu_busy_before": busy} for stats in both)
+            continue
+        stats = await run_point(client, url, models[name], prompts, c, MAX_TOKENS[variant],
+                                args.point_timeout, bar)
+        point.append({**common, **stats, "cpu_busy_before": busy})
+    if floor is not None and variant != "mid_long":
+        bar.set_postfix_str(f"transformers c={c}")
+        busy = await asyncio.to_thread(wait_idle, args.wait_idle, args.idle_threshold)
+        stats = await asyncio.to_thread(floor.run_point, prompts, c, MAX_TOKENS[variant],
+                                        args.point_timeout)
+        bar.update(len(prompts))
+        point.append({"bench": "serve", "server": "transformers", "variant": variant,
+                      "concurrency": c, "model": floor.name, "max_tokens": MAX_TOKENS[variant],
+                      "prompt_seed": args.prompt_seed, "round": rnd,
+                      **stats, "tokens_from": "generate", "cpu_busy_before": busy})
+    for flag in (False, True):  # mid_long: ours against each peer with the same scenario
+        add_ratios([x for x in point if bool(x.get("long_prompt_mid_stream")) == flag], args.ours)
+    for line in point:
+        tqdm.write(json.dumps(line), file=sys.stdout)
+        sys.stdout.flush()
+    return point
 
 
 def measure_engine(args) -> list[dict]:
@@ -171,6 +178,9 @@ def parse_args(argv=None):
     ap.add_argument("--variants", default="short,long",
                     help="short (max_tokens 64), long (~1k-token prompts, 32), mid_long (c short streams with and "
                          "without a ~1k-token prompt arriving mid-stream: the streams' ITL p99)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="sweep every point this many times, servers alternating within each round; the report "
+                         "keeps each server's median round by output tok/s (every round stays in the JSON lines)")
     ap.add_argument("--midstream-rounds", type=int, default=3, help="mid_long: rounds with and without the long prompt")
     ap.add_argument("--engine-batch", type=int, default=16,
                     help="with --start-ours: first measure the engine alone offline at this batch (benchmarks/"
@@ -248,6 +258,14 @@ def main(argv=None) -> int:
             asyncio.run(sweep(args, servers, floor, rows))
         except KeyboardInterrupt:
             print(f"interrupted: reporting the {len(rows)} finished points", file=sys.stderr)
+        raw = rows
+        if rows and args.rounds > 1:  # the report: each server's median round, ratios between medians
+            rows = []
+            for point in serve_report.median_rounds(raw):
+                add_ratios(point, args.ours)
+                rows.extend(point)
+                print(json.dumps({"bench": "serve_median", **{k: point[0][k] for k in ("variant", "concurrency")},
+                                  "points": point}), flush=True)
         if rows:
             ratio = serve_report.served_vs_engine(rows, engine, args.ours, ENGINE_TARGET)
             for line in ratio:

@@ -50,6 +50,26 @@ def markdown(rows: list[dict], engine: list[dict] | None = None) -> str:
     return "\n".join(out + engine_lines(engine or []))
 
 
+def median_rounds(rows: list[dict]) -> list[list[dict]]:
+    """Rows of several rounds -> per point (variant, concurrency, mid-stream flag) the median round of each
+    server by output tok/s, carrying every round's tok/s; the points in sweep order."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        key = (r["variant"], r["concurrency"], bool(r.get("long_prompt_mid_stream")))
+        groups.setdefault(key, {}).setdefault(r["server"], []).append(r)
+    points = []
+    for servers in groups.values():
+        point = []
+        for runs in servers.values():
+            ranked = sorted(runs, key=lambda r: r.get("output_tokens_per_s") or 0.0)
+            mid = {k: v for k, v in ranked[(len(ranked) - 1) // 2].items()
+                   if k not in ("round", "peer", "vs") and not k.startswith("ratio_")}
+            point.append({**mid, "rounds": len(runs),
+                          "round_tokens_per_s": [r.get("output_tokens_per_s") for r in runs]})
+        points.append(point)
+    return points
+
+
 def served_vs_engine(rows: list[dict], engine: list[dict], ours: str, target: float) -> list[dict]:
     """Ours' short-prompt tok/s at the engine's batch over the engine's offline tok/s (both settings)."""
     by = {x["setting"]: x for x in engine if x.get("bench") == "serve_engine"}

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from serve_report import markdown, served_vs_engine  # noqa: E402
+from serve_report import markdown, median_rounds, served_vs_engine  # noqa: E402
 
 ENGINE = [
     {"bench": "serve_engine", "setting": "served", "batch": 16, "new_tokens": 64, "threads": 1,
@@ -45,3 +45,19 @@ def test_table_shows_the_mid_stream_scenario_and_the_engine_lines():
     assert "ITL p99 ms" in header and "long prompt mid-stream" in header and "long prompt TTFT p50 s" in header
     assert "| ours | mid_long | 16 | False |" in text and "| ours | mid_long | 16 | True |" in text
     assert "400.0 tok/s" in text and "**75%** of the engine with the served settings (target 75%: met)" in text
+
+
+def test_median_round_per_server_and_point():
+    # Three rounds of two servers at one point, plus a mid-stream pair: each server keeps its median
+    # round whole (its TTFT with its tok/s), every round's tok/s is carried, ratios are dropped.
+    rows = [row("ours", 16, tok, round=i, ttft_p50_s=ttft, ratio_tokens_per_s=9.9, vs={"peer": {}})
+            for i, (tok, ttft) in enumerate([(300.0, 0.2), (340.0, 0.1), (320.0, 0.3)])]
+    rows += [row("peer", 16, tok, round=i) for i, tok in enumerate([250.0, 200.0, 260.0])]
+    rows += [row("ours", 16, 280.0, variant="mid_long", long_prompt_mid_stream=flag, round=0) for flag in (False, True)]
+    short, mid_plain, mid_long = median_rounds(rows)
+    ours, peer = short
+    assert (ours["output_tokens_per_s"], ours["ttft_p50_s"]) == (320.0, 0.3)
+    assert ours["round_tokens_per_s"] == [300.0, 340.0, 320.0] and ours["rounds"] == 3
+    assert "round" not in ours and "vs" not in ours and "ratio_tokens_per_s" not in ours
+    assert peer["output_tokens_per_s"] == 250.0
+    assert [p[0]["long_prompt_mid_stream"] for p in (mid_plain, mid_long)] == [False, True]
