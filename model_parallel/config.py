@@ -94,10 +94,13 @@ class ParallelConfig:
     attention_backend: str = "auto"
     # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
     cpu_threads_per_rank: int = 0
-    # Threads for a step that runs a single sequence (one stream decoding alone), 0 = the same as
-    # cpu_threads_per_rank: a lone stream gains from more threads, while a batch shares the cores with
-    # the serving processes (docs/benchmarks.md).
+    # Threads for a step that runs a single sequence (one stream decoding alone) or at least
+    # cpu_wide_step_tokens tokens (long prompts' prefill chunks), 0 = the same as cpu_threads_per_rank:
+    # such steps gain from more threads, while a decode batch shares the cores with the serving processes
+    # and waits for its slowest thread (docs/benchmarks.md).
     cpu_threads_single_sequence: int = 0
+    # 0 = only single-sequence steps get cpu_threads_single_sequence; ignored with scheduler.batch_invariant.
+    cpu_wide_step_tokens: int = 0
     # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
     # keeps the model off the serving replica's GIL and event loop.
     executor: str = "auto"
@@ -119,6 +122,8 @@ class ParallelConfig:
             raise ValueError("device must be auto, cpu or cuda")
         if self.cpu_threads_per_rank < 0 or self.cpu_threads_single_sequence < 0:
             raise ValueError("cpu thread counts must be >= 0")
+        if self.cpu_wide_step_tokens < 0:
+            raise ValueError("cpu_wide_step_tokens must be >= 0")
         if self.attention_backend not in ("auto", "sdpa", "xformers"):
             raise ValueError("attention_backend must be auto, sdpa or xformers")
 

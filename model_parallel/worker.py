@@ -86,7 +86,7 @@ class Worker:
         self.rank = rank
         world = config.parallel.tensor_parallel_size
         device = select_device(config.parallel.device)
-        self.step_threads = self.single_sequence_threads = 0
+        self.step_threads = self.single_sequence_threads = self.wide_step_tokens = 0
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
@@ -94,6 +94,9 @@ class Worker:
             torch.set_num_threads(threads)
             self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
             self.single_sequence_threads = config.parallel.cpu_threads_single_sequence
+            # Batch-invariant mode keeps a step's thread count a function of the lone sequence only
+            # (what its tests cover), so a prefill chunk's thread count never depends on its neighbours.
+            self.wide_step_tokens = 0 if config.scheduler.batch_invariant else config.parallel.cpu_wide_step_tokens
         self.device = device
         self.dtype = getattr(torch, config.model.torch_dtype_name)
         self.tp = TPGroup()
@@ -212,7 +215,9 @@ class Worker:
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"
         if self.single_sequence_threads:
-            want = self.single_sequence_threads if len(step.seqs) == 1 else self.step_threads
+            wide = len(step.seqs) == 1 or (
+                self.wide_step_tokens > 0 and sum(len(s.token_ids) for s in step.seqs) >= self.wide_step_tokens)
+            want = self.single_sequence_threads if wide else self.step_threads
             if torch.get_num_threads() != want:  # ~1 us; only when the batch crosses one sequence
                 torch.set_num_threads(want)
         return self.runner.execute(step)

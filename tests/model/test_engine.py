@@ -185,3 +185,35 @@ def test_a_lone_sequence_gets_its_own_thread_count(gguf_path, eos, chat_prompts)
         torch.set_num_threads(before)
     assert {threads for n, threads in seen if n == 1} == {2}
     assert {threads for n, threads in seen if n > 1} == {1}
+
+
+def test_a_wide_step_gets_the_single_sequence_thread_count(gguf_path, eos, chat_prompts):
+    """cpu_wide_step_tokens: a step of that many tokens (prefill chunks) runs on cpu_threads_single_sequence
+    threads; the same sequences' one-token decode steps stay on cpu_threads_per_rank."""
+    before = torch.get_num_threads()
+    wide = len(chat_prompts[0]) + len(chat_prompts[1])  # both prompts in the first step
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="bfloat16"),
+            cache=CacheConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False),
+            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2,
+                                    cpu_wide_step_tokens=wide),
+        ),
+        eos_token_ids=eos,
+    )
+    seen: list[tuple[int, int]] = []  # (tokens in the step, torch threads while it ran)
+    runner = eng.executor.worker.runner
+    run = runner.execute
+
+    def spy(step):
+        seen.append((sum(len(s.token_ids) for s in step.seqs), torch.get_num_threads()))
+        return run(step)
+
+    runner.execute = spy
+    try:
+        eng.generate(chat_prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)
+    assert seen[0] == (wide, 2)
+    assert {threads for tokens, threads in seen[1:]} == {1} and all(tokens == 2 for tokens, _ in seen[1:])
