@@ -35,6 +35,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine_bench_shape import SHAPES, bench_shape  # noqa: E402
+
 from model_parallel.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
@@ -160,133 +162,9 @@ def weight_mb(engine: LLMEngine) -> float:
     return total / 1e6
 
 
-SHAPES = {
-    # Llama-3.1-8B's config.json, minus the weights.
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=2048,
-                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False),
-}
-
-
-def random_model(shape: str, dtype: torch.dtype, device: str, folder: str):
-    """transformers' Llama of that shape with random weights, built on the device and saved for our loader."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters created in the target dtype: no fp32 copy of 8B weights
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).eval()
-    finally:
-        torch.set_default_dtype(default)
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a large device-to-device copy (read + write), the bandwidth a decode step can use."""
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * n * 10 / (time.perf_counter() - t0)
-
-
-def decode_step_seconds(engine: LLMEngine, prompt: list[int], new_tokens: int) -> float:
-    """Median time of one sequence's decode steps (each step returns after its token is read back)."""
-    engine.add_request("decode-timing", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-    times = []
-    while engine.has_work():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    decode = sorted(times[1:])  # the first step is the prefill
-    return decode[len(decode) // 2]
-
-
-def bench_shape(args) -> None:
-    """A model of a given shape with random weights: ours against transformers' generate, same run."""
-    import tempfile
-
-    dtype = getattr(torch, args.dtypes.split(",")[0])
-    batches = [int(b) for b in args.batches.split(",")]
-    print(f"engine bench: a {args.shape}-shaped model with RANDOM weights (no download); outputs are meaningless "
-          "tokens, timings are real", file=sys.stderr)
-    with tempfile.TemporaryDirectory() as folder:
-        hf = random_model(args.shape, dtype, args.device, folder)
-        weight_bytes = sum(p.numel() * p.element_size() for n, p in hf.named_parameters() if "embed_tokens" not in n)
-        if args.skip_transformers:
-            del hf
-            hf = None
-        engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model=folder, dtype=args.dtypes.split(",")[0]),
-            cache=CacheConfig(kv_cache_bytes=1 << 30, gpu_memory_utilization=0.9,
-                              enable_prefix_caching=not args.no_prefix_cache),
-            scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches))),
-            parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads)))
-    gen = torch.Generator().manual_seed(0)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    common = {"bench": "engine", "shape": args.shape, "random_weights": True, "device": device_name(args.device),
-              "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
-    for b in batches:
-        batch = torch.randint(0, vocab, (b, args.prompt_tokens), generator=gen).tolist()
-        ours_runs, ref_runs = [], []
-        for _ in range(args.rounds):
-            ours_runs.append(bench_ours(engine, batch, args.new_tokens))
-            if hf is not None:
-                ref_runs.append(bench_transformers_ids(hf, batch, args.new_tokens))
-        ours, ref = max(ours_runs), max(ref_runs, default=None)
-        print(json.dumps(common | {
-            "batch": b, "ours_tok_s": round(ours, 1), "transformers_tok_s": round(ref, 1) if ref else None,
-            "ratio": round(ours / ref, 2) if ref else None,
-            "ours_runs": [round(x, 1) for x in ours_runs], "transformers_runs": [round(x, 1) for x in ref_runs],
-        }), flush=True)
-    if args.device == "cuda":
-        step = decode_step_seconds(engine, batch[0], args.new_tokens)
-        bandwidth = copy_bandwidth(args.device)
-        roofline = weight_bytes / bandwidth
-        print(json.dumps(common | {
-            "batch": 1, "decode_step_ms": round(step * 1e3, 3), "weight_bytes": weight_bytes,
-            "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "roofline_step_ms": round(roofline * 1e3, 3),
-            "fraction_of_roofline": round(roofline / step, 3),
-        }), flush=True)
-    engine.shutdown()
-
-
-def bench_transformers_ids(model, batch: list[list[int]], new_tokens: int) -> float:
-    """transformers' generate on equal-length prompts (static KV cache on CUDA), EOS never ends it."""
-    device = next(model.parameters()).device
-    ids = torch.tensor(batch, device=device)
-    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-    if device.type == "cuda":
-        kw["cache_implementation"] = "static"
-    with torch.no_grad():
-        model.generate(ids[:1], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-    return (out.shape[1] - ids.shape[1]) * len(batch) / elapsed
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)"
 
 
 def main() -> None:
@@ -305,8 +183,13 @@ def main() -> None:
                     help="comma list of engine settings: default, batch_invariant, quantized (model.weights)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights "
+                    "(engine_bench_shape.py)")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="--shape: random prompt length")
+    ap.add_argument("--block-size", type=int, default=0, help="--shape: KV block size (0: 64 on CUDA, 16 on CPU)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                    help="--shape on CUDA: our engine's share; transformers' model and static cache need the rest")
+    ap.add_argument("--profile", default="", help="--shape: write torch.profiler tables of decode steps here")
     ap.add_argument("--tp", type=int, default=1, help="> 1: CPU tensor parallel, see engine_bench_tp.py")
     ap.add_argument("--cpu-allreduce", default="gloo,deepspeed", help="--tp: the all-reduce backends to compare")
     args = ap.parse_args()

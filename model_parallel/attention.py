@@ -230,6 +230,14 @@ class XformersAttention:
         self.paged_mixed = True  # one paged call for every sequence of the step
         self.paged_decode = True  # paged call for a step's decode rows
 
+    def probe(self, device: torch.device) -> None:
+        """Raise unless this xformers build runs a varlen causal step on `device` (what every prefill
+        needs). A wheel built for another torch imports fine but has no CUDA kernels: fmha then refuses
+        every call with NotImplementedError."""
+        x = torch.zeros(1, 4, 1, 1, 64, device=device, dtype=torch.bfloat16)
+        bias = self.fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens([2, 2], [2, 2])
+        self.fmha.memory_efficient_attention_forward(x, x, x, attn_bias=bias)
+
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, *, scale: float | None = None,
                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """As SDPAAttention.__call__."""
@@ -357,9 +365,12 @@ def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention |
     if device.type != "cuda":
         raise ValueError("attention_backend xformers needs CUDA")
     try:
-        return XformersAttention()
+        backend = XformersAttention()
+        backend.probe(device)
+        return backend
     except Exception as exc:  # missing extra, or built for another torch/CUDA
         if choice == "xformers":
             raise
-        log.warning("xformers unavailable (%s); using torch SDPA memory-efficient attention", exc)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.warning("xformers unavailable (%s); using torch SDPA attention", reason)
         return SDPAAttention()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -28,6 +30,7 @@ def cuda_budget(utilization: float, device: torch.device, activation_bytes: int)
     """Bytes left for KV once the model is loaded and the largest step's activations are set aside,
     keeping (1 - utilization) of the GPU free. The allocator's cached blocks are released first, so
     they do not count as used."""
+    gc.collect()  # tensors of an engine this process dropped may wait in reference cycles
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, other processes on this GPU

@@ -207,7 +207,13 @@ class Worker:
                               self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
-        if graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True)):
+        try:
+            captured = graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True))
+        except Exception as exc:  # an op that cannot be captured here: serve eagerly rather than not at all
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
+            torch.cuda.synchronize(self.device)
+            return
+        if captured:
             self.runner.graphs = graphs
         else:
             log.warning("no paged decode kernel in xformers here: CUDA graphs off")
@@ -255,3 +261,8 @@ class Worker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Drop the weights and the KV cache now (the runner and its graphs reference each other, so they
+        # would wait for a garbage collection): a process that builds another engine gets the memory back.
+        self.runner = self.model = self.lora = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

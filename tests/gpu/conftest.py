@@ -3,6 +3,8 @@ where there is none, so `make test` stays green on CPU machines."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,10 +19,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def xformers_or_skip() -> None:
+    from model_parallel.attention import XformersAttention
+
     try:
-        from xformers.ops import fmha  # noqa: F401
-    except Exception as exc:  # not installed (make install-gpu), or built for another torch
-        pytest.skip(f"xformers unavailable: {exc}")
+        XformersAttention().probe(torch.device("cuda"))
+    except Exception as exc:  # not installed (make install-gpu), or built for another torch: no kernels
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        pytest.skip(f"xformers unavailable: {reason} (python -m xformers.info says why)")
 
 
 @pytest.fixture(params=["xformers", "sdpa"])
@@ -28,3 +33,12 @@ def backend(request) -> str:
     if request.param == "xformers":
         xformers_or_skip()
     return request.param
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> str:
+    """The default model; RAYLLM_GPU_TEST_GGUF names another file (e.g. a copy cut to its first layers by
+    trim_gguf.py, real weights, where the 98 MB file cannot travel to the GPU machine)."""
+    from model_parallel.model_files import default_model_path
+
+    return os.environ.get("RAYLLM_GPU_TEST_GGUF") or default_model_path()

@@ -125,8 +125,22 @@ def test_backend_choice(monkeypatch, caplog):
     assert make_attention_backend("auto", cpu).name == "sdpa"
     with pytest.raises(ValueError, match="needs CUDA"):
         make_attention_backend("xformers", cpu)
-    assert make_attention_backend("auto", cuda).name == "xformers"
+    # The probe runs one real xformers call on the GPU (none here): stood in for, as xformers itself is.
+    probed = []
+    monkeypatch.setattr(XformersAttention, "probe", lambda self, device: probed.append(device))
+    assert make_attention_backend("auto", cuda).name == "xformers" and probed == [cuda]
     assert make_attention_backend("sdpa", cuda).name == "sdpa"
+    # xformers imports but has no kernels (a wheel built for another torch: fmha refuses every call).
+    def refuse(self, device):
+        raise NotImplementedError("No operator found for `memory_efficient_attention_forward` with inputs:")
+
+    monkeypatch.setattr(XformersAttention, "probe", refuse)
+    with caplog.at_level(logging.WARNING, logger="model_parallel.attention"):
+        assert make_attention_backend("auto", cuda).name == "sdpa"
+    assert "No operator found" in caplog.text
+    with pytest.raises(NotImplementedError):
+        make_attention_backend("xformers", cuda)
+    caplog.clear()
     # xformers present but unloadable (built for another torch/CUDA): auto falls back, and says so.
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
     with caplog.at_level(logging.WARNING, logger="model_parallel.attention"):
