@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from app.conversations import _check_metadata
 from app.errors import APIError, bad_request, from_validation_error, unsupported
+from app.limits import MAX_CHAT_TEMPLATE_CHARS
 from app.messages import Strict
 from app.request_models import ChatCompletionRequest
 from app.structured import check_json_schema
@@ -85,6 +86,8 @@ class ResponseCreate(Strict):
     background: bool | None = False
     truncation: Literal["auto", "disabled"] | None = "disabled"
     prompt: dict[str, Any] | None = None
+    # vLLM's extension, as on chat: the request's own template, refused unless the operator allows them
+    chat_template: str | None = Field(None, max_length=MAX_CHAT_TEMPLATE_CHARS)
     # accepted and ignored, as OpenAI's convention
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
@@ -293,7 +296,7 @@ def chat_request(req: ResponseCreate, messages: list[dict[str, Any]]) -> ChatCom
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": chat_response_format(req.text),
         "reasoning_effort": req.reasoning.effort if req.reasoning else None,
         "logprobs": wants_logprobs(req), "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
-        "user": req.user,
+        "user": req.user, "chat_template": req.chat_template,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -311,6 +314,8 @@ def renamed(err: APIError) -> APIError:
     message = err.message
     for old, new in names.items():
         message = message.replace(f"'{old}'", f"'{new}'").replace(f"({old})", f"({new})")
+    if param == err.param and message == err.message:
+        return err  # nothing to rename: the error as raised, whatever it carries (a StorageUnavailable's body)
     out = APIError(err.status_code, message, type=err.type, param=param, code=err.code)
     if hasattr(err, "headers"):
         out.headers = err.headers  # type: ignore[attr-defined]

@@ -56,15 +56,16 @@ class StorageUnavailable(APIError):
     could not be stored: it goes out inside the error object, so a client loses nothing it paid for;
     `x-should-retry: false` keeps OpenAI's SDKs from generating again on their own."""
 
-    def __init__(self, message: str = "storage is unavailable; retry later", completion: dict | None = None):
+    def __init__(self, message: str = "storage is unavailable; retry later", completion: dict | None = None,
+                 key: str = "completion"):
         super().__init__(503, message, type="server_error", code="storage_unavailable")
-        self.completion = completion
+        self.completion, self.key = completion, key  # key: the error object's field (a Response: "response")
         self.headers = {"x-should-retry": "false"} if completion is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         body = super().to_dict()
         if self.completion is not None:
-            body["error"]["completion"] = self.completion
+            body["error"][self.key] = self.completion
         return body
 
 

@@ -17,10 +17,11 @@ from app.request_models import re2_options
 # generation, but their beginning may already have been streamed.
 REGEX_HOLDBACK_CHARS = 64
 
-# Output text stop_regex is matched against: the last this many characters. RE2 runs in linear time, so a
-# step costs at most one pass over this window (microseconds), whatever the pattern; a match longer than
-# the window is not seen.
-REGEX_WINDOW_CHARS = 16384
+# Output text stop_regex is matched against: the last this many characters, so a match longer than this is
+# not seen. RE2 runs in linear time, but for some patterns (bounded repeats in alternations) its DFA runs
+# out of memory on long inputs and falls back to a far slower NFA: a short window keeps every step's search
+# small whatever the pattern (docs/benchmarks.md, History 2026-11-26).
+REGEX_WINDOW_CHARS = 1024
 
 # Prompt tokens decoded as context before the first output token (as vLLM): a token's leading
 # space or a UTF-8 character split across the prompt/output boundary decodes as it would in place.

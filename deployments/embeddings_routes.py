@@ -29,6 +29,9 @@ class EmbeddingsRoutes:
         owner = self.check_auth(request)
         req = await parse(request, E.EmbeddingRequest)
         self.check_model(req.model)
+        if req.model is not None and self.routes.current.adapters.name_of(req.model) is not None:
+            raise APIError(400, f"embeddings come from the base model; a LoRA adapter ({req.model!r}) does not "
+                           "apply to them: name the base model", param="model")
         items = E.raw_inputs(req, self.config.max_sequences_per_request)
         info = await self.info()
         if req.dimensions is not None and req.dimensions > info["hidden_size"]:

@@ -87,6 +87,9 @@ class LLMServer:
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
         self._compile_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
+        # stop_regex searches run here, off the event loop (RE2 releases the GIL) and out of the default
+        # pool that health checks use; each is bounded by the detokenizer's window.
+        self._regex_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stop-regex")
         self.loras = self._start_loras(engine_config)
         publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
 
@@ -142,7 +145,12 @@ class LLMServer:
         try:
             async for o in self.engine.generate(rid, prompt, params, lora_id, grammar=grammar):
                 completion_tokens += len(o.new_token_ids)
-                text, matched = detok.add(o.new_token_ids) if o.new_token_ids else ("", None)
+                text, matched = "", None
+                if o.new_token_ids and stop.stop_regex:
+                    text, matched = await asyncio.get_running_loop().run_in_executor(
+                        self._regex_pool, detok.add, o.new_token_ids)
+                elif o.new_token_ids:
+                    text, matched = detok.add(o.new_token_ids)
                 finish, matched_stop = o.finish_reason, None
                 if matched is not None:
                     finish, matched_stop = "stop", matched

@@ -21,6 +21,7 @@ from app.errors import APIError, bad_request, not_found
 from app.io_struct import GenerationDelta
 from app.responses_events import ResponseAssembler, skeleton, sse
 from app.sse import Pieces, WireFormat
+from deployments.conversation_store import StorageUnavailable
 from deployments.http_app import app, parse, parse_query
 from deployments.request_guards import conversation_not_found
 from deployments.response_store import ResponseStore
@@ -124,6 +125,10 @@ class ResponsesRoutes:
                                         history + items, cid, items + body["output"])
             except KeyError:
                 raise conversation_not_found(cid or "") from None
+            except StorageUnavailable:  # the 503 carries the response (a stream has sent its deltas already)
+                raise StorageUnavailable("the response was generated but could not be stored (storage is "
+                                         "unavailable); it is in error.response", completion=body,
+                                         key="response") from None
 
         return await self.run(greq, fmt, chat, on_complete=keep)
 

@@ -91,3 +91,11 @@ def test_unknown_model_is_404_and_key_required(client, server):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="x")
     assert httpx.post(f"{server}/v1/embeddings", json={"input": "x"}).status_code == 401
+
+
+def test_an_adapter_is_refused_naming_the_field(client, model_name):
+    """Adapters change generation, not the base model's hidden states: naming one is a 400, not a silent
+    base-model vector under the adapter's name."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.embeddings.create(model=f"{model_name}:some-adapter", input="x")
+    assert exc.value.body["param"] == "model"

@@ -36,8 +36,8 @@ def test_chain_with_previous_response_id(client, server, auth, model_name):
     assert r1.status in ("completed", "incomplete") and r1.output_text
     assert r1.usage.input_tokens == _tokens(server, auth, model_name, [{"role": "user", "content": first}])
     r2 = client.responses.create(model=model_name, previous_response_id=r1.id, input="What is my name?",
-                                 temperature=0, max_output_tokens=20)
-    assert r2.previous_response_id == r1.id
+                                 temperature=0, max_output_tokens=20, metadata={"topic": "names"})
+    assert r2.previous_response_id == r1.id and r2.metadata == {"topic": "names"}
     # The second turn's prompt is the whole chain: exactly the tokens of the three messages rendered.
     chain = [{"role": "user", "content": first}, {"role": "assistant", "content": r1.output_text},
              {"role": "user", "content": "What is my name?"}]
@@ -49,6 +49,7 @@ def test_chain_with_previous_response_id(client, server, auth, model_name):
     # Stored: the same body comes back, and its input items are the chain in order.
     got = client.responses.retrieve(r2.id)
     assert got.id == r2.id and got.output_text == r2.output_text and got.usage == r2.usage
+    assert got.metadata == {"topic": "names"}
     items = client.responses.input_items.list(r2.id, order="asc").data
     assert [(i.type, i.role, i.content[0].text) for i in items] == [
         ("message", "user", first), ("message", "assistant", r1.output_text),
@@ -245,3 +246,25 @@ def test_responses_routes_need_a_key(server):
                          ("DELETE", "/v1/responses/resp_x"), ("GET", "/v1/responses/resp_x/input_items")):
         r = httpx.request(method, f"{server}{path}", json={"input": "x"} if method == "POST" else None)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+
+
+def test_reasoning_items_from_a_thinking_model(client, model_name):
+    """A model that thinks in <think> tags (the default model, taught by test_tools' template and history):
+    its thought is a reasoning item before the message, equal to the chat API's reasoning_content, and
+    streams as reasoning_text deltas."""
+    from test_tools import THINK_TEMPLATE, THINKING
+
+    chat = client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
+                                          extra_body={"chat_template": THINK_TEMPLATE})
+    expected = chat.choices[0].message
+    assert expected.reasoning_content  # the reference really thought
+    kw = dict(model=model_name, input=THINKING, temperature=0, max_output_tokens=60,
+              extra_body={"chat_template": THINK_TEMPLATE})
+    r = client.responses.create(**kw)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == expected.reasoning_content
+    assert r.output_text == expected.content
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    events = list(client.responses.create(stream=True, **kw))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == expected.reasoning_content

@@ -112,3 +112,23 @@ def test_a_locked_store_answers_503_with_the_completion(client, stream):
     stored = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
                                             temperature=0, store=True)  # unlocked: stored again
     assert stored.choices[0].message.content == expected
+
+
+def test_a_locked_store_answers_503_with_the_response(client):
+    """The same for /v1/responses (stored by default): the 503 carries the generated Response in
+    error.response, and the SDK does not generate again on its own."""
+    kw = dict(model="SmolLM2-135M-Instruct", input="Name a color.", max_output_tokens=8, temperature=0)
+    expected = client.responses.create(store=False, **kw).output_text
+    holder = sqlite3.connect(os.environ["STORAGE_URL"][len("sqlite:///"):], isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(openai.InternalServerError) as err:
+            client.responses.create(**kw)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert err.value.status_code == 503 and err.value.response.headers["x-should-retry"] == "false"
+    body = err.value.body
+    assert body["code"] == "storage_unavailable"
+    assert body["response"]["output"][-1]["content"][0]["text"] == expected
+    assert client.responses.create(**kw).output_text == expected  # unlocked: stored

@@ -59,6 +59,34 @@ def test_long_runs_of_a_never_match_and_the_text_streams(svc):
     assert len(det._text) <= 2 * REGEX_WINDOW_CHARS
 
 
+class CountingRegex:
+    """A compiled RE2 pattern that records the length of every text it is asked to search."""
+
+    def __init__(self, rx) -> None:
+        self.rx, self.lengths = rx, []
+
+    def search(self, text: str):
+        self.lengths.append(len(text))
+        return self.rx.search(text)
+
+
+def test_every_search_is_bounded_by_the_window_and_a_match_inside_it_stops(svc):
+    """A pattern whose RE2 DFA gives up on long inputs (bounded repeats in an alternation) is only ever
+    run over the output's last REGEX_WINDOW_CHARS (plus the held-back tail), however long the output;
+    a match that fits in the window still stops it, where `re` finds it."""
+    pattern = r"(?:a.{40}b|c.{40}d|e.{40}f)+g"
+    filler = "".join("abcdef"[(i * 7 + i // 5) % 6] for i in range(6000))
+    tail = "a" + "x" * 40 + "bg"  # one repetition, then g: a match of 43 characters at the very end
+    ids = svc.encode(filler + " " + tail, add_special_tokens=False)
+    det = IncrementalDetokenizer(svc.tokenizer, [], stop_regex=(pattern,))
+    det.stop_regex = tuple(CountingRegex(rx) for rx in det.stop_regex)
+    text, matched = feed(det, ids)
+    ref = re.search(pattern, filler + " " + tail)
+    assert ref is not None and matched == ref.group(0) and text == (filler + " " + tail)[: ref.start()]
+    lengths = det.stop_regex[0].lengths
+    assert len(lengths) > 1000 and max(lengths) <= REGEX_WINDOW_CHARS + 64 + 16  # window + hold-back + a token
+
+
 def test_patterns_re2_cannot_run_in_linear_time_are_refused():
     from app.request_models import compile_regexes
 
