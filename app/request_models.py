@@ -238,6 +238,13 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=5)
     json_schema: str | None = None  # SGLang: a JSON schema as a string
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > L.MAX_PROMPTS:
+            raise ValueError(f"at most {L.MAX_PROMPTS} prompts in one request, got {len(v)}")
+        return v
+
     @field_validator("best_of")
     @classmethod
     def _best_of_covers_n(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -252,11 +259,18 @@ class TokenizeRequest(Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=L.MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_size(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and json_size(v) > L.MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError(f"chat_template_kwargs exceeds {L.MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -86,6 +87,7 @@ class LLMServer:
             lower_process_priority(serving_nice)
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self._compile_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
         # stop_regex searches run here, off the event loop (RE2 releases the GIL) and out of the default
         # pool that health checks use; each is bounded by the detokenizer's window.
@@ -94,10 +96,11 @@ class LLMServer:
         publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
 
     def _compile(self, spec: GuidedSpec):
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.vocab_size,
-                                             self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
-                                             timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
+        with self._grammars_lock:  # concurrent first compiles must not start two compiler children
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.vocab_size,
+                                                 self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
+                                                 timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
         return self._grammars.compile(spec)
 
     async def compile_grammar(self, spec: GuidedSpec):

@@ -298,3 +298,24 @@ def test_every_seed_parameter_parses_then_works_or_is_refused_by_name(route, nam
         assert err is not None and err.param == name, err
     else:
         assert err is None, err.to_dict() if err else None
+
+
+def test_prompt_lists_and_tokenize_fields_are_bounded():
+    """Completions take at most MAX_PROMPTS prompts (a token-id list is one prompt, whatever its length);
+    /tokenize bounds its messages and template kwargs as chat does. Each breach names its field."""
+    from app import limits as L
+    from app.request_models import TokenizeRequest
+
+    CompletionRequest(model="m", prompt=[1] * (L.MAX_PROMPTS + 1))  # one long prompt of token ids
+    CompletionRequest(model="m", prompt=["x"] * L.MAX_PROMPTS)
+    for prompt in (["x"] * (L.MAX_PROMPTS + 1), [[1]] * (L.MAX_PROMPTS + 1)):
+        with pytest.raises(ValidationError) as exc:
+            CompletionRequest(model="m", prompt=prompt)
+        assert from_validation_error(exc.value).param == "prompt"
+    msg = {"role": "user", "content": "x"}
+    for kw, param in (({"messages": [msg] * (L.MAX_MESSAGES + 1)}, "messages"),
+                      ({"messages": [msg], "chat_template_kwargs": {"k": "v" * L.MAX_TEMPLATE_KWARGS_BYTES}},
+                       "chat_template_kwargs")):
+        with pytest.raises(ValidationError) as exc:
+            TokenizeRequest(**kw)
+        assert from_validation_error(exc.value).param == param
