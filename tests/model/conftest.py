@@ -14,6 +14,7 @@ def ray_local() -> None:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
 
 
+@pytest.hookimpl(trylast=True)  # after the fixtures' own teardown (an engine's actors go first)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if nextitem is None or nextitem.path.parent != item.path.parent:
         import ray
