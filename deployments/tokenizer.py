@@ -11,6 +11,8 @@ import functools
 import json
 import os
 import re
+import shutil
+import tempfile
 
 from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -41,10 +43,46 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<
 _CONTINUE_SENTINEL = "\x00<continue-final-message>\x00"
 
 
+def _gguf_tokenizer_cache(model_path: str) -> str:
+    """Where the tokenizer rebuilt from this GGUF file is kept: per file (path, size, mtime) and transformers
+    version, under the user's cache dir (TOKENIZER_CACHE overrides)."""
+    import hashlib
+
+    import transformers
+
+    st = os.stat(model_path)
+    key = f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    root = os.environ.get("TOKENIZER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rayllm-tokenizers")
+    return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
-    """A GGUF file (tokenizer rebuilt from its metadata by transformers) or a Hugging Face directory."""
+    """A GGUF file (tokenizer rebuilt from its metadata by transformers) or a Hugging Face directory.
+
+    Rebuilding from GGUF metadata takes seconds of CPU in every process that loads it (each replica, each
+    template sandbox); the result is saved once as a Hugging Face tokenizer directory and loaded from there."""
     if not model_path.endswith(".gguf"):
         return AutoTokenizer.from_pretrained(model_path)
+    cached = _gguf_tokenizer_cache(model_path)
+    if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        tok = _tokenizer_from_gguf(model_path)
+        tmp = None
+        try:  # written beside, then renamed: concurrent loaders never see a partial directory
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+            tok.save_pretrained(tmp)
+            os.rename(tmp, cached)
+        except OSError:  # a read-only home (this rebuilt one serves), or another process renamed first
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+                return tok
+    # Every process loads the same saved directory, the first one included.
+    return AutoTokenizer.from_pretrained(cached)
+
+
+def _tokenizer_from_gguf(model_path: str) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
     if not getattr(tok, "chat_template", None):
         # Older transformers did not copy `tokenizer.chat_template` from the GGUF metadata.

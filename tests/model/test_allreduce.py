@@ -81,15 +81,6 @@ def test_auto_needs_a_spare_core(threads):
     mp.spawn(_auto, args=(2, f"tcp://127.0.0.1:{_free_port()}", threads), nprocs=2)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 def _backend(engine: LLMEngine) -> list[str]:
     import ray
 

@@ -145,10 +145,7 @@ def test_seeded_sampling_same_alone_and_in_busy_batch(engine, chat_prompts):
     assert other["tokens"] != alone  # the seed really drives the draw
 
 
-def test_tensor_parallel_2_greedy_matches(gguf_path, eos, chat_prompts, reference_outputs):
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+def test_tensor_parallel_2_greedy_matches(gguf_path, eos, chat_prompts, reference_outputs, ray_local):
     eng = make_engine(gguf_path, eos, tp=2)
     try:
         assert eng.generate(chat_prompts[:4], GREEDY) == reference_outputs[:4]

@@ -109,15 +109,6 @@ def our_logits(path: str, tp: int, ids: list[int], lora: str | None = None) -> t
         executor.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logits_match_transformers(checkpoints, family, tp, request):

@@ -34,15 +34,6 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     return {family: make_checkpoint(root / family, family) for family in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 def random_ids(n: int, seed: int) -> list[int]:
     return [int(x) for x in torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))]
 

@@ -53,15 +53,6 @@ def peft_adapter(base: str, out: str, rank: int, alpha: int, targets: list[str],
     return peft_model.eval()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_adapters_match_peft_reference(tmp_path, tp, request):
     if tp > 1:

@@ -29,14 +29,14 @@ from model_parallel.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def peft_dir(gguf_path, tmp_path_factory) -> str:
-    """A rank-8 q/v adapter over the real model, random A and B (peft zeroes B), saved by peft itself."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+def peft_dir(hf_model, tmp_path_factory) -> str:
+    """A rank-8 q/v adapter over the real model, random A and B (peft zeroes B), saved by peft itself (on a
+    copy of the session's transformers model: peft adds its layers in place)."""
+    import copy
 
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                 dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                   lora_dropout=0.0))
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():

@@ -42,15 +42,6 @@ def our_logits(model_path: str, tp: int, ids: list[int]) -> torch.Tensor:
         executor.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tiny_random_model_matches_transformers(tmp_path, kind, tp, request):

@@ -72,7 +72,7 @@ def server(tmp_path_factory):
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     else:
         raise RuntimeError("server did not become healthy")
     yield base
@@ -123,13 +123,14 @@ def model_name() -> str:
 
 @pytest.fixture(scope="module")
 def apps():
-    """Names of the extra apps this module deployed; all deleted at the end."""
+    """Names of the extra apps this module deployed; all deleted at the end, without waiting for their
+    replicas to stop (seconds each; later tests only look at their own apps)."""
     from ray import serve
 
     names: list[str] = []
     yield names
     for name in names:
         try:
-            serve.delete(name)
+            serve.delete(name, _blocking=False)
         except Exception:
             pass

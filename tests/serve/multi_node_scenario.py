@@ -110,7 +110,7 @@ def main() -> dict:
             serve.status().applications["multinode"].deployments["llm"].replica_states != {"RUNNING": 2}:
         if time.time() > deadline:
             raise RuntimeError(f"replicas did not start: {serve.status()}")
-        time.sleep(1)
+        time.sleep(0.5)
     before = _replica_nodes()
     result["before"] = [[names.get(n, n) for n in nodes] for nodes in before.values()]
 
@@ -149,7 +149,7 @@ def main() -> dict:
     while serve.status().applications["multinode"].deployments["llm"].replica_states != {"RUNNING": 2}:
         if time.time() > deadline:
             break
-        time.sleep(1)
+        time.sleep(0.5)
     result["recovered"] = serve.status().applications["multinode"].deployments["llm"].replica_states
     result["after"] = [[names.get(n, n) for n in nodes] for nodes in _replica_nodes().values()]
     r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={

@@ -29,7 +29,7 @@ def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
                 return base
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     raise RuntimeError(f"app {name} did not become healthy")
 
 

@@ -67,11 +67,18 @@ def test_a_regex_of_literal_alternatives_is_chosen_the_same_way(client, model_na
 
 
 def test_sampled_choices_are_canonical_and_reproducible_with_a_seed(client, model_name, reference, hf_tokenizer):
-    """The issue's case: at temperature > 0 every answer is a whole choice in its canonical tokens."""
+    """The issue's case: at temperature > 0 every answer is a whole choice in its canonical tokens. The twelve
+    seeds are asked at once, twice (a seeded draw does not depend on the batch it runs in)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(seed: int):
+        return complete(client, model_name, temperature=2.0, seed=seed, n=2, extra_body={"guided_choice": CHOICES})
+
+    seeds = range(12)
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        first, second = list(pool.map(ask, seeds)), list(pool.map(ask, seeds))
     answers = {}
-    for seed in range(12):
-        r = complete(client, model_name, temperature=2.0, seed=seed, n=2, extra_body={"guided_choice": CHOICES})
-        again = complete(client, model_name, temperature=2.0, seed=seed, n=2, extra_body={"guided_choice": CHOICES})
+    for seed, r, again in zip(seeds, first, second, strict=True):
         assert [c.text for c in r.choices] == [c.text for c in again.choices]
         for c in r.choices:
             assert c.text in CHOICES and c.finish_reason == "stop"

@@ -61,11 +61,11 @@ def lora_server(server, adapters, tmp_path_factory) -> str:
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     else:
         raise RuntimeError("the LoRA app did not become healthy")
     yield base
-    serve.delete("lora")
+    serve.delete("lora", _blocking=False)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,14 @@ def test_load_use_unload_through_http(lclient, lora_server, adapters, model_name
     with pytest.raises(openai.NotFoundError):
         chat(lclient, f"{model_name}:never-loaded")
     assert chat(lclient, model_name) == base_text
+
+
+def test_responses_api_names_an_adapter_as_base_colon_name(lclient, model_name):
+    """/v1/responses with `model: <base>:<adapter>` answers with the adapter, as chat completions do."""
+    r = lclient.responses.create(model=f"{model_name}:pre", input=QUESTION[0]["content"], temperature=0,
+                                 max_output_tokens=12)
+    assert r.model == f"{model_name}:pre"
+    assert r.output_text == chat(lclient, f"{model_name}:pre") != chat(lclient, model_name)
 
 
 @pytest.mark.parametrize("case, message", [

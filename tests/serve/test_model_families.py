@@ -5,8 +5,6 @@ own greedy `generate` picks for the same rendered prompt."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from conftest import API_KEY
@@ -17,21 +15,14 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(gguf_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-
-
 @pytest.mark.parametrize("family", ["qwen3", "mixtral"])
-def test_chat_completion_on_a_tiny_random_model(server, apps, smollm2_tokenizer, tmp_path, family):
+def test_chat_completion_on_a_tiny_random_model(server, apps, hf_tokenizer, tmp_path, family):
     from openai import OpenAI
     from transformers import AutoModelForCausalLM
 
-    path = make_checkpoint(tmp_path / family, family, vocab_size=len(smollm2_tokenizer),
-                           bos_token_id=smollm2_tokenizer.bos_token_id, eos_token_id=smollm2_tokenizer.eos_token_id)
-    smollm2_tokenizer.save_pretrained(path)
+    path = make_checkpoint(tmp_path / family, family, vocab_size=len(hf_tokenizer),
+                           bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id)
+    hf_tokenizer.save_pretrained(path)
     name = f"family-{family}"
     base = deploy(server, name, {
         "api_keys": [API_KEY],
@@ -45,9 +36,9 @@ def test_chat_completion_on_a_tiny_random_model(server, apps, smollm2_tokenizer,
     r = client.chat.completions.create(model=f"tiny-{family}", messages=QUESTION, max_tokens=MAX_TOKENS,
                                        temperature=0)
 
-    prompt = smollm2_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
-    ids = smollm2_tokenizer(prompt, add_special_tokens=False).input_ids
-    stop = [smollm2_tokenizer.eos_token_id, smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    prompt = hf_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = hf_tokenizer(prompt, add_special_tokens=False).input_ids
+    stop = [hf_tokenizer.eos_token_id, hf_tokenizer.convert_tokens_to_ids("<|im_end|>")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         x = torch.tensor([ids])
@@ -59,4 +50,4 @@ def test_chat_completion_on_a_tiny_random_model(server, apps, smollm2_tokenizer,
     assert r.choices[0].finish_reason == ("length" if len(new) == MAX_TOKENS else "stop")
     if len(new) == MAX_TOKENS:
         assert r.usage.completion_tokens == MAX_TOKENS
-    assert r.choices[0].message.content == smollm2_tokenizer.decode(new, skip_special_tokens=True)
+    assert r.choices[0].message.content == hf_tokenizer.decode(new, skip_special_tokens=True)

@@ -7,7 +7,6 @@ is the session server's answer (a single-model app) to the same request."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,18 +21,11 @@ TINY = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer(gguf_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, smollm2_tokenizer) -> str:
+def tiny_path(tmp_path_factory, hf_tokenizer) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    tok = smollm2_tokenizer
+    tok = hf_tokenizer
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                       num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.1,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
@@ -74,7 +66,7 @@ def _reference_tiny(path: str, tok) -> str:
     return tok.decode([t for t in out[0, len(ids):].tolist() if t not in stop], skip_special_tokens=True)
 
 
-def test_two_models_answer_concurrently_each_with_its_own_output(multi, client, tiny_path, smollm2_tokenizer):
+def test_two_models_answer_concurrently_each_with_its_own_output(multi, client, tiny_path, hf_tokenizer):
     from openai import OpenAI
 
     multi_client = OpenAI(base_url=f"{multi}/v1", api_key=API_KEY, max_retries=0, timeout=120)
@@ -88,12 +80,12 @@ def test_two_models_answer_concurrently_each_with_its_own_output(multi, client, 
         futures = {m: pool.submit(ask, multi_client, m) for m in (MODEL, TINY, "smol", "tiny")}
         answers = {m: f.result() for m, f in futures.items()}
     assert answers[MODEL] == ask(client, MODEL)  # the session's single-model app
-    assert answers[TINY] == _reference_tiny(tiny_path, smollm2_tokenizer)
+    assert answers[TINY] == _reference_tiny(tiny_path, hf_tokenizer)
     assert answers["smol"] == answers[MODEL] and answers["tiny"] == answers[TINY]
     assert answers[MODEL] != answers[TINY]
     # The completions route and the tokenizer route go to the named model too (its own tokenizer info).
     text = multi_client.completions.create(model="tiny", prompt="Red, green", max_tokens=4, temperature=0)
-    assert text.model == "tiny" and text.usage.prompt_tokens == len(smollm2_tokenizer("Red, green").input_ids)
+    assert text.model == "tiny" and text.usage.prompt_tokens == len(hf_tokenizer("Red, green").input_ids)
     tok = httpx.post(f"{multi}/tokenize", json={"model": TINY, "prompt": "Red"},
                      headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert tok["max_model_len"] == 256

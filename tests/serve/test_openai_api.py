@@ -209,7 +209,7 @@ def test_tensor_parallel_2_replica_through_serve(server, client, model_name, aut
             except (openai.APIStatusError, openai.APIConnectionError):
                 if time.time() > deadline:
                     raise
-                time.sleep(2)
+                time.sleep(0.5)
         ref = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=16)
         assert got.choices[0].message.content == ref.choices[0].message.content
         handle = serve.get_deployment_handle("llm", app_name="tp2")
@@ -219,4 +219,4 @@ def test_tensor_parallel_2_replica_through_serve(server, client, model_name, aut
         used = ray.get([r.__ray_call__.remote(lambda worker: worker.allreduce_backend) for r in ranks])
         assert used == [allreduce] * 2
     finally:
-        serve.delete("tp2")
+        serve.delete("tp2", _blocking=False)

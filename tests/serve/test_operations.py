@@ -256,7 +256,7 @@ def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray):
             break
         assert r.status_code == 503, r.text  # never anything but a clear "retry"
         assert time.time() < deadline, "the replica was not replaced"
-        time.sleep(2)
+        time.sleep(0.5)
     assert r.json()["usage"]["completion_tokens"] == 4
     actors = _rank_actors("ops-ray")
     assert actors and victim not in actors
@@ -271,7 +271,7 @@ def _recovered(base: str, deadline_s: float = 240) -> httpx.Response:
             return r
         assert r.status_code == 503, r.text  # never anything but a clear "retry"
         assert time.time() < deadline, "the replica was not replaced"
-        time.sleep(2)
+        time.sleep(0.5)
 
 
 def test_dead_model_replica_fails_stream_clearly_then_recovers(ops_ray):

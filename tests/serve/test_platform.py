@@ -205,7 +205,7 @@ def test_postgresql_storage_through_serve(server, postgres_url, auth, model_name
             except (openai.APIStatusError, openai.APIConnectionError):
                 if time.time() > deadline:
                     raise
-                time.sleep(2)
+                time.sleep(0.5)
         first = chat(pg, model_name, Q1, store=True, conversation=conv.id, metadata={"run": "pg"})
         assert texts(pg, conv.id) == [("user", Q1), ("assistant", first.choices[0].message.content)]
         assert pg.chat.completions.retrieve(first.id).metadata == {"run": "pg"}
@@ -219,7 +219,7 @@ def test_postgresql_storage_through_serve(server, postgres_url, auth, model_name
             assert n.fetchone()[0] == 2
         assert pg.conversations.delete(conv.id).deleted
     finally:
-        serve.delete("pg")
+        serve.delete("pg", _blocking=False)
 
 
 def psycopg_connect(url: str):

@@ -36,44 +36,47 @@ def tiny(server, apps):
     return base, lambda: handle.stats.remote().result()
 
 
-def test_concurrent_long_requests_are_preempted_and_still_equal_their_solo_answers(tiny):
+MAX_TOKENS = 80
+
+
+def ask(base: str, topic: str, stream: bool = False) -> tuple[str, int]:
+    """One long request's answer and prompt length (greedy, ignoring EOS: always MAX_TOKENS tokens)."""
     from openai import OpenAI
 
-    base, stats = tiny
     client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-    def ask(topic: str):
-        r = client.completions.create(model=MODEL, prompt=long_prompt(topic), max_tokens=80, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    kw = {"model": MODEL, "prompt": long_prompt(topic), "max_tokens": MAX_TOKENS, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}
+    if not stream:
+        r = client.completions.create(**kw)
         return r.choices[0].text, r.usage.prompt_tokens
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.prompt_tokens
 
-    solo = {t: ask(t) for t in TOPICS}
+
+@pytest.fixture(scope="module")
+def solo(tiny) -> dict[str, tuple[str, int]]:
+    """Each topic's answer alone, one request at a time: what every answer under preemption must equal."""
+    base, _ = tiny
+    return {t: ask(base, t) for t in TOPICS}
+
+
+def test_concurrent_long_requests_are_preempted_and_still_equal_their_solo_answers(tiny, solo):
+    base, stats = tiny
     for _, prompt_tokens in solo.values():
         assert prompt_tokens > 3 * ENGINE["scheduler"]["max_num_batched_tokens"]  # chunked prefill
-        assert prompt_tokens + 80 <= NUM_BLOCKS * BLOCK
-    assert sum(p + 80 for _, p in solo.values()) > 2 * NUM_BLOCKS * BLOCK  # together they cannot fit
+        assert prompt_tokens + MAX_TOKENS <= NUM_BLOCKS * BLOCK
+    assert sum(p + MAX_TOKENS for _, p in solo.values()) > 2 * NUM_BLOCKS * BLOCK  # together they cannot fit
     before = stats()["num_preemptions"]
     with ThreadPoolExecutor(len(TOPICS)) as pool:
-        together = dict(zip(TOPICS, pool.map(ask, TOPICS), strict=True))
+        together = dict(zip(TOPICS, pool.map(lambda t: ask(base, t), TOPICS), strict=True))
     assert stats()["num_preemptions"] > before, "the cache should have forced preemption"
     assert together == solo
 
 
-def test_streamed_answers_under_preemption_equal_the_solo_answers(tiny):
+def test_streamed_answers_under_preemption_equal_the_solo_answers(tiny, solo):
     """Streams that get preempted resume where they were: no token is repeated or lost in the SSE stream."""
-    from openai import OpenAI
-
     base, _ = tiny
-    client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-    def ask(topic: str, stream: bool) -> str:
-        kw = {"model": MODEL, "prompt": long_prompt(topic), "max_tokens": 60, "temperature": 0,
-              "extra_body": {"ignore_eos": True}}
-        if not stream:
-            return client.completions.create(**kw).choices[0].text
-        return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
-
-    solo = [ask(t, False) for t in TOPICS[:4]]
-    with ThreadPoolExecutor(4) as pool:
-        streamed = list(pool.map(lambda t: ask(t, True), TOPICS[:4]))
-    assert streamed == solo
+    topics = TOPICS[:4]
+    with ThreadPoolExecutor(len(topics)) as pool:
+        streamed = dict(zip(topics, pool.map(lambda t: ask(base, t, stream=True), topics), strict=True))
+    assert streamed == {t: solo[t] for t in topics}

@@ -225,22 +225,6 @@ def test_missing_response_and_model_are_404s(client, model_name):
     assert exc.value.body["param"] == "model"
 
 
-# LoRA: the adapter app of test_lora_serving (two model replicas, adapter "pre" loaded at start).
-from tests.serve.test_lora_serving import adapters, lclient, lora_server  # noqa: E402, F401
-
-
-def test_lora_adapter_by_base_colon_name(lclient, model_name):  # noqa: F811
-    ask = "What is the capital of France?"
-
-    def chat(model: str) -> str:
-        return lclient.chat.completions.create(model=model, messages=[{"role": "user", "content": ask}],
-                                               temperature=0, max_tokens=12).choices[0].message.content
-
-    r = lclient.responses.create(model=f"{model_name}:pre", input=ask, temperature=0, max_output_tokens=12)
-    assert r.model == f"{model_name}:pre"
-    assert r.output_text == chat(f"{model_name}:pre") != chat(model_name)
-
-
 def test_responses_routes_need_a_key(server):
     for method, path in (("POST", "/v1/responses"), ("GET", "/v1/responses/resp_x"),
                          ("DELETE", "/v1/responses/resp_x"), ("GET", "/v1/responses/resp_x/input_items")):

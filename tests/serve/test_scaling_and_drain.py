@@ -2,10 +2,11 @@
 model replicas under load and back, and open streams that finish while their app is redeployed
 (rolling update) or deleted.
 
-Each test deploys its own app and deletes it when done (any one runs alone; test_operations.py's apps
-are gone by the time these run, so the scaled app has CPUs to grow into). Token counts and waits scale
-with this machine's pace: the app's own start-up time (measured by its fixture) and a `Pace` measured
-through it, not fixed seconds.
+The tests share one app (autoscaling, graceful drain), in file order: scale up and down, redeploy, shut
+down (which deletes it); a test that finds it deleted deploys it again, so any one runs alone.
+test_operations.py's apps are gone by the time these run, so the app has CPUs to grow into. Token
+counts and waits scale with this machine's pace: the app's own start-up time (measured when it is
+deployed) and a `Pace` measured through it, not fixed seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SCALE = {"stream_interval_s": 0.05, "llm_deployment_options": {
     "graceful_shutdown_timeout_s": 60,
     "graceful_shutdown_wait_loop_s": 0.5,
     "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                           "upscale_delay_s": 2, "downscale_delay_s": 6, "metrics_interval_s": 0.5,
+                           "upscale_delay_s": 2, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
                            "look_back_period_s": 2}}}
 
 
@@ -46,12 +47,24 @@ def _llm_replica_actors(app: str) -> set[str]:
 
 
 class App:
-    """An app of this module: its URL, name, and how long it took from serve.run to healthy."""
+    """The module's app: its URL, name, and how long it took from serve.run to healthy."""
 
     def __init__(self, server: str, name: str, args: dict) -> None:
+        self.server, self.name, self.args = server, name, args
+        self.deploy()
+
+    def deploy(self) -> None:
         t0 = time.monotonic()
-        self.base, self.name = deploy(server, name, args), name
+        self.base = deploy(self.server, self.name, self.args)
         self.start_s = time.monotonic() - t0
+
+    def live(self) -> App:
+        """The app, deployed again if a test deleted it."""
+        from ray import serve
+
+        if self.name not in serve.status().applications:
+            self.deploy()
+        return self
 
 
 def own_app(server: str, name: str, args: dict):
@@ -68,9 +81,14 @@ def own_app(server: str, name: str, args: dict):
         time.sleep(0.5)
 
 
-@pytest.fixture
-def scaled(server):
+@pytest.fixture(scope="module")
+def shared_app(server):
     yield from own_app(server, "ops-scale", SCALE)
+
+
+@pytest.fixture
+def scaled(shared_app):
+    return shared_app.live()
 
 
 async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
@@ -81,12 +99,15 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
     down_s = 3 * (scaled.start_s + auto["downscale_delay_s"] + auto["look_back_period_s"])
     assert _running_llm_replicas(app) == 1
     results: list[tuple[int, str | None]] = []
-    stop = asyncio.Event()
+    replicas_after_up: list[str | None] = []  # the replica of each request answered after the scale-up
+    scaled_up, stop = asyncio.Event(), asyncio.Event()
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not stop.is_set():
             r = await http.post(f"{scaled.base}/v1/chat/completions", json=chat_body(48))
             results.append((r.status_code, r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else r.text))
+            if scaled_up.is_set():
+                replicas_after_up.append(r.headers.get("x-replica-id"))
 
     t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=up_s) as http:
@@ -95,7 +116,11 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
             assert time.monotonic() - t0 < up_s, "did not scale up"
             await asyncio.sleep(0.5)
         t_up = time.monotonic() - t0
-        await asyncio.sleep(3)  # both replicas serve for a while
+        scaled_up.set()
+        # The load stops once both replicas have answered some of it.
+        while len(set(replicas_after_up) - {None}) < 2:
+            assert time.monotonic() - t0 < 2 * up_s, ("the new replica served nothing", replicas_after_up)
+            await asyncio.sleep(0.1)
         stop.set()
         await asyncio.gather(*workers)
     t1 = time.monotonic()
@@ -119,8 +144,8 @@ DRAIN = SCALE
 
 
 @pytest.fixture
-def drained(server, request):
-    yield from own_app(server, "ops-drain-" + request.node.name.rsplit("_", 1)[-1], DRAIN)
+def drained(shared_app):
+    return shared_app.live()
 
 
 def stream_tokens(pace: Pace) -> int:

@@ -81,11 +81,11 @@ def shipped(server, adapter) -> str:
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     else:
         raise RuntimeError("the shipped-config app did not become healthy")
     yield base
-    serve.delete("shipped")
+    serve.delete("shipped", _blocking=False)
 
 
 @pytest.fixture(scope="module")

@@ -227,3 +227,20 @@ def test_encode_equals_transformers(svc, special):
     assert svc.encode_batch(texts, special) == [svc.tokenizer.encode(t, add_special_tokens=special) for t in texts]
     text, ids = svc.render_chat([{"role": "user", "content": TEXT}])
     assert ids == svc.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_gguf_tokenizer_is_saved_once_and_equals_transformers_rebuild(gguf_path, hf_tokenizer, tmp_path, monkeypatch):
+    """The first load rebuilds the tokenizer from the GGUF metadata and saves it; later loads read the saved
+    directory. Both equal transformers' own rebuild (hf_tokenizer): vocabulary, rules, specials, template."""
+    monkeypatch.setenv("TOKENIZER_CACHE", str(tmp_path))
+    first = load_tokenizer(gguf_path)
+    (saved,) = tmp_path.iterdir()
+    again = load_tokenizer(gguf_path)
+    assert again.name_or_path == first.name_or_path == str(saved)
+    for tok in (first, again):
+        assert tok.backend_tokenizer.to_str() == hf_tokenizer.backend_tokenizer.to_str()
+        assert tok.get_vocab() == hf_tokenizer.get_vocab() and len(tok) == len(hf_tokenizer)
+        assert tok.chat_template == hf_tokenizer.chat_template
+        assert (tok.bos_token, tok.eos_token, tok.all_special_tokens) == (
+            hf_tokenizer.bos_token, hf_tokenizer.eos_token, hf_tokenizer.all_special_tokens)
+        assert tok.encode(LONG) == hf_tokenizer.encode(LONG)
