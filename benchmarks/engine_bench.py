@@ -189,6 +189,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=0, help="--shape: KV block size (0: 64 on CUDA, 16 on CPU)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                     help="--shape on CUDA: our engine's share; transformers' model and static cache need the rest")
+    ap.add_argument("--attention-backends", default="auto",
+                    help="--shape: our engine once per backend, in this order (e.g. triton,sdpa on CUDA)")
     ap.add_argument("--profile", default="", help="--shape: write torch.profiler tables of decode steps here")
     ap.add_argument("--tp", type=int, default=1, help="> 1: CPU tensor parallel, see engine_bench_tp.py")
     ap.add_argument("--cpu-allreduce", default="gloo,deepspeed", help="--tp: the all-reduce backends to compare")

@@ -144,7 +144,8 @@ def profile_decode(engine: LLMEngine, batch: list[list[int]], out_dir: str, devi
 
 
 def bench_shape(args) -> None:
-    """A model of a given shape with random weights: ours against transformers' generate, same run."""
+    """A model of a given shape with random weights: ours (per attention backend, one after the other)
+    against transformers' generate, same run."""
     dtype = getattr(torch, args.dtypes.split(",")[0])
     batches = [int(b) for b in args.batches.split(",")]
     print(f"engine bench: a {args.shape}-shaped model with RANDOM weights (no download); outputs are meaningless "
@@ -158,31 +159,45 @@ def bench_shape(args) -> None:
         if args.skip_transformers:
             del hf
             hf = None
-        t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model=folder, dtype=args.dtypes.split(",")[0],
-                              max_model_len=args.prompt_tokens + args.new_tokens + block_size),
-            cache=CacheConfig(block_size=block_size, kv_cache_bytes=1 << 30,
-                              gpu_memory_utilization=args.gpu_memory_utilization,
-                              enable_prefix_caching=not args.no_prefix_cache),
-            scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches))),
-            parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads)))
-        print(f"our engine loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        refs: dict[int, list[float]] = {}
+        for backend in args.attention_backends.split(","):
+            t0 = time.perf_counter()
+            engine = LLMEngine(EngineConfig(
+                model=ModelConfig(model=folder, dtype=args.dtypes.split(",")[0],
+                                  max_model_len=args.prompt_tokens + args.new_tokens + block_size),
+                cache=CacheConfig(block_size=block_size, kv_cache_bytes=1 << 30,
+                                  gpu_memory_utilization=args.gpu_memory_utilization,
+                                  enable_prefix_caching=not args.no_prefix_cache),
+                scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches))),
+                parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads,
+                                        attention_backend=backend)))
+            print(f"our engine ({backend}) loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            try:
+                _bench_engine(args, engine, hf, refs, batches, dtype, block_size, weight_bytes)
+            finally:
+                engine.shutdown()
+
+
+def _bench_engine(args, engine: LLMEngine, hf, refs: dict[int, list[float]], batches: list[int], dtype: torch.dtype,
+                  block_size: int, weight_bytes: int) -> None:
+    """One engine's lines; transformers runs once per batch size (the first engine's pass)."""
     worker = getattr(engine.executor, "worker", None)
     runner = getattr(worker, "runner", None)
     gen = torch.Generator().manual_seed(0)
     vocab = SHAPES[args.shape]["vocab_size"]
+    backend = getattr(getattr(worker, "attn_backend", None), "name", None)
     common = {"bench": "engine", "shape": args.shape, "random_weights": True, "device": device_name(args.device),
               "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
-              "prompt_tokens": args.prompt_tokens, "block_size": block_size,
-              "attention_backend": getattr(getattr(worker, "attn_backend", None), "name", None),
+              "prompt_tokens": args.prompt_tokens, "block_size": block_size, "attention_backend": backend,
               "cuda_graphs": getattr(runner, "graphs", None) is not None}
+    batch: list[list[int]] = []
     for b in batches:
         batch = torch.randint(0, vocab, (b, args.prompt_tokens), generator=gen).tolist()
-        ours_runs, ref_runs = [], []
+        ours_runs, ref_runs = [], refs.setdefault(b, [])
+        fresh = not ref_runs
         for _ in range(args.rounds):
             ours_runs.append(bench_ours(engine, batch, args.new_tokens))
-            if hf is not None:
+            if hf is not None and fresh:
                 ref_runs.append(bench_transformers_ids(hf, batch, args.new_tokens))
         ours, ref = max(ours_runs), max(ref_runs, default=None)
         print(json.dumps(common | {
@@ -191,11 +206,11 @@ def bench_shape(args) -> None:
             "ours_runs": [round(x, 1) for x in ours_runs], "transformers_runs": [round(x, 1) for x in ref_runs],
         }), flush=True)
     if args.profile:
-        os.makedirs(args.profile, exist_ok=True)
+        out_dir = os.path.join(args.profile, str(backend))
+        os.makedirs(out_dir, exist_ok=True)
         for b in sorted({1, min(64, max(batches))}):
             rows = torch.randint(0, vocab, (b, args.prompt_tokens), generator=gen).tolist()
-            print(json.dumps(common | profile_decode(engine, rows, args.profile, torch.device(args.device))),
-                  flush=True)
+            print(json.dumps(common | profile_decode(engine, rows, out_dir, torch.device(args.device))), flush=True)
     if args.device == "cuda":
         step = decode_step_seconds(engine, batch[0], args.new_tokens)
         bandwidth = copy_bandwidth(args.device)
@@ -205,4 +220,3 @@ def bench_shape(args) -> None:
             "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "roofline_step_ms": round(roofline * 1e3, 3),
             "fraction_of_roofline": round(roofline / step, 3),
         }), flush=True)
-    engine.shutdown()

@@ -355,22 +355,32 @@ class XformersAttention:
 
 
 def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention | XformersAttention:
-    """auto: xformers on CUDA when it loads; on CPU, SDPAAttention with the C paged-attention kernels (every
-    sequence of a step) when they build. sdpa: torch only (the reference path). An explicit choice is
-    honoured or fails."""
+    """auto: on CUDA, xformers when its kernels run here, else the Triton kernels when they compile and
+    agree with torch (triton_kernels.py), else torch SDPA; on CPU, SDPAAttention with the C kernels when
+    they build. sdpa: torch only (the reference path). An explicit choice is honoured or fails."""
     if choice == "sdpa":
         return SDPAAttention()
     if choice == "auto" and device.type != "cuda":
         return SDPAAttention(cpu_kernels.load())
     if device.type != "cuda":
-        raise ValueError("attention_backend xformers needs CUDA")
-    try:
-        backend = XformersAttention()
-        backend.probe(device)
-        return backend
-    except Exception as exc:  # missing extra, or built for another torch/CUDA
-        if choice == "xformers":
-            raise
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        log.warning("xformers unavailable (%s); using torch SDPA attention", reason)
-        return SDPAAttention()
+        raise ValueError(f"attention_backend {choice} needs CUDA")
+    for name in ("xformers", "triton"):
+        if choice not in ("auto", name):
+            continue
+        try:
+            backend = XformersAttention() if name == "xformers" else _triton_backend()
+            backend.probe(device)
+            return backend
+        except Exception as exc:  # missing extra, built for another torch/CUDA, or no compiler for this GPU
+            if choice == name:
+                raise
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.warning("%s attention unavailable (%s)", name, reason)
+    log.warning("using torch SDPA attention")
+    return SDPAAttention()
+
+
+def _triton_backend() -> SDPAAttention:
+    from model_parallel.triton_kernels import TritonAttention  # imports triton: CUDA only
+
+    return TritonAttention()

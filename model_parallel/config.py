@@ -124,8 +124,8 @@ class ParallelConfig:
             raise ValueError("cpu thread counts must be >= 0")
         if self.cpu_wide_step_tokens < 0:
             raise ValueError("cpu_wide_step_tokens must be >= 0")
-        if self.attention_backend not in ("auto", "sdpa", "xformers"):
-            raise ValueError("attention_backend must be auto, sdpa or xformers")
+        if self.attention_backend not in ("auto", "sdpa", "xformers", "triton"):
+            raise ValueError("attention_backend must be auto, sdpa, xformers or triton")
 
 
 MAX_LORA_RANK = 64  # stacked adapter buffers are padded to max_lora_rank; the issue caps ranks at 64

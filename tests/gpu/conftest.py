@@ -28,10 +28,22 @@ def xformers_or_skip() -> None:
         pytest.skip(f"xformers unavailable: {reason} (python -m xformers.info says why)")
 
 
-@pytest.fixture(params=["xformers", "sdpa"])
+def triton_or_skip() -> None:
+    try:
+        from model_parallel.triton_kernels import TritonAttention
+
+        TritonAttention().probe(torch.device("cuda"))
+    except Exception as exc:  # no triton, or no compiler for this GPU
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        pytest.skip(f"triton kernels unavailable: {reason}")
+
+
+@pytest.fixture(params=["xformers", "triton", "sdpa"])
 def backend(request) -> str:
     if request.param == "xformers":
         xformers_or_skip()
+    if request.param == "triton":
+        triton_or_skip()
     return request.param
 
 

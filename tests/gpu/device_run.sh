@@ -19,6 +19,7 @@ export PYTHONPATH=$PWD:/tmp/site
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; df -h /dev/shm /tmp;
   python3 -c "import torch,transformers;print('torch',torch.__version__,'cuda',torch.version.cuda,'tf',transformers.__version__,torch.cuda.get_device_name())";
   python3 -c "import xformers, xformers.ops.fmha as f; print('xformers', xformers.__version__, 'ok')";
+  python3 -c "import triton; print('triton', triton.__version__)";
   timeout 60 python3 -m xformers.info 2>&1 | grep -iE "fmha|flash|cutlass|build|torch|cuda|triton" | head -40; } > $OUT/env.txt 2>&1
 head -8 $OUT/env.txt
 if [ "$WHAT" != bench ]; then
@@ -26,12 +27,14 @@ if [ "$WHAT" != bench ]; then
   RAYLLM_GPU_TEST_GGUF=$PWD/.gpu/smollm2-6layers.gguf timeout ${LANE_S:-200} python3 -m pytest -m gpu tests/gpu -v \
     -p no:cacheprovider -o addopts="" -rs --tb=short --durations=12 --timeout=120 ${LANE_K:+-k "$LANE_K"} > $OUT/gpu_lane.log 2>&1
   echo "lane rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " $OUT/gpu_lane.log | head -60
+  timeout 120 python3 -m pytest tests/unit/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" --tb=short \
+    > $OUT/triton_unit.log 2>&1; echo "triton unit rc=$?"; tail -15 $OUT/triton_unit.log
 fi
 if [ "$WHAT" != lane ]; then
   echo "== bench $(date -u +%T)"
   avail=$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1); [ "${avail:-0}" -gt 24 ] && export TMPDIR=/dev/shm
   timeout ${BENCH_S:-260} python3 benchmarks/engine_bench.py --device cuda --shape llama-3.1-8b --dtypes bfloat16 \
-    --batches ${BATCHES:-1,16,64,256} --new-tokens 128 --rounds 1 --profile $OUT/prof ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
+    --batches ${BATCHES:-1,16,64,256} --new-tokens 128 --rounds 1 --profile $OUT/prof ${BENCH_ARGS:---attention-backends triton,sdpa} > $OUT/bench.log 2>&1
   echo "bench rc=$?"; grep -vE "it/s\]|tensor/s\]" $OUT/bench.log | tail -40
 fi
 echo "== done $(date -u +%T)"
