@@ -11,6 +11,7 @@ static-cache decoding recompiles per batch size, minutes per size).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -138,6 +139,12 @@ def profile_decode(engine: LLMEngine, batch: list[list[int]], out_dir: str, devi
         if device.type == "cuda":  # the GPU's kernels, then the host's own work (what keeps the GPU waiting)
             f.write(events.table(sort_by="cuda_time_total", row_limit=25) + "\n\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
+    if len(batch) == 1 and device.type == "cuda":  # the timeline: where the GPU waits on the host
+        trace = os.path.join(out_dir, "trace_decode_b1.json")
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            dst.write(src.read())
+        os.remove(trace)
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")  # 0 on CPU
     return {"profile_batch": len(batch), "step_wall_ms": round(wall * 1e3, 3),
             "gpu_kernel_ms_per_step": round(kernel_us / steps / 1e3, 3)}

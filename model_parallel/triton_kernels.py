@@ -90,15 +90,21 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_row, k_head, v_ro
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr, qlen_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, table_ptr, ctx_ptr, qstart_ptr, qlen_ptr, part_o_ptr, lse_ptr,
     q_row, q_head, o_row, o_head, c_head, c_block, c_pos, table_stride,
-    scale, block_size, group, head_dim,
+    scale, block_size, group, head_dim, n_heads, n_parts, part_len,
     BLOCK_M: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Program (sequence, KV head, query tile): the tile's rows x the KV head's query heads form the M
-    dimension, BLOCK_M // GROUP_P rows of GROUP_P (padded) heads; keys come BLOCK_N at a time."""
-    seq, kv_head, tile = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    dimension, BLOCK_M // GROUP_P rows of GROUP_P (padded) heads; keys come BLOCK_N at a time.
+    SPLIT (decode rows only): the third axis is a partition of part_len keys instead of a query tile;
+    each writes its normalised output and log-sum-exp for _merge_partitions_kernel."""
+    seq, kv_head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if SPLIT:
+        tile, part = 0, tl.program_id(2)
+    else:
+        tile, part = tl.program_id(2), 0
     rows_per_tile: tl.constexpr = BLOCK_M // GROUP_P
     q_len = tl.load(qlen_ptr + seq)
     if tile * rows_per_tile < q_len:
@@ -119,9 +125,11 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 below
-        for start in range(0, last, BLOCK_N):
+        lo = part * part_len
+        hi = tl.minimum(last, lo + part_len)
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            n_ok = n < last
+            n_ok = n < hi
             block = tl.load(table_ptr + seq * table_stride + n // block_size, mask=n_ok, other=0).to(tl.int64)
             kv_off = kv_head * c_head + block * c_block + (n % block_size) * c_pos
             kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -137,8 +145,32 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + (q_start + row)[:, None] * o_row + head[:, None] * o_head + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        if SPLIT:  # an empty partition (past the context) weighs nothing: its log-sum-exp is -inf
+            slot = (seq * n_heads + head) * n_parts + part
+            tl.store(part_o_ptr + slot[:, None] * head_dim + d[None, :], out, mask=m_ok[:, None] & d_ok[None, :])
+            tl.store(lse_ptr + slot, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i)), mask=m_ok)
+        else:
+            tl.store(out_ptr + (q_start + row)[:, None] * o_row + head[:, None] * o_head + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_partitions_kernel(part_o_ptr, lse_ptr, out_ptr, qstart_ptr, o_row, o_head, n_heads, n_parts, head_dim,
+                             BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (sequence, query head): the partitions' outputs weighted by their share of the softmax."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < n_parts
+    base = (seq * n_heads + head) * n_parts
+    lse = tl.load(lse_ptr + base + p, mask=p_ok, other=float("-inf"))
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.max(lse, axis=0)))
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    parts = tl.load(part_o_ptr + (base + p)[:, None] * head_dim + d[None, :], mask=p_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    q_start = tl.load(qstart_ptr + seq)
+    tl.store(out_ptr + q_start * o_row + head * o_head + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -171,6 +203,9 @@ class TritonKernels:
     """Triton kernels on CUDA tensors (bf16 for norm, SiLU and rotary; bf16, fp16 or fp32 for attention)."""
 
     vectorized = True  # cpu_kernels' flag for "the fused norm and SiLU beat torch's": so do these
+
+    def __init__(self, sm_count: int | None = None) -> None:
+        self.sm_count = sm_count  # the device's multiprocessors (read at first use): sizes decode's split
 
     def step_args(self, block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
                   q_lens: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> StepArgs:
@@ -215,17 +250,40 @@ class TritonKernels:
         # Decode-only steps: one row per tile; prefill chunks: up to 64 (row, head) pairs a tile.
         block_m, block_n = (max(16, group_p), 32) if t == s else (max(64, group_p), 64)
         rows = block_m // group_p
-        max_q = t - s + 1  # without reading the lengths back: no sequence has more rows than this
-        grid = (s, hk, triton.cdiv(max_q, rows))
+        n_parts, part_len = self.partitions(s * hk, step.tables.shape[1] * bs, block_n, q.device) if t == s else (1, 0)
+        part_o = lse = out  # placeholders: read only when split
+        if n_parts > 1:
+            part_o = torch.empty(s * hq * n_parts * d, dtype=torch.float32, device=q.device)
+            lse = torch.empty(s * hq * n_parts, dtype=torch.float32, device=q.device)
+            grid = (s, hk, n_parts)
+        else:
+            max_q = t - s + 1  # without reading the lengths back: no sequence has more rows than this
+            grid, part_len = (s, hk, triton.cdiv(max_q, rows)), 1 << 30
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, step.tables, step.ctx_lens, step.q_starts, step.q_lens,
+            q, k_cache, v_cache, out, step.tables, step.ctx_lens, step.q_starts, step.q_lens, part_o, lse,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.tables.stride(0),
-            d**-0.5 if scale is None else scale, bs, group, d,
+            d**-0.5 if scale is None else scale, bs, group, d, hq, n_parts, part_len,
             BLOCK_M=block_m, GROUP_P=group_p, BLOCK_N=block_n, BLOCK_D=_pow2(d, 16),
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=n_parts > 1,
         )
+        if n_parts > 1:
+            _merge_partitions_kernel[(s, hq)](part_o, lse, out, step.q_starts, out.stride(0), out.stride(1), hq,
+                                              n_parts, d, BLOCK_P=_pow2(n_parts), BLOCK_D=_pow2(d, 16))
         return out
+
+    def partitions(self, programs: int, max_ctx: int, block_n: int, device: torch.device) -> tuple[int, int]:
+        """(partitions, keys each) for a decode step of `programs` (sequence, KV head) pairs whose contexts
+        fit in max_ctx (the block tables' width, fixed per captured graph): enough partitions to give
+        every SM two programs, of at least two key tiles each. At batch 1 with 8 KV heads, unsplit, 8 SMs
+        of 132 would walk the whole context."""
+        if self.sm_count is None:
+            self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        want = triton.cdiv(2 * self.sm_count, programs)
+        if want <= 1:
+            return 1, 0
+        part_len = max(2 * block_n, triton.cdiv(triton.cdiv(max_ctx, want), block_n) * block_n)
+        return triton.cdiv(max_ctx, part_len), part_len
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,5 +36,10 @@ if [ "$WHAT" != lane ]; then
   timeout ${BENCH_S:-260} python3 benchmarks/engine_bench.py --device cuda --shape llama-3.1-8b --dtypes bfloat16 \
     --batches ${BATCHES:-1,16,64,256} --new-tokens 128 --rounds 1 --profile $OUT/prof ${BENCH_ARGS:---attention-backends triton,sdpa} > $OUT/bench.log 2>&1
   echo "bench rc=$?"; grep -vE "it/s\]|tensor/s\]" $OUT/bench.log | tail -40
+  if [ -n "${BENCH2_ARGS:-}" ]; then  # a second shape of run, e.g. long-context decode
+    timeout ${BENCH2_S:-200} python3 benchmarks/engine_bench.py --device cuda --shape llama-3.1-8b --dtypes bfloat16 \
+      --rounds 1 $BENCH2_ARGS > $OUT/bench2.log 2>&1
+    echo "bench2 rc=$?"; grep -vE "it/s\]|tensor/s\]" $OUT/bench2.log | tail -20
+  fi
 fi
 echo "== done $(date -u +%T)"

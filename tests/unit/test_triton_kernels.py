@@ -88,19 +88,27 @@ def reference_attention(q, k_cache, v_cache, tables, ctx_lens, q_starts, q_lens,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 1, 7, 20]], ids=["decode", "mixed"])
-def test_write_kv_then_paged_attention_match_the_reference(dtype: torch.dtype, q_lens: list[int]) -> None:
+@pytest.mark.parametrize(("q_lens", "ctx_lens", "sm_count"), [
+    ([1, 1, 1], [9, 1, 30], None),
+    ([1, 1, 7, 20], [9, 1, 30, 20], None),
+    # Few (sequence, KV head) programs for many SMs: each context split into partitions of 64 keys (the
+    # last ones empty for the shorter context), merged by their log-sum-exp.
+    ([1, 1], [300, 150], 64),
+], ids=["decode", "mixed", "split_decode"])
+def test_write_kv_then_paged_attention_match_the_reference(dtype: torch.dtype, q_lens: list[int],
+                                                           ctx_lens: list[int], sm_count: int | None) -> None:
     """Decode rows and prefill chunks after cached prefixes, GQA (3 query heads per KV head), head dim
     80 (padded to 128 inside the kernel), blocks of 4 scattered over the cache."""
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("the interpreter's tl.dot reads bf16 as raw bits (numpy has no bf16); fp16 takes the same path")
     torch.manual_seed(2)
-    hq, hk, d, bs, num_blocks = 6, 2, 80, 4, 64
-    ctx_lens = [9, 1, 30, 20][: len(q_lens)]
+    kernels = TritonKernels(sm_count) if sm_count else K
+    hq, hk, d, bs = 6, 2, 80, 4
+    width = max(-(-c // bs) for c in ctx_lens)
+    num_blocks = width * len(ctx_lens) + 8
     k_cache = torch.randn(hk, num_blocks, bs, d, device=DEVICE).to(dtype)
     v_cache = torch.randn(hk, num_blocks, bs, d, device=DEVICE).to(dtype)
     perm = torch.randperm(num_blocks).tolist()
-    width = max(-(-c // bs) for c in ctx_lens)
     tables = torch.tensor([perm[i * width : (i + 1) * width] for i in range(len(q_lens))], dtype=torch.int32,
                           device=DEVICE)
     t = sum(q_lens)
@@ -115,11 +123,13 @@ def test_write_kv_then_paged_attention_match_the_reference(dtype: torch.dtype, q
     write_cache(want_k, slot_t, k_new)
     write_cache(want_v, slot_t, v_new)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    step = K.step_args(tables, torch.tensor(ctx_lens, **i32), torch.tensor(starts, **i32), torch.tensor(q_lens, **i32),
+    step = kernels.step_args(tables, torch.tensor(ctx_lens, **i32), torch.tensor(starts, **i32), torch.tensor(q_lens, **i32),
                        slot_t)
-    K.write_kv(k_new, v_new, k_cache, v_cache, step)
+    kernels.write_kv(k_new, v_new, k_cache, v_cache, step)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
-    got = K.paged_attention(q, k_cache, v_cache, step, scale=0.1)
+    if sm_count:
+        assert kernels.partitions(len(q_lens) * hk, width * bs, 32, DEVICE) == (5, 64)
+    got = kernels.paged_attention(q, k_cache, v_cache, step, scale=0.1)
     want = reference_attention(q, want_k, want_v, tables, step.ctx_lens, step.q_starts, step.q_lens, 0.1)
     # Half precision: probabilities are rounded to the cache's dtype before the PV product (as flash
     # attention does), so a few steps of that dtype.
