@@ -167,7 +167,8 @@ def bench_shape(args) -> None:
             del hf
             hf = None
         refs: dict[int, list[float]] = {}
-        for backend in args.attention_backends.split(","):
+        variants = [(b, int(n)) for b in args.attention_backends.split(",") for n in args.graph_pieces.split(",")]
+        for backend, pieces in variants:
             t0 = time.perf_counter()
             engine = LLMEngine(EngineConfig(
                 model=ModelConfig(model=folder, dtype=args.dtypes.split(",")[0],
@@ -177,8 +178,9 @@ def bench_shape(args) -> None:
                                   enable_prefix_caching=not args.no_prefix_cache),
                 scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches))),
                 parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads,
-                                        attention_backend=backend)))
-            print(f"our engine ({backend}) loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                                        attention_backend=backend, cuda_graph_pieces=pieces)))
+            print(f"our engine ({backend}, {pieces} graph pieces) loaded in {time.perf_counter() - t0:.0f} s",
+                  file=sys.stderr)
             try:
                 _bench_engine(args, engine, hf, refs, batches, dtype, block_size, weight_bytes)
             finally:
@@ -196,7 +198,8 @@ def _bench_engine(args, engine: LLMEngine, hf, refs: dict[int, list[float]], bat
     common = {"bench": "engine", "shape": args.shape, "random_weights": True, "device": device_name(args.device),
               "dtype": str(dtype).removeprefix("torch."), "new_tokens": args.new_tokens,
               "prompt_tokens": args.prompt_tokens, "block_size": block_size, "attention_backend": backend,
-              "cuda_graphs": getattr(runner, "graphs", None) is not None}
+              "cuda_graphs": getattr(runner, "graphs", None) is not None,
+              "cuda_graph_pieces": engine.config.parallel.cuda_graph_pieces}
     batch: list[list[int]] = []
     for b in batches:
         batch = torch.randint(0, vocab, (b, args.prompt_tokens), generator=gen).tolist()
@@ -213,7 +216,7 @@ def _bench_engine(args, engine: LLMEngine, hf, refs: dict[int, list[float]], bat
             "ours_runs": [round(x, 1) for x in ours_runs], "transformers_runs": [round(x, 1) for x in ref_runs],
         }), flush=True)
     if args.profile:
-        out_dir = os.path.join(args.profile, str(backend))
+        out_dir = os.path.join(args.profile, f"{backend}-{engine.config.parallel.cuda_graph_pieces}")
         os.makedirs(out_dir, exist_ok=True)
         for b in sorted({1, min(64, max(batches))}):
             rows = torch.randint(0, vocab, (b, args.prompt_tokens), generator=gen).tolist()

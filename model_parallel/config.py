@@ -106,6 +106,9 @@ class ParallelConfig:
     executor: str = "auto"
     # CUDA: capture decode steps as CUDA graphs for a ladder of batch sizes (cuda_graphs.py). Ignored on CPU.
     cuda_graphs: bool = True
+    # Graphs per captured batch size, each a run of layers: launching a graph costs the host time per
+    # kernel while the GPU waits; in pieces the GPU starts on the first while the rest launch.
+    cuda_graph_pieces: int = 1
     # CPU, tensor_parallel_size > 1: the all-reduce of row-parallel outputs (model_parallel/allreduce.py).
     # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
     # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
@@ -126,6 +129,8 @@ class ParallelConfig:
             raise ValueError("cpu_wide_step_tokens must be >= 0")
         if self.attention_backend not in ("auto", "sdpa", "xformers", "triton"):
             raise ValueError("attention_backend must be auto, sdpa, xformers or triton")
+        if not 1 <= self.cuda_graph_pieces <= 64:
+            raise ValueError("cuda_graph_pieces must be between 1 and 64")
 
 
 MAX_LORA_RANK = 64  # stacked adapter buffers are padded to max_lora_rank; the issue caps ranks at 64

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ from model_parallel.attention import AttentionMetadata, decode_gather_index
 log = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (ids, positions, metadata, pieces) -> None at each pause between layers, then the hidden states.
+Pieces = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], Iterator[torch.Tensor | None]]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -44,7 +46,9 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 
 class DecodeGraphs:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
-                 num_kv_heads: int, device: torch.device, capture: bool = True) -> None:
+                 num_kv_heads: int, device: torch.device, capture: bool = True, pieces: int = 1) -> None:
+        """pieces: graphs per batch size, each a run of layers (model.forward_pieces), replayed in turn:
+        a graph's launch costs host time per kernel, and the GPU waits for all of it before starting."""
         self.sizes = capture_sizes(max_num_seqs)
         self.width, self.block_size, self.scratch_block = max_blocks_per_seq, block_size, scratch_block
         self.num_kv_heads = num_kv_heads
@@ -64,9 +68,11 @@ class DecodeGraphs:
         self.ids, self.positions, self.slots = self.long_dev.view(3, b)
         self.ctx_lens, self.q_starts = self.int_dev[: 2 * b].view(2, b)
         self.tables = self.int_dev[2 * b:].view(b, w)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.forward: Forward | None = None
+        self.pieces = pieces
+        self.forward_pieces: Pieces | None = None
 
     def size_for(self, seqs) -> int | None:
         """The captured size for a step of decode rows only (one token each) that fits; else None."""
@@ -123,15 +129,26 @@ class DecodeGraphs:
         )
 
     def _run(self, size: int) -> torch.Tensor:
+        if self.forward_pieces is not None:
+            *_, out = self._pieces(size)
+            assert out is not None
+            return out
         assert self.forward is not None
         return self.forward(self.ids[:size], self.positions[:size], self.metadata(size))
 
-    def capture(self, forward: Forward, capturable: Callable[[], bool] = lambda: True) -> bool:
+    def _pieces(self, size: int) -> Iterator[torch.Tensor | None]:
+        """The metadata is built inside the first piece, so each replay rebuilds it from the buffers."""
+        assert self.forward_pieces is not None
+        yield from self.forward_pieces(self.ids[:size], self.positions[:size], self.metadata(size), self.pieces)
+
+    def capture(self, forward: Forward, capturable: Callable[[], bool] = lambda: True,
+                forward_pieces: Pieces | None = None) -> bool:
         """Warm each size up eagerly (lazy initialisation, kernel choices), then capture it, largest first
         so the smaller graphs reuse its memory pool. `capturable` is asked after each warm-up (the
         attention backend may have fallen back to a path that copies from Python lists); False stops
         and leaves the graphs off. Returns whether the graphs (or, without capture, the path) are on."""
         self.forward = forward
+        self.forward_pieces = forward_pieces if self.pieces > 1 else None
         if not self.capture_enabled:
             return True
         pool = torch.cuda.graph_pool_handle()
@@ -146,12 +163,20 @@ class DecodeGraphs:
             if not capturable():
                 self.forward, self.graphs, self.outputs = None, {}, {}
                 return False
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._run(size)
-            self.graphs[size] = graph
+            # One graph, or one per piece: a piece's outputs stay referenced (by the generator) while the
+            # next is captured, so they live in the pool across the graphs' boundaries.
+            steps = self._pieces(size) if self.forward_pieces is not None else iter([None])
+            self.graphs[size], out = [], None
+            for _ in range(self.pieces if self.forward_pieces is not None else 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = next(steps) if self.forward_pieces is not None else self._run(size)
+                self.graphs[size].append(graph)
+            assert out is not None
+            self.outputs[size] = out
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        log.info("captured decode CUDA graphs for batch sizes %s (%d per size)", self.sizes,
+                 len(self.graphs[self.sizes[0]]))
         return True
 
     def run(self, seqs) -> torch.Tensor | None:
@@ -162,6 +187,7 @@ class DecodeGraphs:
             return None
         self.stage(seqs, size)
         if size in self.graphs:
-            self.graphs[size].replay()
+            for graph in self.graphs[size]:
+                graph.replay()
             return self.outputs[size][: len(seqs)]
         return self._run(size)[: len(seqs)]  # capture=False: the same static-buffer path, eagerly

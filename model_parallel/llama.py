@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -158,13 +160,25 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; logits are computed only for rows that need them."""
+        *_, x = self.forward_pieces(input_ids, positions, kv_caches, meta, 1)
+        return x
+
+    def forward_pieces(self, input_ids, positions, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta,
+                       pieces: int) -> Iterator[torch.Tensor | None]:
+        """forward, paused `pieces - 1` times between layers (None at each pause, the hidden states at the
+        end): cuda_graphs.py captures each piece as its own graph, so the GPU starts on the first one
+        while the host still launches the rest."""
         x = self.embed_tokens(input_ids)
         residual = None
         rope = self.rotary.tables(positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        n = len(self.layers)
+        pauses = {n * i // pieces for i in range(1, pieces)}
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer.forward(rope, x, residual, kv, meta)  # see LlamaDecoderLayer.forward
+            if i + 1 in pauses:
+                yield None
         x, _ = self.norm(x, residual)
-        return x
+        yield x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

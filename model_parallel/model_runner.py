@@ -198,6 +198,10 @@ class ModelRunner:
     def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def model_forward_pieces(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                             pieces: int):
+        return self.model.forward_pieces(input_ids, positions, self.kv_caches, meta, pieces)
+
     def _known_adapters(self, step: StepInput, errors: dict[str, str]) -> StepInput:
         """Drop sequences tagged with an adapter this rank does not hold (unloaded under them): each
         fails alone. Every rank holds the same adapters, so every rank drops the same sequences."""

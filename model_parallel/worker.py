@@ -203,12 +203,15 @@ class Worker:
         assert self.runner is not None
         bs = self.config.cache.block_size
         max_len = self.config.model.max_model_len or self.arch.max_position_embeddings
+        # Families with their own forward (no forward_pieces) are captured whole.
+        pieces = self.config.parallel.cuda_graph_pieces if hasattr(self.model, "forward_pieces") else 1
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
-                              self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device)
+                              self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
         try:
-            captured = graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True))
+            captured = graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True),
+                                      self.runner.model_forward_pieces)
         except Exception as exc:  # an op that cannot be captured here: serve eagerly rather than not at all
             log.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
             torch.cuda.synchronize(self.device)

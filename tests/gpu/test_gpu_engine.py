@@ -45,13 +45,15 @@ def tiny_llama(tmp_path) -> str:
     return str(path)
 
 
-def config(model: str, backend: str, dtype: str = "float32", graphs: bool = True, **cache) -> EngineConfig:
+def config(model: str, backend: str, dtype: str = "float32", graphs: bool = True, pieces: int = 1,
+           **cache) -> EngineConfig:
     """512 blocks of 64 tokens unless a test asks otherwise; sizing from the GPU's free memory has its own test."""
     return EngineConfig(
         model=ModelConfig(model=model, dtype=dtype),
         cache=CacheConfig(**({"num_blocks_override": 512, "block_size": 64} | cache)),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),  # long prompts go in chunks
-        parallel=ParallelConfig(device="cuda", attention_backend=backend, cuda_graphs=graphs),
+        parallel=ParallelConfig(device="cuda", attention_backend=backend, cuda_graphs=graphs,
+                                cuda_graph_pieces=pieces),
     )
 
 
@@ -163,19 +165,22 @@ def test_prefix_cache_and_preemption_keep_greedy_output(gguf_path, eos, chat_pro
 
 
 def test_cuda_graphs_on_and_off_give_the_same_tokens(gguf_path, eos, chat_prompts, backend):
+    """Off, on, and on in 4 pieces per batch size (cuda_graph_pieces)."""
     outs = {}
-    for graphs in (True, False):
-        engine = LLMEngine(config(gguf_path, backend, graphs=graphs), eos_token_ids=eos)
+    for graphs, pieces in ((True, 1), (True, 4), (False, 1)):
+        engine = LLMEngine(config(gguf_path, backend, graphs=graphs, pieces=pieces), eos_token_ids=eos)
         try:
             worker = engine.executor.worker
             if graphs and getattr(worker.attn_backend, "paged_decode", True) is False:
                 pytest.skip("this xformers build has no paged decode kernel, so graphs stay off (logged)")
             assert (worker.runner.graphs is not None) == graphs
+            if graphs:
+                assert {len(g) for g in worker.runner.graphs.graphs.values()} == {pieces}
             # 1, 3 and 8 sequences: exact and padded captured sizes.
-            outs[graphs] = [engine.generate(chat_prompts[:n], NO_EOS) for n in (1, 3, 8)]
+            outs[graphs, pieces] = [engine.generate(chat_prompts[:n], NO_EOS) for n in (1, 3, 8)]
         finally:
             engine.shutdown()
-    assert outs[True] == outs[False]
+    assert outs[True, 1] == outs[False, 1] == outs[True, 4]
 
 
 def test_every_sampling_feature_runs_on_cuda(gguf_path, eos, hf_tokenizer, chat_prompts, backend):

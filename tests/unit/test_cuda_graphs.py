@@ -103,3 +103,34 @@ def test_steps_the_graphs_do_not_cover_run_eagerly(monkeypatch):
     assert graphs.size_for(too_long) is None
     graphs.forward = types.SimpleNamespace  # never called for these
     assert graphs.run(prefill) is None
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 5])
+def test_pieces_of_a_decoder_run_as_the_whole(pieces):
+    """A 5-layer decoder (random weights) decoded through DecodeGraphs in 1, 3 and 5 pieces (graphs per
+    size on CUDA; here the same generator, run eagerly) equals the runner's eager forward."""
+    from model_parallel.config import LlamaArch
+    from model_parallel.llama import LlamaForCausalLM
+    from model_parallel.parallel import TPGroup
+
+    torch.manual_seed(3)
+    arch = LlamaArch(hidden_size=32, intermediate_size=48, num_layers=5, num_heads=HQ, num_kv_heads=HK, head_dim=D,
+                     vocab_size=50, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                     tie_word_embeddings=True)
+    model = LlamaForCausalLM(arch, TPGroup(), SDPAAttention())
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    caches = [(torch.randn(HK, NUM_BLOCKS + 1, BS, D), torch.randn(HK, NUM_BLOCKS + 1, BS, D)) for _ in range(5)]
+    eager = ModelRunner(model, [tuple(c.clone() for c in kv) for kv in caches], BS, 50, torch.device("cpu"), True)
+    graph = ModelRunner(model, caches, BS, 50, torch.device("cpu"), True)
+    graphs = DecodeGraphs(8, WIDTH, BS, NUM_BLOCKS, HK, torch.device("cpu"), capture=False, pieces=pieces)
+    graphs.capture(graph.model_forward, forward_pieces=graph.model_forward_pieces)
+    graph.graphs = graphs
+    tables = [[7, 2, 19], [4, 8], [11, 0, 23]]
+    step = StepInput([SeqStep(f"s{i}", [3 * i + 1], pos, tables[i], sample=True) for i, pos in enumerate((9, 5, 10))])
+    scratch = [tuple(c.clone() for c in kv) for kv in caches]
+    pieces_out = list(model.forward_pieces(*eager.prepare(step)[:2], scratch, eager.prepare(step)[2], pieces))
+    assert len(pieces_out) == pieces and all(s is None for s in pieces_out[:-1])
+    want = eager.forward(step)
+    torch.testing.assert_close(pieces_out[-1], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graph.forward(step), want, atol=1e-5, rtol=1e-5)
