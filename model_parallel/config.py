@@ -108,7 +108,7 @@ class ParallelConfig:
     cuda_graphs: bool = True
     # Graphs per captured batch size, each a run of layers: launching a graph costs the host time per
     # kernel while the GPU waits; in pieces the GPU starts on the first while the rest launch.
-    cuda_graph_pieces: int = 1
+    cuda_graph_pieces: int = 8
     # CPU, tensor_parallel_size > 1: the all-reduce of row-parallel outputs (model_parallel/allreduce.py).
     # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
     # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.

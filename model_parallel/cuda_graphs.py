@@ -103,8 +103,11 @@ class DecodeGraphs:
             ints[0, i] = pos + 1
             tables[i, :used] = s.block_table[:used]
         nb = self.cuda_nonblocking()
-        self.long_dev.view(3, b)[:, :size].copy_(self.long_host.view(3, b)[:, :size], non_blocking=nb)
-        self.int_dev[: 2 * b].view(2, b)[:, :size].copy_(self.int_host[: 2 * b].view(2, b)[:, :size], non_blocking=nb)
+        # Whole rows of the [3, b] / [2, b] buffers (a few KB): a [:, :size] slice is strided, and torch
+        # copies a strided pinned source through a pageable clone and a scatter kernel, tens of us of
+        # host time each on the GPU's timeline (docs/benchmarks.md), where a contiguous one is one DMA.
+        self.long_dev.copy_(self.long_host, non_blocking=nb)
+        self.int_dev[: 2 * b].copy_(self.int_host[: 2 * b], non_blocking=nb)
         self.tables[:size].copy_(self.int_host[2 * b:].view(b, self.width)[:size], non_blocking=nb)
 
     def cuda_nonblocking(self) -> bool:
@@ -165,14 +168,13 @@ class DecodeGraphs:
                 return False
             # One graph, or one per piece: a piece's outputs stay referenced (by the generator) while the
             # next is captured, so they live in the pool across the graphs' boundaries.
-            steps = self._pieces(size) if self.forward_pieces is not None else iter([None])
+            steps = self._pieces(size) if self.forward_pieces is not None else None
             self.graphs[size], out = [], None
-            for _ in range(self.pieces if self.forward_pieces is not None else 1):
+            while out is None:  # until the piece that returns the hidden states
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = next(steps) if self.forward_pieces is not None else self._run(size)
+                    out = next(steps) if steps is not None else self._run(size)
                 self.graphs[size].append(graph)
-            assert out is not None
             self.outputs[size] = out
         torch.cuda.synchronize(self.device)
         log.info("captured decode CUDA graphs for batch sizes %s (%d per size)", self.sizes,

@@ -204,7 +204,8 @@ class Worker:
         bs = self.config.cache.block_size
         max_len = self.config.model.max_model_len or self.arch.max_position_embeddings
         # Families with their own forward (no forward_pieces) are captured whole.
-        pieces = self.config.parallel.cuda_graph_pieces if hasattr(self.model, "forward_pieces") else 1
+        pieces = min(self.config.parallel.cuda_graph_pieces, self.arch.num_layers) if hasattr(
+            self.model, "forward_pieces") else 1
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
                               self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
