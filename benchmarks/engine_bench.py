@@ -191,7 +191,8 @@ def main() -> None:
                     help="--shape on CUDA: our engine's share; transformers' model and static cache need the rest")
     ap.add_argument("--attention-backends", default="auto",
                     help="--shape: our engine once per backend, in this order (e.g. triton,sdpa on CUDA)")
-    ap.add_argument("--graph-pieces", default="1", help="--shape on CUDA: parallel.cuda_graph_pieces values to compare")
+    ap.add_argument("--graph-pieces", default=str(ParallelConfig.cuda_graph_pieces),
+                    help="--shape on CUDA: parallel.cuda_graph_pieces values to compare")
     ap.add_argument("--profile", default="", help="--shape: write torch.profiler tables of decode steps here")
     ap.add_argument("--tp", type=int, default=1, help="> 1: CPU tensor parallel, see engine_bench_tp.py")
     ap.add_argument("--cpu-allreduce", default="gloo,deepspeed", help="--tp: the all-reduce backends to compare")

@@ -87,10 +87,10 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    # auto: xformers on CUDA; on CPU the C paged-attention kernel (cpu_kernels.py) runs every sequence
-    # of a step, decode rows and prefill chunks alike, and torch (SDPA per prefill chunk) runs only when
-    # the kernel does not build or the model has sliding-window or soft-capped layers. sdpa: torch only.
-    # xformers: CUDA only.
+    # auto: on CUDA xformers if its kernels run, else triton (triton_kernels.py), else SDPA; on CPU the C
+    # paged-attention kernel (cpu_kernels.py) runs every sequence of a step, decode rows and prefill
+    # chunks alike, and torch (SDPA per prefill chunk) runs only when the kernel does not build or the
+    # model has sliding-window or soft-capped layers. sdpa: torch only. xformers, triton: CUDA only.
     attention_backend: str = "auto"
     # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
     cpu_threads_per_rank: int = 0
