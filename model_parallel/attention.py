@@ -355,16 +355,17 @@ class XformersAttention:
 
 
 def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention | XformersAttention:
-    """auto: on CUDA, xformers when its kernels run here, else the Triton kernels when they compile and
-    agree with torch (triton_kernels.py), else torch SDPA; on CPU, SDPAAttention with the C kernels when
-    they build. sdpa: torch only (the reference path). An explicit choice is honoured or fails."""
+    """auto: on CUDA, the Triton kernels when they compile and agree with torch (triton_kernels.py; the
+    backend measured on a GPU, docs/benchmarks.md), else xformers when its kernels run here, else torch
+    SDPA; on CPU, SDPAAttention with the C kernels when they build. sdpa: torch only (the reference
+    path). An explicit choice is honoured or fails."""
     if choice == "sdpa":
         return SDPAAttention()
     if choice == "auto" and device.type != "cuda":
         return SDPAAttention(cpu_kernels.load())
     if device.type != "cuda":
         raise ValueError(f"attention_backend {choice} needs CUDA")
-    for name in ("xformers", "triton"):
+    for name in ("triton", "xformers"):
         if choice not in ("auto", name):
             continue
         try:

@@ -87,7 +87,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    # auto: on CUDA xformers if its kernels run, else triton (triton_kernels.py), else SDPA; on CPU the C
+    # auto: on CUDA triton (triton_kernels.py) if it runs, else xformers, else SDPA; on CPU the C
     # paged-attention kernel (cpu_kernels.py) runs every sequence of a step, decode rows and prefill
     # chunks alike, and torch (SDPA per prefill chunk) runs only when the kernel does not build or the
     # model has sliding-window or soft-capped layers. sdpa: torch only. xformers, triton: CUDA only.

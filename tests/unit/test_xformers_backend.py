@@ -17,6 +17,7 @@ import pytest
 import torch
 from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
+from model_parallel import attention as attention_module
 from model_parallel.attention import SDPAAttention, XformersAttention, make_attention_backend
 from model_parallel.block_manager import FREED
 from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
@@ -122,6 +123,11 @@ def test_paged_bias_is_built_once_per_step(monkeypatch):
 def test_backend_choice(monkeypatch, caplog):
     install_fake_xformers(monkeypatch)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # First without triton (auto tries it before xformers): as on a machine without it.
+    def no_triton():
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(attention_module, "_triton_backend", no_triton)
     assert make_attention_backend("auto", cpu).name == "sdpa"
     with pytest.raises(ValueError, match="needs CUDA"):
         make_attention_backend("xformers", cpu)
@@ -148,3 +154,16 @@ def test_backend_choice(monkeypatch, caplog):
     assert "xformers attention unavailable" in caplog.text
     with pytest.raises(ImportError):
         make_attention_backend("xformers", cuda)
+    assert "triton attention unavailable" in caplog.text
+    # With triton: its probe (real kernels on the GPU, none here) stood in for; auto takes it first.
+    triton_kernels = pytest.importorskip("model_parallel.triton_kernels")
+    monkeypatch.undo()
+    install_fake_xformers(monkeypatch)
+    monkeypatch.setattr(XformersAttention, "probe", lambda self, device: None)
+    monkeypatch.setattr(triton_kernels.TritonAttention, "probe", lambda self, device: probed.append(device))
+    probed.clear()
+    backend = make_attention_backend("auto", cuda)
+    assert backend.name == "triton" and probed == [cuda] and isinstance(backend.kernels, triton_kernels.TritonKernels)
+    assert make_attention_backend("xformers", cuda).name == "xformers"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        make_attention_backend("triton", cpu)
