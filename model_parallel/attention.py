@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from model_parallel import cpu_kernels
-from model_parallel.cpu_kernels import KERNEL_DTYPES, PagedKernels
+from model_parallel.cpu_kernels import PagedKernels
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,8 @@ class SDPAAttention:
         (`torch_attention_only`), so those steps never take this first branch."""
         t, hq, d = q.shape
         scale = d**-0.5 if scale is None else scale
-        if self.kernels is not None and meta.seq_block_tables is not None and k_cache.dtype in KERNEL_DTYPES:
+        if (self.kernels is not None and meta.seq_block_tables is not None
+                and k_cache.dtype in self.kernels.attention_dtypes):
             if window is not None or softcap is not None:
                 raise RuntimeError("windowed or soft-capped attention needs the torch metadata")
             step = meta.derived.get("kernel_step")

@@ -165,6 +165,11 @@ class PagedKernels:
         # AVX-512 BF16 build: the norm and SiLU kernels beat torch's from 1 to 1,024 tokens and are
         # level at 2,048; the scalar fallback loses from a few tokens, so then the model keeps torch's.
         self.vectorized = bool(lib.kernels_vectorized())
+        # What the model's layers may hand these kernels: attention and cache writes in bf16 or fp32,
+        # rotary in bf16, the norm and SiLU in bf16 when vectorized.
+        self.attention_dtypes = KERNEL_DTYPES
+        self.rotary_dtypes = frozenset({_BF16})
+        self.fused_dtypes = frozenset({_BF16}) if self.vectorized else frozenset()
 
     def step_args(self, block_tables: torch.Tensor, ctx_lens: torch.Tensor, q_starts: torch.Tensor | None = None,
                   q_lens: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> StepArgs:

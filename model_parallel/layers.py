@@ -23,8 +23,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); fusing the residual add saves one pass over activations."""
         weight = self.weight
-        if (self.kernels is not None and self.kernels.vectorized and x.dtype == torch.bfloat16
-                and weight.dtype == torch.bfloat16):
+        if self.kernels is not None and x.dtype in self.kernels.fused_dtypes and weight.dtype == x.dtype:
             return self.kernels.add_rms_norm(x, residual, weight, self.eps)
         if residual is not None:
             x = x + residual

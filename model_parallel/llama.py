@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
             k_view = qkv[:, q_size : q_size + kv_size].view(t, -1, d)
             q_view.copy_(self.q_norm(q_view)[0])
             k_view.copy_(self.k_norm(k_view)[0])
-        if self.kernels is not None and qkv.dtype == torch.bfloat16 and self.rotary.rotary_dim == d:
+        if self.kernels is not None and qkv.dtype in self.kernels.rotary_dtypes and self.rotary.rotary_dim == d:
             # Rotate q and k in place; q, k and v stay views of qkv, which the kernels read strided.
             self.kernels.rotary_(qkv, (q_size + kv_size) // d, d, rope[0], rope[1])
             q, k, v = qkv.view(t, -1, d).split((q_size // d, kv_size // d, kv_size // d), 1)
@@ -72,7 +72,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        if self.kernels is not None and self.kernels.vectorized and gate_up.dtype == torch.bfloat16:
+        if self.kernels is not None and gate_up.dtype in self.kernels.fused_dtypes:
             return self.down_proj.forward(self.kernels.silu_and_mul(gate_up))
         return self.down_proj.forward(silu_and_mul(gate_up))
 

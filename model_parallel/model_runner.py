@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from model_parallel.attention import AttentionMetadata, PrefillChunk, decode_gather_index
-from model_parallel.cpu_kernels import KERNEL_DTYPES
 from model_parallel.input_buffers import InputBuffers
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampling_inputs import SamplingInputs, describe, prompt_logprobs
@@ -73,14 +72,14 @@ class ModelRunner:
         # xformers reads the paged cache in place through block tables; when its kernels cannot serve a
         # step's mix of query lengths it falls back to a varlen batch gathered from these context slots.
         self.needs_context_slots = getattr(backend, "name", "") == "xformers"
-        # The C kernel reads block tables and lengths directly, for decode and prefill alike; the torch
-        # path needs masks, gather indices and context slots built from them.
-        # Models with sliding-window or soft-capped layers, which the kernel does not do, keep the torch path.
-        self.paged_kernels = (getattr(backend, "kernels", None) is not None and bool(kv_caches)
-                              and kv_caches[0][0].dtype in KERNEL_DTYPES
+        # The C and Triton kernels read block tables and lengths directly, for decode and prefill alike;
+        # the torch path needs masks, gather indices and context slots built from them. Models with
+        # sliding-window or soft-capped layers, which the kernels do not do, keep the torch path.
+        kernels = getattr(backend, "kernels", None)
+        self.paged_kernels = (kernels is not None and bool(kv_caches)
+                              and kv_caches[0][0].dtype in kernels.attention_dtypes
                               and not getattr(model, "torch_attention_only", False))
         self.seq_tables = self.paged_kernels or self.needs_context_slots  # every sequence's block table, int32
-        kernels = getattr(backend, "kernels", None)
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:

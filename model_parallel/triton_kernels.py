@@ -202,7 +202,9 @@ class StepArgs:
 class TritonKernels:
     """Triton kernels on CUDA tensors (bf16 for norm, SiLU and rotary; bf16, fp16 or fp32 for attention)."""
 
-    vectorized = True  # cpu_kernels' flag for "the fused norm and SiLU beat torch's": so do these
+    # As cpu_kernels.PagedKernels: the dtypes the model's layers may hand each group of kernels.
+    attention_dtypes = frozenset({torch.bfloat16, torch.float16, torch.float32})
+    rotary_dtypes = fused_dtypes = frozenset({torch.bfloat16, torch.float16})
 
     def __init__(self, sm_count: int | None = None) -> None:
         self.sm_count = sm_count  # the device's multiprocessors (read at first use): sizes decode's split

@@ -2,9 +2,9 @@
 
 Triton compiles for GPUs only: here its interpreter (TRITON_INTERPRET=1, set before the kernels are
 imported) runs the same kernel code on CPU, and the backend is chosen by patching the worker's factory,
-which refuses Triton without CUDA. fp32: the interpreter cannot multiply bf16 (tests/unit/
-test_triton_kernels.py), so the norm, rotary and SiLU kernels (bf16 only) stay torch here and are tested
-there; the GPU lane runs all of it natively in bf16.
+which refuses Triton without CUDA. fp16: every kernel runs (attention, cache write, norm, rotary, SiLU),
+where bf16 cannot (the interpreter's tl.dot reads bf16 as raw bits, tests/unit/test_triton_kernels.py);
+the GPU lane runs all of it natively in bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from model_parallel.triton_kernels import TritonAttention  # noqa: E402
 
 def make_engine(gguf_path: str) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="float32"),
+        model=ModelConfig(model=gguf_path, dtype="float16"),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         # 16 tokens a step: the longer prompt is prefilled in chunks after its own cached part.
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
@@ -35,8 +35,8 @@ def make_engine(gguf_path: str) -> LLMEngine:
 
 
 def test_greedy_tokens_equal_the_torch_path(gguf_path, chat_prompts, monkeypatch):
-    prompts = [chat_prompts[0][:40], chat_prompts[1][:6]]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [chat_prompts[0][:24], chat_prompts[1][:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     reference = make_engine(gguf_path)
     try:
         want = reference.generate(prompts, params)
@@ -47,6 +47,8 @@ def test_greedy_tokens_equal_the_torch_path(gguf_path, chat_prompts, monkeypatch
     try:
         worker = engine.executor.worker
         assert worker.attn_backend.name == "triton" and worker.runner.paged_kernels
+        layer = worker.model.layers[0]
+        assert layer.input_layernorm.kernels is worker.attn_backend.kernels  # the fused kernels are in use
         assert engine.generate(prompts, params) == want
     finally:
         engine.shutdown()
