@@ -34,6 +34,21 @@ log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
 
+# oneDNN keeps every GEMM primitive it builds twice over, in its primitive cache and in ideep's LRU cache,
+# 1,024 of each by default, keyed by shape. Served, every step's row count is a new shape (about five
+# primitives each): the caches filled for hundreds of rounds and grew the engine's RSS by hundreds of MB
+# (docs/benchmarks.md, soak). 256 still holds the last ~50 step sizes at no measured step-time cost.
+ONEDNN_CACHE_CAPACITY = "256"
+
+
+def child_env(environ: dict[str, str]) -> dict[str, str]:
+    """The child's environment: the parent's, with bounded oneDNN caches unless the operator set them."""
+    env = dict(environ)
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in env:  # oneDNN's older name for the same setting
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
+    env.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
+    return env
+
 
 class EngineProcessError(EngineDeadError):
     """The child is gone (or never started): the serving layer answers 503 and health fails."""
@@ -47,7 +62,7 @@ class EngineProcess:
         # and torch's threads) nor multiprocessing's spawn (which re-runs the parent's __main__ script).
         parent_sock, child_sock = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "model_parallel.engine_process", str(child_sock.fileno())],
-                                      pass_fds=(child_sock.fileno(),))
+                                      pass_fds=(child_sock.fileno(),), env=child_env(dict(os.environ)))
         child_sock.close()
         self._conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
