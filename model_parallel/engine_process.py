@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
 
-# oneDNN keeps every GEMM primitive it builds twice over, in its primitive cache and in ideep's LRU cache,
-# 1,024 of each by default, keyed by shape. Served, every step's row count is a new shape (about five
-# primitives each): the caches filled for hundreds of rounds and grew the engine's RSS by hundreds of MB
-# (docs/benchmarks.md, soak). 256 still holds the last ~50 step sizes at no measured step-time cost.
+# oneDNN keeps the GEMM primitives it builds in two caches keyed by shape, its own and ideep's LRU, 1,024
+# each by default; either one alone holds ~0.5 MB per shape. Served, each new step row count M is five new
+# shapes, and the caches grew the engine's RSS for dozens of soak rounds (up to ~1.5 GB if every M up to
+# 1,024 occurs). 256 holds the last ~50 step sizes: a steady batch never misses, a soak re-created
+# primitives for < 1 % of its time (docs/benchmarks.md, soak).
 ONEDNN_CACHE_CAPACITY = "256"
 
 
