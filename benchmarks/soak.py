@@ -7,8 +7,11 @@ Per round: `--streams` streaming /v1/chat/completions at `--concurrency`, every 
 client after its first few chunks. Then it waits for the engine to go idle and prints one JSON line:
 the engine process's RSS before and after the round (read from /proc: the server must run on this
 machine, with its engine in its own process, as cluster.yaml sets it), and the KV-cache usage and
-running/waiting counts once idle (from /metrics), which must return to 0. Not a test: numbers go to
-docs/benchmarks.md.
+running/waiting counts once idle (from /metrics), which must return to 0, and the RSS change over the
+round (`engine_rss_delta_mb`, the largest engine process). A last line gives the verdict: the RSS growth
+over the last `--tail` rounds, `"flat": true` when it is at most `--flat-mb`. The first rounds grow while
+oneDNN's per-shape caches fill (bounded by the engine process; docs/benchmarks.md): read the tail. Not a
+test: numbers go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import socket
 import sys
 import time
+from itertools import pairwise
 
 import httpx
 
@@ -143,10 +147,13 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--tail", type=int, default=10, help="the verdict's rounds: the last N")
+    ap.add_argument("--flat-mb", type=float, default=20, help="flat: at most this growth over the tail")
     a = ap.parse_args()
     base = start_local() if a.start or not a.url else a.url.rstrip("/")
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     pids = engine_pids()
+    series: list[float] = []  # the largest engine process's RSS after each round (before the first, first)
     for r in range(a.rounds):
         before = {p: rss_mb(p) for p in pids}
         t0 = time.monotonic()
@@ -154,13 +161,23 @@ def main() -> None:
         seconds = time.monotonic() - t0
         idle, waited = wait_idle(base, headers)
         after = {p: rss_mb(p) for p in pids}
+        if not series:
+            series.append(max((v or 0) for v in before.values()) if before else 0)
+        series.append(max((v or 0) for v in after.values()) if after else 0)
         print(json.dumps({"round": r, "streams": a.streams, "concurrency": a.concurrency, "outcomes": counts,
                           "round_s": round(seconds, 1), "idle_after_s": round(waited, 1),
                           "engine_rss_mb_before": {str(p): v and round(v, 1) for p, v in before.items()},
                           "engine_rss_mb_after": {str(p): v and round(v, 1) for p, v in after.items()},
+                          "engine_rss_delta_mb": round(series[-1] - series[-2], 1),
                           "idle_running": idle.get("num_requests_running"),
                           "idle_waiting": idle.get("num_requests_waiting"),
                           "idle_kv_usage": idle.get("kv_cache_usage_perc")}), flush=True)
+    tail = min(a.tail, len(series) - 1)
+    growth = series[-1] - series[-1 - tail] if tail else 0.0
+    print(json.dumps({"verdict": "flat" if growth <= a.flat_mb else "growing", "flat": growth <= a.flat_mb,
+                      "tail_rounds": tail, "tail_growth_mb": round(growth, 1), "flat_mb": a.flat_mb,
+                      "rss_first_mb": round(series[0], 1), "rss_last_mb": round(series[-1], 1),
+                      "per_round_mb": [round(y - x, 1) for x, y in pairwise(series)]}), flush=True)
 
 
 if __name__ == "__main__":

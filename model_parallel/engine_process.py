@@ -34,6 +34,22 @@ log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
 
+# oneDNN keeps the GEMM primitives it builds in two caches keyed by shape, its own and ideep's LRU, 1,024
+# each by default; either one alone holds ~0.5 MB per shape. Served, each new step row count M is five new
+# shapes, and the caches grew the engine's RSS for dozens of soak rounds (up to ~1.5 GB if every M up to
+# 1,024 occurs). 256 holds the last ~50 step sizes: a steady batch never misses, a soak re-created
+# primitives for < 1 % of its time (docs/benchmarks.md, soak).
+ONEDNN_CACHE_CAPACITY = "256"
+
+
+def child_env(environ: dict[str, str]) -> dict[str, str]:
+    """The child's environment: the parent's, with bounded oneDNN caches unless the operator set them."""
+    env = dict(environ)
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in env:  # oneDNN's older name for the same setting
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
+    env.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
+    return env
+
 
 class EngineProcessError(EngineDeadError):
     """The child is gone (or never started): the serving layer answers 503 and health fails."""
@@ -47,7 +63,7 @@ class EngineProcess:
         # and torch's threads) nor multiprocessing's spawn (which re-runs the parent's __main__ script).
         parent_sock, child_sock = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "model_parallel.engine_process", str(child_sock.fileno())],
-                                      pass_fds=(child_sock.fileno(),))
+                                      pass_fds=(child_sock.fileno(),), env=child_env(dict(os.environ)))
         child_sock.close()
         self._conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()

@@ -5,12 +5,13 @@ equal the in-process engine's is checked in test_engine_client.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from model_parallel.engine_client import ProcessClient
-from model_parallel.engine_process import EngineProcess
+from model_parallel.engine_process import ONEDNN_CACHE_CAPACITY, EngineProcess, child_env
 from model_parallel.guided import GrammarCompiler
 from model_parallel.outputs import EngineDeadError
 from model_parallel.sampling_params import GuidedSpec, SamplingParams
@@ -53,6 +54,21 @@ def test_refusal_abort_and_stats_cross_the_pipe(process_engine, chat_prompts):
 
     stats = asyncio.run(run())
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
+
+
+def test_the_child_bounds_onednn_caches_unless_the_operator_set_them(process_engine):
+    """Unbounded, oneDNN's two per-shape caches grew the served engine by hundreds of MB (docs/benchmarks.md)."""
+    with open(f"/proc/{process_engine.process._proc.pid}/environ", "rb") as f:
+        env = dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    wanted = child_env(dict(os.environ))  # the runner's own settings, if any, win
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == wanted["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert env["LRU_CACHE_CAPACITY"] == wanted["LRU_CACHE_CAPACITY"]
+    assert child_env({}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY,
+                             "LRU_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY}
+    assert child_env({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "16"}) == \
+        {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "16"}
+    assert child_env({"DNNL_PRIMITIVE_CACHE_CAPACITY": "8"}) == \
+        {"DNNL_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY}
 
 
 def test_grammar_constrained_request_in_the_child(process_engine, hf_tokenizer, chat_prompts):
