@@ -35,10 +35,9 @@ log = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
 
 # oneDNN keeps the GEMM primitives it builds in two caches keyed by shape, its own and ideep's LRU, 1,024
-# each by default; either one alone holds ~0.5 MB per shape. Served, each new step row count M is five new
-# shapes, and the caches grew the engine's RSS for dozens of soak rounds (up to ~1.5 GB if every M up to
-# 1,024 occurs). 256 holds the last ~50 step sizes: a steady batch never misses, a soak re-created
-# primitives for < 1 % of its time (docs/benchmarks.md, soak).
+# each by default. Served, each new step row count is five new shapes, and the caches grew the engine's
+# RSS for dozens of soak rounds. 256 holds the last ~50 step sizes: a steady batch never misses, and a
+# soak's rebuilt primitives cost a small share of its time (docs/benchmarks.md, soak).
 ONEDNN_CACHE_CAPACITY = "256"
 
 
