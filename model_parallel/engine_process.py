@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from model_parallel.config import EngineConfig
+from model_parallel.cpu_kernels import onednn_cache_env
 from model_parallel.engine import EngineDeadError
 from model_parallel.outputs import SequenceError
 from model_parallel.sampling_inputs import describe
@@ -34,20 +35,9 @@ log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
 
-# oneDNN keeps the GEMM primitives it builds in two caches keyed by shape, its own and ideep's LRU, 1,024
-# each by default. Served, each new step row count is five new shapes, and the caches grew the engine's
-# RSS for dozens of soak rounds. 256 holds the last ~50 step sizes: a steady batch never misses, and a
-# soak's rebuilt primitives cost a small share of its time (docs/benchmarks.md, soak).
-ONEDNN_CACHE_CAPACITY = "256"
-
-
 def child_env(environ: dict[str, str]) -> dict[str, str]:
     """The child's environment: the parent's, with bounded oneDNN caches unless the operator set them."""
-    env = dict(environ)
-    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in env:  # oneDNN's older name for the same setting
-        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
-    env.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)
-    return env
+    return dict(environ) | onednn_cache_env(environ)
 
 
 class EngineProcessError(EngineDeadError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import uuid
 
@@ -14,6 +15,7 @@ import torch
 
 from model_parallel import kv_cache
 from model_parallel.config import EngineConfig, LlamaArch
+from model_parallel.cpu_kernels import onednn_cache_env
 from model_parallel.model_runner import StepInput, StepOutput
 from model_parallel.worker import Worker
 
@@ -106,6 +108,7 @@ class RayExecutor:
                     placement_group=pg, placement_group_bundle_index=first_bundle + rank
                 ),
                 max_concurrency=1,
+                runtime_env={"env_vars": onednn_cache_env(os.environ)},  # set before the rank's torch starts
             ).remote(config, model_path, arch, rank, init)
             for rank in range(tp)
         ]

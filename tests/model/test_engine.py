@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import ray
 import torch
 
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from model_parallel.cpu_kernels import onednn_cache_env
 from model_parallel.engine import LLMEngine
 from model_parallel.sampling_params import SamplingParams
 
@@ -149,6 +153,10 @@ def test_tensor_parallel_2_greedy_matches(gguf_path, eos, chat_prompts, referenc
     eng = make_engine(gguf_path, eos, tp=2)
     try:
         assert eng.generate(chat_prompts[:4], GREEDY) == reference_outputs[:4]
+        # Each rank's process started with oneDNN's shape caches bounded (as the engine child's are).
+        envs = ray.get([w.__ray_call__.remote(lambda self: {k: os.environ.get(k) for k in onednn_cache_env({})})
+                              for w in eng.executor.workers])
+        assert envs == [{k: os.environ.get(k, v) for k, v in onednn_cache_env({}).items()}] * 2
     finally:
         eng.shutdown()
 

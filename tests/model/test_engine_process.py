@@ -10,8 +10,9 @@ import os
 import pytest
 
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from model_parallel.cpu_kernels import ONEDNN_CACHE_CAPACITY
 from model_parallel.engine_client import ProcessClient
-from model_parallel.engine_process import ONEDNN_CACHE_CAPACITY, EngineProcess, child_env
+from model_parallel.engine_process import EngineProcess, child_env
 from model_parallel.guided import GrammarCompiler
 from model_parallel.outputs import EngineDeadError
 from model_parallel.sampling_params import GuidedSpec, SamplingParams
