@@ -11,6 +11,10 @@ for handle paths, the CPU µs per call of the caller and of the called replica (
 
 - `handle_render_chat`: ingress -> tokenizer deployment `render_chat` -> back; `handle_encode`: the same
   for `encode` of the rendered prompt (a plain method: Serve runs it in a thread pool);
+- `batcher_render_chat`: the same render as the ingress makes it, through `deployments.render_batcher`
+  (concurrent renders coalesced into `render_chat_batch` calls; `renders_per_call` says how many went together);
+  `batcher_pickle`: the same with plain pickle instead of cloudpickle (only Serve's gRPC transport, the
+  `serving_env` variant, serializes that way);
 - `handle_echo`, `handle_echo_sync`: the same trips to a deployment that does nothing (async / plain);
   `actor_echo`: the same reply from a plain Ray actor (no Serve router or replica machinery);
 - `inproc_*`: the stages inside the tokenizer replica, timed in this process without Ray:
@@ -109,7 +113,9 @@ def replica_cpu_s(app: str, deployment: str) -> float:
 # runs in a thread pool), and the echo deployment's async and plain answers (Serve alone).
 PATHS = {"handle_echo": ("echo", "render_chat"), "handle_echo_sync": ("echo", "render_chat_sync"),
          "handle_render_chat": ("tokenizer", "render_chat"), "handle_encode": ("tokenizer", "encode"),
-         "actor_echo": ("actor", "render_chat")}  # a plain Ray actor call: Ray's share of Serve's
+         "actor_echo": ("actor", "render_chat"),  # a plain Ray actor call: Ray's share of Serve's
+         "batcher_render_chat": ("tokenizer", "batcher"),  # as the ingress renders: deployments.render_batcher
+         "batcher_pickle": ("tokenizer", "batcher_pickle")}  # the same, plain pickle on Serve's gRPC transport
 ECHO_REPLY = ("x" * 160, list(range(32)))  # the size of a typical render_chat answer
 PROMPT_TEXT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital "
                "of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n")
@@ -120,6 +126,8 @@ def serve_app(model_name: str, model_path: str, variant: str):
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
+    from deployments.model_routes import ModelTokenizer
+    from deployments.render_batcher import RenderBatcher
     from deployments.tokenizer import TokenizerDeployment
 
     env = VARIANTS[variant]
@@ -153,6 +161,9 @@ def serve_app(model_name: str, model_path: str, variant: str):
 
         def __init__(self, tokenizer: DeploymentHandle, echo: DeploymentHandle):
             self.handles = {"tokenizer": tokenizer, "echo": echo, "actor": EchoActor.remote()}
+            pickled = tokenizer.options(request_serialization="pickle", response_serialization="pickle")
+            self.batchers = {"batcher": RenderBatcher(ModelTokenizer(tokenizer, model_name)),
+                             "batcher_pickle": RenderBatcher(ModelTokenizer(pickled, model_name))}
 
         async def measure(self, path: str, n: int, concurrency: int) -> list[float]:
             deployment, method = PATHS[path]
@@ -163,11 +174,17 @@ def serve_app(model_name: str, model_path: str, variant: str):
             async def client(k: int) -> None:
                 for _ in range(k):
                     t0 = time.perf_counter()
-                    await getattr(handle, method).remote(model_name, *args)  # as the ingress calls it
+                    if method in self.batchers:
+                        await self.batchers[method].render(MESSAGES)
+                    else:
+                        await getattr(handle, method).remote(model_name, *args)
                     times.append(time.perf_counter() - t0)
 
             await asyncio.gather(*(client(n // concurrency) for _ in range(concurrency)))
             return times
+
+        def batch_calls(self) -> int:
+            return sum(b.calls for b in self.batchers.values())
 
     tokenizer = TokenizerDeployment.options(ray_actor_options=actor_options("tokenizer")).bind({model_name: model_path})
     echo = Echo.options(ray_actor_options=actor_options("echo")).bind()
@@ -191,18 +208,22 @@ def through_serve(model_name: str, model_path: str, n: int, concurrencies: list[
             keys = [(v, p) for v in variants for p in paths]
             times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
             cpu = {k: [0.0, 0.0] for k in keys}  # CPU seconds of the caller and of the called replica
+            calls = dict.fromkeys(keys, 0)  # handle calls the batcher made
             for v, p in keys:  # warm-up, not measured
                 callers[v].measure.remote(p, 50, c).result()
             for _ in range(rounds):  # alternate, so drifting machine load hits every path alike
                 for v, p in keys:
                     app, target = f"tokenizer_bench_{v}", PATHS[p][0]
                     before = replica_cpu_s(app, "caller"), replica_cpu_s(app, target)
+                    calls_before = callers[v].batch_calls.remote().result()
                     times[v, p].extend(callers[v].measure.remote(p, n // rounds, c).result())
+                    calls[v, p] += callers[v].batch_calls.remote().result() - calls_before
                     cpu[v, p][0] += replica_cpu_s(app, "caller") - before[0]
                     cpu[v, p][1] += replica_cpu_s(app, target) - before[1]
             out.extend(stats(p, ts, variant=v, concurrency=c,
                              cpu_caller_us=round(cpu[v, p][0] / len(ts) * 1e6, 1),
-                             cpu_callee_us=None if PATHS[p][0] == "actor" else round(cpu[v, p][1] / len(ts) * 1e6, 1))
+                             cpu_callee_us=None if PATHS[p][0] == "actor" else round(cpu[v, p][1] / len(ts) * 1e6, 1),
+                             **({"renders_per_call": round(len(ts) / calls[v, p], 2)} if calls[v, p] else {}))
                        for (v, p), ts in times.items())
         return out
     finally:

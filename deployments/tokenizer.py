@@ -339,6 +339,19 @@ class TokenizerDeployment:
     async def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.service(model).decode(ids, skip_special_tokens)
 
+    async def render_chat_batch(self, model: str,
+                                calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | ValueError]:
+        """Several requests' renders with the model's own template in one round trip (render_chat's keyword
+        arguments but chat_template; deployments.render_batcher): a client's error is returned in its place."""
+        service = self.service(model)
+        out: list[tuple[str, list[int]] | ValueError] = []
+        for messages, kw in calls:
+            try:
+                out.append(service.render_chat(messages, **kw))
+            except ValueError as exc:
+                out.append(exc)
+        return out
+
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, chat_template: str | None = None,
                           chat_template_kwargs: dict | None = None,
