@@ -11,12 +11,14 @@ for handle paths, the CPU µs per call of the caller and of the called replica (
 
 - `handle_render_chat`: ingress -> tokenizer deployment `render_chat` -> back; `handle_encode`: the same
   for `encode` of the rendered prompt (a plain method: Serve runs it in a thread pool);
-- `batcher_render_chat`: the same render as the ingress makes it, through `deployments.render_batcher`
-  (concurrent renders coalesced into `render_chat_batch` calls; `renders_per_call` says how many went together);
-  `batcher_pickle`: the same with plain pickle instead of cloudpickle (only Serve's gRPC transport, the
-  `serving_env` variant, serializes that way);
+- `direct_render_chat`: the same render as the ingress makes it (`deployments.render_batcher`): over the
+  tokenizer replica's direct channel (`deployments.render_channel`, a Unix socket on the same node);
+  `batcher_render_chat`: its fallback through the handle, concurrent renders coalesced into
+  `render_chat_batch` calls (`renders_per_call` says how many went together);
 - `handle_echo`, `handle_echo_sync`: the same trips to a deployment that does nothing (async / plain);
   `actor_echo`: the same reply from a plain Ray actor (no Serve router or replica machinery);
+- `socket_echo`: the same request and a reply of that size as JSON over a Unix socket to another process, no
+  Ray (the floor of any cross-process call on this machine);
 - `inproc_*`: the stages inside the tokenizer replica, timed in this process without Ray:
   `render_chat` (all of it), `messages` (the message checks), `template` (the jinja render), `encode`.
 
@@ -77,6 +79,60 @@ def in_process(model_path: str, n: int) -> list[dict]:
     return out
 
 
+def _echo_server(path: str, reply: bytes) -> None:
+    """Answers each length-prefixed JSON request on the Unix socket `path` with `reply` (socket_echo's peer)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                size = int.from_bytes(await reader.readexactly(4), "little")
+            except asyncio.IncompleteReadError:
+                return
+            json.loads(await reader.readexactly(size))
+            writer.write(len(reply).to_bytes(4, "little") + reply)
+
+    async def main() -> None:
+        await (await asyncio.start_unix_server(handle, path)).serve_forever()
+
+    asyncio.run(main())
+
+
+def socket_echo(n: int) -> dict:
+    """The floor of any call to another process here, without Ray: render_chat's request and a reply of its
+    size as JSON over a Unix socket, asyncio on both sides."""
+    import multiprocessing
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "echo.sock")
+    reply = json.dumps(ECHO_REPLY).encode()
+    peer = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(path, reply), daemon=True)
+    peer.start()
+
+    async def client() -> list[float]:
+        while True:  # until the peer listens
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(0.01)
+        body = json.dumps(["bench-model", MESSAGES]).encode()
+        times = []
+        for i in range(n + 20):  # 20 warm-up calls
+            t0 = time.perf_counter()
+            writer.write(len(body).to_bytes(4, "little") + body)
+            size = int.from_bytes(await reader.readexactly(4), "little")
+            json.loads(await reader.readexactly(size))
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        writer.close()
+        return times
+
+    try:
+        return stats("socket_echo", asyncio.run(client()), concurrency=1)
+    finally:
+        peer.kill()
+
+
 # Ray Serve's per-process switches, per variant: {deployment: env}. `RUN_USER_CODE_IN_SEPARATE_THREAD=0`
 # runs a replica's methods on the loop that receives the call (one thread hop less each way);
 # `RUN_ROUTER_IN_SEPARATE_LOOP=0` runs a handle's router on the caller's loop (the same, on the caller's side).
@@ -114,8 +170,8 @@ def replica_cpu_s(app: str, deployment: str) -> float:
 PATHS = {"handle_echo": ("echo", "render_chat"), "handle_echo_sync": ("echo", "render_chat_sync"),
          "handle_render_chat": ("tokenizer", "render_chat"), "handle_encode": ("tokenizer", "encode"),
          "actor_echo": ("actor", "render_chat"),  # a plain Ray actor call: Ray's share of Serve's
-         "batcher_render_chat": ("tokenizer", "batcher"),  # as the ingress renders: deployments.render_batcher
-         "batcher_pickle": ("tokenizer", "batcher_pickle")}  # the same, plain pickle on Serve's gRPC transport
+         "batcher_render_chat": ("tokenizer", "batcher"),  # deployments.render_batcher through the handle
+         "direct_render_chat": ("tokenizer", "direct")}  # as the ingress renders: the replica's direct channel
 ECHO_REPLY = ("x" * 160, list(range(32)))  # the size of a typical render_chat answer
 PROMPT_TEXT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital "
                "of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n")
@@ -161,9 +217,8 @@ def serve_app(model_name: str, model_path: str, variant: str):
 
         def __init__(self, tokenizer: DeploymentHandle, echo: DeploymentHandle):
             self.handles = {"tokenizer": tokenizer, "echo": echo, "actor": EchoActor.remote()}
-            pickled = tokenizer.options(request_serialization="pickle", response_serialization="pickle")
-            self.batchers = {"batcher": RenderBatcher(ModelTokenizer(tokenizer, model_name)),
-                             "batcher_pickle": RenderBatcher(ModelTokenizer(pickled, model_name))}
+            bound = ModelTokenizer(tokenizer, model_name)
+            self.batchers = {"batcher": RenderBatcher(bound, direct=False), "direct": RenderBatcher(bound)}
 
         async def measure(self, path: str, n: int, concurrency: int) -> list[float]:
             deployment, method = PATHS[path]
@@ -245,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-serve", action="store_true", help="in-process stages only: no Ray")
     args = ap.parse_args(argv)
     path = args.model or default_model_path()
-    lines = in_process(path, args.requests)
+    lines = [*in_process(path, args.requests), socket_echo(args.requests)]
     if not args.no_serve:
         lines += through_serve("bench-model", path, args.requests,
                                [int(c) for c in args.concurrency.split(",") if c.strip()], args.rounds,

@@ -1,5 +1,6 @@
-"""Chat renders coalesced into batch calls to the tokenizer deployment (deployments/render_batcher.py), on
-the session's real Serve app: each request still gets exactly the ids of transformers' apply_chat_template."""
+"""The ingress's chat renders (deployments/render_batcher.py) on the session's real Serve app, over the tokenizer
+replica's direct channel and coalesced into batch calls through the handle: each request still gets exactly
+the ids of transformers' apply_chat_template."""
 
 from __future__ import annotations
 
@@ -25,13 +26,34 @@ def reference_ids(hf_tokenizer, messages: list[dict], add_generation_prompt: boo
                                             return_dict=False)
 
 
-def test_concurrent_renders_coalesce_and_each_equals_apply_chat_template(server, model_name, hf_tokenizer):
+def batcher_of(model_name: str, direct: bool):
     from ray import serve
 
     from deployments.model_routes import ModelTokenizer
     from deployments.render_batcher import RenderBatcher
 
-    batcher = RenderBatcher(ModelTokenizer(serve.get_deployment_handle("tokenizer", app_name="llm"), model_name))
+    return RenderBatcher(ModelTokenizer(serve.get_deployment_handle("tokenizer", app_name="llm"), model_name),
+                         direct=direct)
+
+
+def test_direct_channel_renders_equal_apply_chat_template(server, model_name, hf_tokenizer):
+    batcher = batcher_of(model_name, direct=True)
+
+    async def main() -> list:
+        assert await batcher.channel() is not None  # the tokenizer replica runs on this node
+        calls = [batcher.render(m) for m in CONVERSATIONS] + [batcher.render(BAD[0], **BAD[1])]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    *out, bad = asyncio.run(main())
+    assert isinstance(bad, ValueError) and "assistant" in str(bad)
+    for i, (messages, (text, ids)) in enumerate(zip(CONVERSATIONS, out, strict=True)):
+        assert ids == reference_ids(hf_tokenizer, messages), i
+        assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert batcher.calls == 0  # none went through the handle
+
+
+def test_concurrent_renders_coalesce_and_each_equals_apply_chat_template(server, model_name, hf_tokenizer):
+    batcher = batcher_of(model_name, direct=False)
 
     async def main() -> list:
         calls = [batcher.render(m) for m in CONVERSATIONS[:12]] + [batcher.render(BAD[0], **BAD[1])]
