@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import time
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ import ray
 
 from deployments.render_channel import RenderChannel, RenderResult
 
+log = logging.getLogger("ray.serve")
 RECONNECT_S = 10.0  # after the channel could not be had (or broke), the handle serves this long before a retry
 
 
@@ -72,8 +74,9 @@ class RenderBatcher:
             endpoint = await self.tokenizer.render_endpoint.remote()
             if endpoint["node_id"] == ray.get_runtime_context().get_node_id():
                 self._channel = await RenderChannel.connect(endpoint["path"])
-        except Exception:  # an unreachable replica or socket: the handle serves meanwhile
-            pass
+        except Exception as exc:  # an unreachable replica or socket: the handle serves meanwhile
+            log.warning("no render channel to the tokenizer (%s: %s); rendering through the handle for %g s",
+                           type(exc).__name__, exc, RECONNECT_S)
         finally:
             self._connecting = False
             if self._channel is None:

@@ -325,8 +325,9 @@ class TokenizerDeployment:
         if hasattr(self, "channel"):
             self.channel.close()
 
-    async def render_endpoint(self) -> dict:
-        """Where this replica's render channel listens (deployments.render_channel)."""
+    async def render_endpoint(self, model: str) -> dict:
+        """Where this replica's render channel listens (deployments.render_channel); it serves every model."""
+        self.service(model)
         return {"node_id": ray.get_runtime_context().get_node_id(), "path": self.channel.path}
 
     def service(self, model: str) -> TokenizerService:
