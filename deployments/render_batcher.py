@@ -1,8 +1,8 @@
 """The ingress's chat renders of one model: over the tokenizer replica's direct channel when it runs on this
 node (deployments.render_channel), else coalesced into `render_chat_batch` calls through the Serve handle.
 
-A call through a Serve handle costs milliseconds of latency and CPU on both sides on a busy machine, against
-~0.1 ms of rendering: renders that arrive while `max_in_flight` calls are out go together in the next call,
+A call through a Serve handle costs many times the render in latency and in CPU on both sides
+(docs/benchmarks.md): renders that arrive while `max_in_flight` calls are out go together in the next call,
 so the number of calls grows with the load only up to `max_in_flight` at a time (a lone request still makes
 one call of its own at once). Each request gets its own result or its own client error (a `ValueError`).
 """

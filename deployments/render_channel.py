@@ -1,8 +1,8 @@
 """A direct channel from the ingress to a tokenizer replica on the same node, for chat renders.
 
-A call through a Serve handle costs ~2.5 ms here even to a method that does nothing (the router, the
-replica's request machinery, a rejection round for strict `max_ongoing_requests`), against ~0.1 ms of
-rendering; a Unix socket to another process costs well under 0.1 ms (docs/benchmarks.md). So each tokenizer
+A call through a Serve handle costs many times the render itself, even to a method that does nothing (the
+router, the replica's request machinery, a rejection round for strict `max_ongoing_requests`); a Unix
+socket to another process costs a small fraction of the render (docs/benchmarks.md). So each tokenizer
 replica also listens on a Unix socket in a private directory (`RenderServer`), and an ingress on the same
 node sends its renders there (`RenderChannel`): length-prefixed JSON frames, pipelined on one connection.
 The replica stays a Serve deployment (its other methods, request templates, autoscaling, health); the
