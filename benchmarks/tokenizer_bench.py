@@ -11,8 +11,14 @@ for handle paths, the CPU µs per call of the caller and of the called replica (
 
 - `handle_render_chat`: ingress -> tokenizer deployment `render_chat` -> back; `handle_encode`: the same
   for `encode` of the rendered prompt (a plain method: Serve runs it in a thread pool);
+- `direct_render_chat`: the same render as the ingress makes it (`deployments.render_batcher`): over the
+  tokenizer replica's direct channel (`deployments.render_channel`, a Unix socket on the same node);
+  `batcher_render_chat`: its fallback through the handle, concurrent renders coalesced into
+  `render_chat_batch` calls (`renders_per_call` says how many went together);
 - `handle_echo`, `handle_echo_sync`: the same trips to a deployment that does nothing (async / plain);
   `actor_echo`: the same reply from a plain Ray actor (no Serve router or replica machinery);
+- `socket_echo`: the same request and a reply of that size as JSON over a Unix socket to another process, no
+  Ray (the floor of any cross-process call on this machine);
 - `inproc_*`: the stages inside the tokenizer replica, timed in this process without Ray:
   `render_chat` (all of it), `messages` (the message checks), `template` (the jinja render), `encode`.
 
@@ -73,6 +79,60 @@ def in_process(model_path: str, n: int) -> list[dict]:
     return out
 
 
+def _echo_server(path: str, reply: bytes) -> None:
+    """Answers each length-prefixed JSON request on the Unix socket `path` with `reply` (socket_echo's peer)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                size = int.from_bytes(await reader.readexactly(4), "little")
+            except asyncio.IncompleteReadError:
+                return
+            json.loads(await reader.readexactly(size))
+            writer.write(len(reply).to_bytes(4, "little") + reply)
+
+    async def main() -> None:
+        await (await asyncio.start_unix_server(handle, path)).serve_forever()
+
+    asyncio.run(main())
+
+
+def socket_echo(n: int) -> dict:
+    """The floor of any call to another process here, without Ray: render_chat's request and a reply of its
+    size as JSON over a Unix socket, asyncio on both sides."""
+    import multiprocessing
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "echo.sock")
+    reply = json.dumps(ECHO_REPLY).encode()
+    peer = multiprocessing.get_context("spawn").Process(target=_echo_server, args=(path, reply), daemon=True)
+    peer.start()
+
+    async def client() -> list[float]:
+        while True:  # until the peer listens
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                await asyncio.sleep(0.01)
+        body = json.dumps(["bench-model", MESSAGES]).encode()
+        times = []
+        for i in range(n + 20):  # 20 warm-up calls
+            t0 = time.perf_counter()
+            writer.write(len(body).to_bytes(4, "little") + body)
+            size = int.from_bytes(await reader.readexactly(4), "little")
+            json.loads(await reader.readexactly(size))
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        writer.close()
+        return times
+
+    try:
+        return stats("socket_echo", asyncio.run(client()), concurrency=1)
+    finally:
+        peer.kill()
+
+
 # Ray Serve's per-process switches, per variant: {deployment: env}. `RUN_USER_CODE_IN_SEPARATE_THREAD=0`
 # runs a replica's methods on the loop that receives the call (one thread hop less each way);
 # `RUN_ROUTER_IN_SEPARATE_LOOP=0` runs a handle's router on the caller's loop (the same, on the caller's side).
@@ -109,7 +169,9 @@ def replica_cpu_s(app: str, deployment: str) -> float:
 # runs in a thread pool), and the echo deployment's async and plain answers (Serve alone).
 PATHS = {"handle_echo": ("echo", "render_chat"), "handle_echo_sync": ("echo", "render_chat_sync"),
          "handle_render_chat": ("tokenizer", "render_chat"), "handle_encode": ("tokenizer", "encode"),
-         "actor_echo": ("actor", "render_chat")}  # a plain Ray actor call: Ray's share of Serve's
+         "actor_echo": ("actor", "render_chat"),  # a plain Ray actor call: Ray's share of Serve's
+         "batcher_render_chat": ("tokenizer", "batcher"),  # deployments.render_batcher through the handle
+         "direct_render_chat": ("tokenizer", "direct")}  # as the ingress renders: the replica's direct channel
 ECHO_REPLY = ("x" * 160, list(range(32)))  # the size of a typical render_chat answer
 PROMPT_TEXT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital "
                "of France? Answer in one sentence.<|im_end|>\n<|im_start|>assistant\n")
@@ -120,6 +182,8 @@ def serve_app(model_name: str, model_path: str, variant: str):
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
+    from deployments.model_routes import ModelTokenizer
+    from deployments.render_batcher import RenderBatcher
     from deployments.tokenizer import TokenizerDeployment
 
     env = VARIANTS[variant]
@@ -153,6 +217,8 @@ def serve_app(model_name: str, model_path: str, variant: str):
 
         def __init__(self, tokenizer: DeploymentHandle, echo: DeploymentHandle):
             self.handles = {"tokenizer": tokenizer, "echo": echo, "actor": EchoActor.remote()}
+            bound = ModelTokenizer(tokenizer, model_name)
+            self.batchers = {"batcher": RenderBatcher(bound, direct=False), "direct": RenderBatcher(bound)}
 
         async def measure(self, path: str, n: int, concurrency: int) -> list[float]:
             deployment, method = PATHS[path]
@@ -163,11 +229,17 @@ def serve_app(model_name: str, model_path: str, variant: str):
             async def client(k: int) -> None:
                 for _ in range(k):
                     t0 = time.perf_counter()
-                    await getattr(handle, method).remote(model_name, *args)  # as the ingress calls it
+                    if method in self.batchers:
+                        await self.batchers[method].render(MESSAGES)
+                    else:
+                        await getattr(handle, method).remote(model_name, *args)
                     times.append(time.perf_counter() - t0)
 
             await asyncio.gather(*(client(n // concurrency) for _ in range(concurrency)))
             return times
+
+        def batch_calls(self) -> int:
+            return sum(b.calls for b in self.batchers.values())
 
     tokenizer = TokenizerDeployment.options(ray_actor_options=actor_options("tokenizer")).bind({model_name: model_path})
     echo = Echo.options(ray_actor_options=actor_options("echo")).bind()
@@ -191,18 +263,22 @@ def through_serve(model_name: str, model_path: str, n: int, concurrencies: list[
             keys = [(v, p) for v in variants for p in paths]
             times: dict[tuple[str, str], list[float]] = {k: [] for k in keys}
             cpu = {k: [0.0, 0.0] for k in keys}  # CPU seconds of the caller and of the called replica
+            calls = dict.fromkeys(keys, 0)  # handle calls the batcher made
             for v, p in keys:  # warm-up, not measured
                 callers[v].measure.remote(p, 50, c).result()
             for _ in range(rounds):  # alternate, so drifting machine load hits every path alike
                 for v, p in keys:
                     app, target = f"tokenizer_bench_{v}", PATHS[p][0]
                     before = replica_cpu_s(app, "caller"), replica_cpu_s(app, target)
+                    calls_before = callers[v].batch_calls.remote().result()
                     times[v, p].extend(callers[v].measure.remote(p, n // rounds, c).result())
+                    calls[v, p] += callers[v].batch_calls.remote().result() - calls_before
                     cpu[v, p][0] += replica_cpu_s(app, "caller") - before[0]
                     cpu[v, p][1] += replica_cpu_s(app, target) - before[1]
             out.extend(stats(p, ts, variant=v, concurrency=c,
                              cpu_caller_us=round(cpu[v, p][0] / len(ts) * 1e6, 1),
-                             cpu_callee_us=None if PATHS[p][0] == "actor" else round(cpu[v, p][1] / len(ts) * 1e6, 1))
+                             cpu_callee_us=None if PATHS[p][0] == "actor" else round(cpu[v, p][1] / len(ts) * 1e6, 1),
+                             **({"renders_per_call": round(len(ts) / calls[v, p], 2)} if calls[v, p] else {}))
                        for (v, p), ts in times.items())
         return out
     finally:
@@ -224,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-serve", action="store_true", help="in-process stages only: no Ray")
     args = ap.parse_args(argv)
     path = args.model or default_model_path()
-    lines = in_process(path, args.requests)
+    lines = [*in_process(path, args.requests), socket_echo(args.requests)]
     if not args.no_serve:
         lines += through_serve("bench-model", path, args.requests,
                                [int(c) for c in args.concurrency.split(",") if c.strip()], args.rounds,

@@ -79,9 +79,11 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         """Selects the model `model` names for the rest of this request (404 for an unknown one)."""
         self.routes.select(model)
 
-    async def render(self, messages: list[dict], **kw) -> tuple[str, list[int]]:
+    async def render(self, messages: list[dict], chat_template: str | None = None, **kw) -> tuple[str, list[int]]:
         try:
-            return await self.tokenizer.render_chat.remote(messages, **kw)
+            if chat_template is None:  # the model's own template: coalesced with other requests' renders
+                return await self.routes.current.renderer.render(messages, **kw)
+            return await self.tokenizer.render_chat.remote(messages, chat_template=chat_template, **kw)
         except ValueError as exc:  # template or message-shape problems are the client's
             raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
                            param="messages") from None

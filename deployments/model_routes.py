@@ -19,6 +19,7 @@ from app.io_struct import ModelInfo
 from app.responses import ModelCard
 from deployments.adapter_table import AdapterTable
 from deployments.config import ModelEntry
+from deployments.render_batcher import RenderBatcher
 
 
 class _TokenizerCall:
@@ -64,6 +65,7 @@ class ModelRoute:
         self.aliases = entry.aliases
         self.llm = llm
         self.tokenizer = ModelTokenizer(tokenizer, entry.name)
+        self.renderer = RenderBatcher(self.tokenizer)
         self.created = created
         lora = entry.engine.lora
         self.adapters = RouteAdapters(entry.name, entry.aliases, dict(lora.adapters), created, lora.allowed_roots)

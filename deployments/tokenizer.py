@@ -14,6 +14,7 @@ import re
 import shutil
 import tempfile
 
+import ray
 from ray import serve
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -21,6 +22,7 @@ from app.messages import text_of
 from app.tools import detect_tool_format, inline_tools, template_knows_tools
 from deployments.cpu_priority import lower_process_priority
 from deployments.detokenizer import fast_backend
+from deployments.render_channel import RenderServer
 from deployments.template_sandbox import TemplateSandbox
 
 # Roles some chat templates do not know, mapped onto ones they do.
@@ -316,6 +318,17 @@ class TokenizerDeployment:
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
         # Each sandbox's process starts with the first request template for its model.
         self.sandboxes = {name: TemplateSandbox(path) for name, path in model_paths.items()}
+        # Renders with the models' own templates for an ingress on this node, without Serve's per-call cost.
+        self.channel = RenderServer(self.services)
+
+    def __del__(self) -> None:
+        if hasattr(self, "channel"):
+            self.channel.close()
+
+    async def render_endpoint(self, model: str) -> dict:
+        """Where this replica's render channel listens (deployments.render_channel); it serves every model."""
+        self.service(model)
+        return {"node_id": ray.get_runtime_context().get_node_id(), "path": self.channel.path}
 
     def service(self, model: str) -> TokenizerService:
         try:
@@ -338,6 +351,19 @@ class TokenizerDeployment:
 
     async def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.service(model).decode(ids, skip_special_tokens)
+
+    async def render_chat_batch(self, model: str,
+                                calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | ValueError]:
+        """Several requests' renders with the model's own template in one round trip (render_chat's keyword
+        arguments but chat_template; deployments.render_batcher): a client's error is returned in its place."""
+        service = self.service(model)
+        out: list[tuple[str, list[int]] | ValueError] = []
+        for messages, kw in calls:
+            try:
+                out.append(service.render_chat(messages, **kw))
+            except ValueError as exc:
+                out.append(exc)
+        return out
 
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, chat_template: str | None = None,

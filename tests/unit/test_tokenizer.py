@@ -244,3 +244,30 @@ def test_gguf_tokenizer_is_saved_once_and_equals_transformers_rebuild(gguf_path,
         assert (tok.bos_token, tok.eos_token, tok.all_special_tokens) == (
             hf_tokenizer.bos_token, hf_tokenizer.eos_token, hf_tokenizer.all_special_tokens)
         assert tok.encode(LONG) == hf_tokenizer.encode(LONG)
+
+
+def test_render_chat_batch_equals_apply_chat_template(gguf_path, hf_tokenizer):
+    """The batch render the ingress uses (deployments.render_batcher) gives, request by request, the ids of
+    transformers' own apply_chat_template; one request's error comes back in its place, the rest render."""
+    import asyncio
+
+    from deployments.tokenizer import TokenizerDeployment
+
+    deployment = TokenizerDeployment.func_or_class({"m": gguf_path})  # the replica's class, without Serve
+    conversations = [
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": TEXT}],
+        [{"role": "user", "content": LONG}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "?"}],
+    ]
+    bad = ([{"role": "user", "content": "Hi"}], {"add_generation_prompt": False, "continue_final_message": True})
+    calls = [(conversations[0], {}), bad, (conversations[1], {"add_generation_prompt": False}),
+             (conversations[2], {"add_generation_prompt": True})]
+    out = asyncio.run(deployment.render_chat_batch("m", calls))
+    assert isinstance(out[1], ValueError) and "assistant" in str(out[1])
+    for (messages, kw), result in ((calls[i], out[i]) for i in (0, 2, 3)):
+        add = kw.get("add_generation_prompt", True)
+        expected = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add, return_dict=False)
+        assert result == (hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add), expected)
+        assert result == asyncio.run(deployment.render_chat("m", messages, **kw))  # one by one: the same
+    with pytest.raises(ValueError, match="no tokenizer"):
+        asyncio.run(deployment.render_chat_batch("other", calls))

@@ -1,0 +1,66 @@
+"""The tokenizer replica's direct render channel (deployments/render_channel.py), server and client in this
+process's threads with the real SmolLM2 tokenizer (no Ray): the ids equal transformers' apply_chat_template."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.render_channel import RenderChannel, RenderServer
+from deployments.tokenizer import TokenizerService
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Persona: terse."}, {"role": "user", "content": "Ça va? 東京 🎉 \"quoted\" \\ \n"},
+     {"role": "assistant", "content": "Oui."}, {"role": "user", "content": "Und jetzt?"}],
+    [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+]
+
+
+@pytest.fixture(scope="module")
+def server(gguf_path):
+    server = RenderServer({"m": TokenizerService(gguf_path)})
+    yield server
+    server.close()
+
+
+def test_pipelined_renders_equal_apply_chat_template(server, hf_tokenizer):
+    async def main() -> list:
+        channel = await RenderChannel.connect(server.path)
+        calls = [channel.render("m", m, {}) for m in CONVERSATIONS]
+        calls += [channel.render("m", m, {"add_generation_prompt": False}) for m in CONVERSATIONS]
+        calls.append(channel.render("m", CONVERSATIONS[0], {"add_generation_prompt": False,
+                                                             "continue_final_message": True}))
+        calls.append(channel.render("other", CONVERSATIONS[0], {}))
+        # Only the model's own template renders here (a request's goes to the sandbox): chat_template is ignored.
+        calls.append(channel.render("m", CONVERSATIONS[0], {"chat_template": "{{ 'x' }}"}))
+        return await asyncio.gather(*calls)
+
+    out = asyncio.run(main())
+    for i, result in enumerate(out[:6]):
+        messages, add = CONVERSATIONS[i % 3], i < 3
+        if i % 3 == 2:  # developer -> system, text parts joined: what the tokenizer deployment renders
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        assert result == (hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add),
+                          hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add,
+                                                           return_dict=False)), i
+    assert isinstance(out[6], ValueError) and "assistant" in str(out[6])
+    assert isinstance(out[7], ValueError) and "no tokenizer for model 'other'" in str(out[7])
+    assert out[8] == out[0]
+
+
+def test_closed_channel_raises_connection_error(gguf_path):
+    server = RenderServer({"m": TokenizerService(gguf_path)})
+
+    async def main() -> None:
+        channel = await RenderChannel.connect(server.path)
+        assert (await channel.render("m", CONVERSATIONS[0], {}))[1]
+        server.close()  # the replica goes: the open connection ends with it
+        with pytest.raises(ConnectionError):
+            for _ in range(100):  # until the reader sees the end of the stream
+                await channel.render("m", CONVERSATIONS[0], {})
+                await asyncio.sleep(0.01)
+        assert channel.closed
+
+    asyncio.run(main())
