@@ -174,7 +174,7 @@ def parse_args(argv=None):
     ap.add_argument("--floor-dtype", default="bfloat16", help="dtype for the transformers floor")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated concurrency levels")
     ap.add_argument("--requests", type=int, default=0,
-                    help="requests per point (default: short max(4*c, 8), long max(2*c, 8))")
+                    help="requests per point (default: short max(4*c, 24), long max(2*c, 8))")
     ap.add_argument("--variants", default="short,long",
                     help="short (max_tokens 64), long (~1k-token prompts, 32), mid_long (c short streams with and "
                          "without a ~1k-token prompt arriving mid-stream: the streams' ITL p99)")
@@ -211,10 +211,11 @@ def parse_args(argv=None):
         ap.error(f"bad --variants {bad} or --concurrency {args.concurrency}")
     fixed = args.requests
     # Closed-loop clients start together, so each point has a ramp-up and a drain; short points get
-    # four rounds of requests per client so that steady state dominates. Long points keep two: the
-    # peer serves ~0.25 of them per second, and --point-timeout must still bound the run.
+    # four rounds of requests per client so that steady state dominates, and at least 24 (~12 s at one
+    # stream: rounds of 8 spread by +-15 %). Long points keep two: the peer serves ~0.25 of them per
+    # second, and --point-timeout must still bound the run.
     args.n_requests = (lambda variant, c: fixed) if fixed > 0 else (
-        lambda variant, c: max((4 if variant == "short" else 2) * c, 8))
+        lambda variant, c: max(4 * c, 24) if variant == "short" else max(2 * c, 8))
     return args
 
 

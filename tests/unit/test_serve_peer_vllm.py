@@ -63,6 +63,14 @@ def test_start_vllm_flag_parses():
     assert not serve_bench.parse_args([]).start_vllm
 
 
+def test_requests_per_point():
+    n = serve_bench.parse_args([]).n_requests
+    assert [n("short", c) for c in (1, 4, 16, 64)] == [24, 24, 64, 256]  # at least 24: short rounds are noisy
+    assert [n("long", c) for c in (1, 16)] == [8, 32]
+    assert serve_bench.parse_args(["--requests", "5"]).n_requests("short", 64) == 5
+    assert serve_bench.parse_args(["--quick"]).n_requests("short", 1) == 4
+
+
 def _point() -> list[dict]:
     return [{"server": s, "variant": "short", "concurrency": 4, "output_tokens_per_s": tps, "ttft_p50_s": ttft}
             for s, tps, ttft in (("ours", 300.0, 0.1), ("llamacpp", 100.0, 0.2), ("vllm", 150.0, 0.4))]
