@@ -165,8 +165,16 @@ def test_adapter_requests_stick_to_the_replica_that_loaded_it(lclient, lora_serv
 
     assert [served_by(f"{model_name}:sticky") for _ in range(8)] == [holder] * 8
     assert [served_by("sticky", stream=True) for _ in range(2)] == [holder] * 2
-    # Base-model requests carry no multiplexed id: they spread over both replicas.
-    assert len({served_by(model_name) for _ in range(16)}) == 2
+    # Base-model requests carry no multiplexed id: they spread over both replicas. Right after the burst
+    # above, the router's view of the holder's queue can lag (the full suite once sent 16 in a row to the
+    # other replica), so a few rounds are allowed before the spread must show.
+    seen: set[str] = set()
+    for _ in range(6):
+        seen |= {served_by(model_name) for _ in range(8)}
+        if len(seen) == 2:
+            break
+        time.sleep(0.5)
+    assert len(seen) == 2
 
 
 def test_unloading_an_adapter_mid_stream_ends_its_streams_and_the_replica_serves_on(lclient, lora_server, adapters,
