@@ -101,6 +101,10 @@ class ParallelConfig:
     cpu_threads_single_sequence: int = 0
     # 0 = only single-sequence steps get cpu_threads_single_sequence; ignored with scheduler.batch_invariant.
     cpu_wide_step_tokens: int = 0
+    # One rank on one torch thread: a step of at least this many tokens (a large decode batch) runs in
+    # two halves of its sequences on two threads, each its own GEMMs, meeting once at the step's end
+    # (split_step.py). 0 = off; ignored with scheduler.batch_invariant and tensor_parallel_size > 1.
+    cpu_half_step_tokens: int = 0
     # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
     # keeps the model off the serving replica's GIL and event loop.
     executor: str = "auto"
@@ -127,6 +131,8 @@ class ParallelConfig:
             raise ValueError("cpu thread counts must be >= 0")
         if self.cpu_wide_step_tokens < 0:
             raise ValueError("cpu_wide_step_tokens must be >= 0")
+        if self.cpu_half_step_tokens < 0:
+            raise ValueError("cpu_half_step_tokens must be >= 0")
         if self.attention_backend not in ("auto", "sdpa", "xformers", "triton"):
             raise ValueError("attention_backend must be auto, sdpa, xformers or triton")
         if not 1 <= self.cuda_graph_pieces <= 64:

@@ -12,6 +12,7 @@ from model_parallel.input_buffers import InputBuffers
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampling_inputs import SamplingInputs, describe, prompt_logprobs
 from model_parallel.sampling_params import SamplingParams
+from model_parallel.split_step import HalfThread, split_point
 
 
 @dataclass
@@ -81,6 +82,19 @@ class ModelRunner:
                               and not getattr(model, "torch_attention_only", False))
         self.seq_tables = self.paged_kernels or self.needs_context_slots  # every sequence's block table, int32
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
+        self.halves: HalfThread | None = None  # see enable_halves
+        self.half_step_tokens = 0
+
+    def enable_halves(self, min_tokens: int) -> None:
+        """CPU, one torch thread, a single rank: steps of `min_tokens`+ tokens run in two halves on two
+        threads (split_step.py). Only with the C attention kernels, whose inputs are per sequence."""
+        if min_tokens > 0 and self.paged_kernels and self.device.type == "cpu":
+            self.halves = HalfThread()
+            self.half_step_tokens = min_tokens
+
+    def close(self) -> None:
+        if self.halves is not None:
+            self.halves.close()
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -91,9 +105,10 @@ class ModelRunner:
         bs = self.block_size
         return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=blocks.device)).flatten()[:ctx_len]
 
-    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, step: StepInput, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Per-step tensors; Python work is O(new tokens + blocks), never O(context length). Every
-        integer input goes to the device in one copy (input_buffers.py); the rest is built there."""
+        integer input goes to the device in one copy (input_buffers.py); the rest is built there.
+        lora=False: the caller has set the adapters' batch (a half step's adapters are all the base)."""
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -103,7 +118,7 @@ class ModelRunner:
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         bs = self.block_size
-        if self.lora is not None:  # each token's adapter slot, for the LoRA deltas inside the linears
+        if self.lora is not None and lora:  # each token's adapter slot, for the LoRA deltas inside the linears
             self.lora.set_batch([s.lora_slot for s in step.seqs], [len(s.token_ids) for s in step.seqs])
         seq_tables: list[list[int]] = []
         ctx_blocks: list[list[int]] = []
@@ -212,6 +227,27 @@ class ModelRunner:
             errors[rid] = "the LoRA adapter of this request is no longer loaded"
         return StepInput([s for s in step.seqs if s.request_id not in unknown], step.finished_request_ids)
 
+    def _forward_halves(self, step: StepInput, cut: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states of the whole step and logits of `rows` (ascending, as execute builds them), the
+        sequences before `cut` on this thread and the rest on the half thread."""
+        assert self.halves is not None
+        if self.lora is not None:  # every sequence is on the base model (split_point): no adapter rows
+            self.lora.set_batch([0] * len(step.seqs), [len(s.token_ids) for s in step.seqs])
+        first, second = StepInput(step.seqs[:cut]), StepInput(step.seqs[cut:])
+        split = sum(len(s.token_ids) for s in first.seqs)
+        later = self.halves.submit(self._half, second, [r - split for r in rows if r >= split])
+        try:
+            hidden, logits = self._half(first, [r for r in rows if r < split])
+        finally:
+            hidden2, logits2 = later.result()  # the other half still writes this step's KV: wait for it
+        parts = [x for x in (logits, logits2) if x is not None]
+        return torch.cat([hidden, hidden2]), (torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None)
+
+    def _half(self, step: StepInput, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids, positions, meta = self.prepare(step, lora=False)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return hidden, self.model.compute_logits(hidden[rows]) if rows else None
+
     @staticmethod
     def _pool(step: StepInput, hidden: torch.Tensor) -> dict[str, list[float]]:
         """Pooling sequences' share of the final-norm hidden states (see SeqStep.pool), in fp32."""
@@ -233,8 +269,6 @@ class ModelRunner:
         step = self._known_adapters(step, errors)
         if not step.seqs:
             return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
-        hidden = self.forward(step)
-        pooled = self._pool(step, hidden) if self.is_driver else {}
         # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
         rows: list[int] = []
         sample_rows: list[int] = []
@@ -250,12 +284,20 @@ class ModelRunner:
                 sample_rows.append(len(rows))
                 rows.append(offset + n - 1)
             offset += n
-        if not rows:
-            # Every rank must still join the LM head's collective in lockstep; nothing to gather here.
+        cut = 0
+        if self.halves is not None and torch.get_num_threads() == 1:
+            cut = split_point(step.seqs, self.block_size, self.half_step_tokens)
+        if cut:
+            hidden, logits = self._forward_halves(step, cut, rows)
+        else:
+            hidden = self.forward(step)
+            # Logits stay in the model dtype (the LM head's output precision); the sampler upcasts the
+            # rows that need more than an argmax. Copying [B, vocab] fp32 tensors costs ms per step.
+            # Every rank joins the LM head's collective in lockstep, or none does (no rows).
+            logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden) if rows else None
+        pooled = self._pool(step, hidden) if self.is_driver else {}
+        if logits is None:
             return StepOutput({}, {}, {}, errors=errors, pooled=pooled) if self.is_driver else None
-        # Logits stay in the model dtype (the LM head's output precision); the sampler upcasts the
-        # rows that need more than an argmax. Copying [B, vocab] fp32 tensors costs ms per step.
-        logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden)
         if not self.is_driver:
             return None
         sampling = [s for s in step.seqs if s.sample]

@@ -193,6 +193,9 @@ class Worker:
                   and not getattr(self.model, "torch_attention_only", False))
         # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
+        par = self.config.parallel
+        if self.step_threads == 1 and par.tensor_parallel_size == 1 and not self.config.scheduler.batch_invariant:
+            self.runner.enable_halves(par.cpu_half_step_tokens)
         if graphs:
             self._capture_graphs(scratch_block=num_blocks)
 
@@ -267,6 +270,8 @@ class Worker:
             dist.destroy_process_group()
         # Drop the weights and the KV cache now (the runner and its graphs reference each other, so they
         # would wait for a garbage collection): a process that builds another engine gets the memory back.
+        if self.runner is not None:
+            self.runner.close()
         self.runner = self.model = self.lora = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -222,3 +222,30 @@ def test_a_wide_step_gets_the_single_sequence_thread_count(gguf_path, eos, chat_
         torch.set_num_threads(before)
     assert seen[0] == (wide, 2)
     assert {threads for tokens, threads in seen[1:]} == {1} and all(tokens == 2 for tokens, _ in seen[1:])
+
+
+def test_steps_in_two_halves_match_transformers(gguf_path, eos, chat_prompts, reference_outputs):
+    """cpu_half_step_tokens: steps of that many tokens run their sequences in two halves on two threads
+    (split_step.py), prefill chunks and decode batches; every output still equals transformers' alone,
+    including a burst whose later requests attend to prefix blocks the first one fills in that step."""
+    before = torch.get_num_threads()
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=256 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_half_step_tokens=4),
+        ),
+        eos_token_ids=eos,
+    )
+    try:
+        halves = eng.executor.worker.runner.halves
+        assert halves is not None
+        assert eng.generate(chat_prompts, GREEDY) == reference_outputs
+        assert halves.steps > 0
+        steps = halves.steps
+        _check_burst(eng, chat_prompts, reference_outputs)
+        assert halves.steps > steps
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)

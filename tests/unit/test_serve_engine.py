@@ -18,6 +18,7 @@ def test_engine_settings_come_from_the_served_config():
     assert engine.parallel.cpu_threads_per_rank == shipped["parallel"]["cpu_threads_per_rank"]
     assert engine.parallel.cpu_threads_single_sequence == shipped["parallel"]["cpu_threads_single_sequence"]
     assert engine.parallel.cpu_wide_step_tokens == shipped["parallel"]["cpu_wide_step_tokens"]
+    assert engine.parallel.cpu_half_step_tokens == shipped["parallel"]["cpu_half_step_tokens"]
     assert engine.scheduler.max_num_batched_tokens == shipped["scheduler"]["max_num_batched_tokens"]
     assert engine.cache.enable_prefix_caching == shipped["cache"]["enable_prefix_caching"]
     assert engine.model.model.endswith(".gguf") and Path(engine.model.model).is_file()  # null: the default model
