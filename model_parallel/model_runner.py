@@ -12,7 +12,7 @@ from model_parallel.input_buffers import InputBuffers
 from model_parallel.outputs import TokenLogprob
 from model_parallel.sampling_inputs import SamplingInputs, describe, prompt_logprobs
 from model_parallel.sampling_params import SamplingParams
-from model_parallel.split_step import HalfThread, split_point
+from model_parallel.split_step import HalfThread, VocabHalves, split_point
 
 
 @dataclass
@@ -87,10 +87,14 @@ class ModelRunner:
 
     def enable_halves(self, min_tokens: int) -> None:
         """CPU, one torch thread, a single rank: steps of `min_tokens`+ tokens run in two halves on two
-        threads (split_step.py). Only with the C attention kernels, whose inputs are per sequence."""
+        threads, and other steps' LM head in two halves of the vocabulary (split_step.py). Only with
+        the C attention kernels, whose inputs are per sequence."""
         if min_tokens > 0 and self.paged_kernels and self.device.type == "cpu":
             self.halves = HalfThread()
             self.half_step_tokens = min_tokens
+            head = getattr(self.model, "lm_head", None)
+            if head is not None and getattr(head, "onednn", None) is not None:
+                head.onednn = VocabHalves(head.weight.data, self.halves)
 
     def close(self) -> None:
         if self.halves is not None:
@@ -235,11 +239,16 @@ class ModelRunner:
             self.lora.set_batch([0] * len(step.seqs), [len(s.token_ids) for s in step.seqs])
         first, second = StepInput(step.seqs[:cut]), StepInput(step.seqs[cut:])
         split = sum(len(s.token_ids) for s in first.seqs)
-        later = self.halves.submit(self._half, second, [r - split for r in rows if r >= split])
+        self.halves.steps += 1
+        self.halves.idle = False
         try:
-            hidden, logits = self._half(first, [r for r in rows if r < split])
+            later = self.halves.submit(self._half, second, [r - split for r in rows if r >= split])
+            try:
+                hidden, logits = self._half(first, [r for r in rows if r < split])
+            finally:
+                hidden2, logits2 = later.result()  # the other half still writes this step's KV: wait for it
         finally:
-            hidden2, logits2 = later.result()  # the other half still writes this step's KV: wait for it
+            self.halves.idle = True
         parts = [x for x in (logits, logits2) if x is not None]
         return torch.cat([hidden, hidden2]), (torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None)
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from model_parallel.parallel import OneDNNWeight
+
 if TYPE_CHECKING:
     from model_parallel.model_runner import SeqStep
 
@@ -61,10 +63,11 @@ class HalfThread:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="half-step", initializer=torch.set_num_threads,
                                         initargs=(1,))
+        self.idle = True  # False while a step runs in halves: then each half's LM head runs on its own thread
         self.steps = 0  # steps run in halves, for stats and tests
+        self.lm_head_calls = 0  # LM head calls split over the vocabulary (VocabHalves)
 
     def submit(self, fn, *args: Any) -> Future:
-        self.steps += 1
         return self._pool.submit(_inference, fn, *args)
 
     def close(self) -> None:
@@ -74,3 +77,23 @@ class HalfThread:
 def _inference(fn, *args: Any) -> Any:
     with torch.inference_mode():
         return fn(*args)
+
+
+class VocabHalves:
+    """The LM head's oneDNN weight as two halves of the vocabulary. In a step that runs whole on one torch
+    thread, the two halves run at once, on this thread and the half thread: the LM head is the step's
+    largest GEMM, each thread reads half its weight, and the step meets the other thread once more.
+    Each logit is the same dot product as in one call (bit-equal in the tests)."""
+
+    def __init__(self, weight: torch.Tensor, thread: HalfThread) -> None:
+        n = weight.shape[0] // 2
+        self.parts = (OneDNNWeight(weight[:n].contiguous()), OneDNNWeight(weight[n:].contiguous()))
+        self.thread = thread
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        first, second = self.parts
+        if self.thread.idle and torch.get_num_threads() == 1:
+            self.thread.lm_head_calls += 1
+            later = self.thread.submit(second, x, bias)
+            return torch.cat([first(x, bias), later.result()], dim=-1)
+        return torch.cat([first(x, bias), second(x, bias)], dim=-1)

@@ -224,10 +224,11 @@ def test_a_wide_step_gets_the_single_sequence_thread_count(gguf_path, eos, chat_
     assert {threads for tokens, threads in seen[1:]} == {1} and all(tokens == 2 for tokens, _ in seen[1:])
 
 
-def test_steps_in_two_halves_match_transformers(gguf_path, eos, chat_prompts, reference_outputs):
+def test_steps_in_two_halves_match_transformers(gguf_path, eos, hf_model, chat_prompts, reference_outputs):
     """cpu_half_step_tokens: steps of that many tokens run their sequences in two halves on two threads
     (split_step.py), prefill chunks and decode batches; every output still equals transformers' alone,
-    including a burst whose later requests attend to prefix blocks the first one fills in that step."""
+    including a burst whose later requests attend to prefix blocks the first one fills in that step.
+    A step that runs whole computes its LM head in two halves of the vocabulary, one on each thread."""
     before = torch.get_num_threads()
     eng = LLMEngine(
         EngineConfig(
@@ -246,6 +247,13 @@ def test_steps_in_two_halves_match_transformers(gguf_path, eos, chat_prompts, re
         steps = halves.steps
         _check_burst(eng, chat_prompts, reference_outputs)
         assert halves.steps > steps
+        # One prompt alone runs whole: its logits at every position come from the two vocabulary halves.
+        calls = halves.lm_head_calls
+        got = eng.executor.worker.score(chat_prompts[0])
+        assert halves.lm_head_calls == calls + 1
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([chat_prompts[0]])).logits[0]
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
     finally:
         eng.shutdown()
         torch.set_num_threads(before)

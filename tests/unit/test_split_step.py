@@ -69,3 +69,32 @@ def test_a_request_reading_blocks_another_fills_in_the_same_step_is_not_separate
     assert [len(s.token_ids) for s in steps] == [12, 4, 12]
     assert split_point(steps, BS, 8) == 0  # the balanced cut (after a) would separate a from b
     assert split_point(scheduled_step([shared, other]), BS, 8) == 1  # unrelated prompts split
+
+
+def test_the_lm_head_in_two_vocabulary_halves_is_bit_equal_to_one_call():
+    """Random weights (an odd vocabulary, so the halves differ in size), bf16 and fp32, through oneDNN."""
+    import torch
+
+    from model_parallel.parallel import OneDNNWeight
+    from model_parallel.split_step import HalfThread, VocabHalves
+
+    before = torch.get_num_threads()
+    thread = HalfThread()
+    try:
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(0)
+        for dtype in (torch.bfloat16, torch.float32):
+            weight = torch.randn(1001, 64, generator=g).to(dtype)
+            whole, halves = OneDNNWeight(weight), VocabHalves(weight, thread)
+            for rows in (1, 5, 16):
+                x = torch.randn(rows, 64, generator=g).to(dtype)
+                calls = thread.lm_head_calls
+                assert torch.equal(halves(x, None), whole(x, None))
+                assert thread.lm_head_calls == calls + 1  # on both threads
+                thread.idle = False  # inside a step run in halves: both parts on the calling thread
+                assert torch.equal(halves(x, None), whole(x, None))
+                assert thread.lm_head_calls == calls + 1
+                thread.idle = True
+    finally:
+        thread.close()
+        torch.set_num_threads(before)
