@@ -10,7 +10,7 @@ are computed exactly as in the whole step (the kernels are row-wise), so outputs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +25,12 @@ if TYPE_CHECKING:
 def split_point(seqs: Sequence[SeqStep], block_size: int, min_tokens: int) -> int:
     """Where to cut a step's sequences into two halves of about equal tokens (0: run it whole).
 
-    0 unless each half gets at least `min_tokens / 2` tokens (a few decodes beside a prompt's chunk
-    measured slower in halves than whole: docs/benchmarks.md), with an adapter in the batch (the LoRA batch state
-    is one per step), or when one half writes a block that the other reads: a request admitted in
-    this step may attend to prefix blocks another request is filling in it (block_manager.py), which
-    within one forward is safe only because every layer writes before any query attends.
+    0 when a half would get fewer than `min_tokens / 2` tokens (a few decodes beside a prompt's chunk
+    measured slower in halves than whole: docs/benchmarks.md); when an adapter is in the batch (the
+    LoRA batch state is one per step); or when one half writes a block that the other reads: a request
+    admitted in this step may attend to prefix blocks another request is filling in it
+    (block_manager.py), which within one forward is safe only because every layer writes before any
+    query attends.
     """
     tokens = [len(s.token_ids) for s in seqs]
     total = sum(tokens)
@@ -67,14 +68,14 @@ class HalfThread:
         self.steps = 0  # steps run in halves, for stats and tests
         self.lm_head_calls = 0  # LM head calls split over the vocabulary (VocabHalves)
 
-    def submit(self, fn, *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(_inference, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
 
 
-def _inference(fn, *args: Any) -> Any:
+def _inference(fn: Callable[..., Any], *args: Any) -> Any:
     with torch.inference_mode():
         return fn(*args)
 
