@@ -7,8 +7,10 @@ then scores prompt + continuation teacher-forced (so every position sees the sam
 next-token distribution is compared with fp32's at every continuation position:
 
 - bf16: the bf16 weights with oneDNN's GEMM (what steps above 8 tokens use);
-- int4: the GGUF's own Q4 weights (weight-only int4, bf16 activations), what steps of <= 8 tokens use
-  (forced here for every position);
+- int4: the GGUF's own Q4 weights (weight-only int4, bf16 activations: torch's kernel), what steps of
+  <= 8 tokens use where the CPU has no AVX-512 VNNI (forced here for every position);
+- int4_vnni: the same weights x activations quantized to int8 in groups of 32 (cpu_qgemm), what steps
+  of up to parallel.VNNI_TOKENS tokens use on CPUs with AVX-512 VNNI (forced for every position);
 - quantized: `model.weights: quantized`, the GGUF's blocks kept quantized with no dense copy (int4
   kernel at every step size);
 - w8a8: a candidate measured and rejected, defined here only: per-channel int8 weights x per-token
@@ -35,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_bench import prompts  # noqa: E402
 
 import model_parallel.parallel as parallel  # noqa: E402
+from model_parallel import cpu_qgemm  # noqa: E402
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from model_parallel.engine import LLMEngine  # noqa: E402
 from model_parallel.model_files import default_model_path  # noqa: E402
@@ -43,9 +46,10 @@ from model_parallel.sampling_params import SamplingParams  # noqa: E402
 PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer runs, model.weights)
     "fp32": ("float32", "none", "default", "auto"),
     "bf16": ("bfloat16", "none", "default", "auto"),
-    "int4": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4": ("bfloat16", "weight_only", "small-batch", "auto"),
+    "int4_vnni": ("bfloat16", "auto", "small-batch", "auto"),
     "quantized": ("bfloat16", "none", "default", "quantized"),
-    "w8a8": ("bfloat16", "auto", "w8a8", "auto"),
+    "w8a8": ("bfloat16", "weight_only", "w8a8", "auto"),
 }
 
 
@@ -118,6 +122,9 @@ def main() -> None:
     chosen = ["fp32"] + [p for p in args.paths.split(",") if p != "fp32"]
     for name in tqdm(chosen, desc="paths", file=sys.stderr):
         dtype, small, kernel, weights = PATHS[name]
+        if name == "int4_vnni" and not cpu_qgemm.available():
+            print(f"skipping {name}: this CPU or build has no AVX-512 VNNI kernel", file=sys.stderr)
+            continue
         engine = make_engine(path, dtype, small, args.prompts, weights)
         use_kernel(kernel)
         try:

@@ -15,9 +15,12 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 (measured faster than fp32 on CPU and GPU alike)
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    # auto: on CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 weight-only
-    # copies, used for steps of few tokens (decode at low concurrency), where they are faster.
-    small_batch_quant: str = "auto"  # auto | none
+    # On CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 copies for steps of
+    # few tokens (decode), where they are faster than bf16. auto: 4-bit layers multiply int8-quantized
+    # activations (groups of 32, as llama.cpp) with AVX-512 VNNI where the CPU has it, up to
+    # parallel.VNNI_TOKENS tokens; weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens;
+    # closer to bf16, slower); none: bf16 weights only. Quality of each: docs/benchmarks.md.
+    small_batch_quant: str = "auto"  # auto | weight_only | none
     # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see parallel.OneDNNWeight).
     # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
     cpu_weight_prepack: bool = True
@@ -36,8 +39,8 @@ class ModelConfig:
             raise ValueError("weights must be auto or quantized")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
-        if self.small_batch_quant not in ("auto", "none"):
-            raise ValueError("small_batch_quant must be auto or none")
+        if self.small_batch_quant not in ("auto", "weight_only", "none"):
+            raise ValueError("small_batch_quant must be auto, weight_only or none")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
 

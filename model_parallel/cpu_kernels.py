@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "qgemm.c"))
 # -march=native: the library is built on the machine that runs it, and cached per source and CPU.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -53,7 +53,7 @@ def build(out_dir: Path | None = None, cflags: list[str] | None = None) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
+    src = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(src + " ".join(cflags).encode()).hexdigest()[:16]
     if out_dir is None:
         out_dir = cache_dir()
@@ -69,11 +69,11 @@ def build(out_dir: Path | None = None, cflags: list[str] | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *cflags, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *cflags, "-o", tmp, *map(str, SOURCES), "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as exc:
-        raise RuntimeError(f"building {SOURCE.name} failed: {exc.stderr.strip()[-2000:]}") from exc
+        raise RuntimeError(f"building the CPU kernels failed: {exc.stderr.strip()[-2000:]}") from exc
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -15,6 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model_parallel import cpu_qgemm
+from model_parallel.cpu_qgemm import Int4VnniWeight
+
 
 def split_evenly(n: int, parts: int) -> list[int]:
     """Sizes of `parts` near-equal pieces of n; earlier pieces take the remainder."""
@@ -54,33 +57,40 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-# At or below this many tokens per step, weight-only int4 kernels beat the bf16 GEMM on CPU. Measured
-# on 2 cores against oneDNN with prepacked weights (OneDNNWeight), all 30 SmolLM2 layers: 3.9 vs
-# 12.0 ms at one token, 6.6 vs 14.9 at four, level at eight; the LM head (49,152 rows) is level at
-# four and 2x slower in int4 at eight, so it switches earlier.
+# At or below these many tokens per step, the weight-only kernels beat oneDNN's bf16 GEMM with
+# prepacked weights (docs/benchmarks.md): torch's int4 kernel up to 8, the LM head's up to 4; the int4 x
+# int8 VNNI kernel (cpu_qgemm) at every size measured, so it keeps the GEMMs up to a prefill chunk's
+# size, and oneDNN takes the long prompts.
 SMALL_BATCH_TOKENS = 8
 SMALL_BATCH_TOKENS_LM_HEAD = 4
+VNNI_TOKENS = 256
 
 
 class PackedWeight:
     """A weight-only quantized copy for small batches, built from a checkpoint that was itself quantized.
 
     int4 uses groups of 32 along the input, as GGUF's Q4 blocks do, so Q4_1 weights are reproduced
-    (up to bf16 rounding of the scales); int8 is per output channel.
+    (up to bf16 rounding of the scales); int8 is per output channel. With `vnni` (and a CPU and shape
+    that cpu_qgemm supports), int4 runs cpu_qgemm's kernel, whose rows are quantized to int8.
     """
 
     GROUP = 32
 
-    def __init__(self, weight: torch.Tensor, bits: int, max_tokens: int = SMALL_BATCH_TOKENS):
+    def __init__(self, weight: torch.Tensor, bits: int, max_tokens: int = SMALL_BATCH_TOKENS, vnni: bool = False):
         self.max_tokens = max_tokens  # used for steps of at most this many tokens
         w = weight.float()
         n, k = w.shape
         self.bits = bits
+        self.vnni: Int4VnniWeight | None = None
         if bits == 4 and k % self.GROUP == 0:
             g = w.view(n, k // self.GROUP, self.GROUP)
             lo, hi = g.amin(-1), g.amax(-1)
             scale = (hi - lo).clamp(min=1e-8) / 15
             q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.int32).view(n, k)
+            if vnni and weight.dtype == torch.bfloat16 and cpu_qgemm.supports(n, k) and cpu_qgemm.available():
+                self.vnni = Int4VnniWeight(q, scale, lo)
+                self.max_tokens = max(max_tokens, VNNI_TOKENS)
+                return
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # The kernel computes (q - 8) * scale + zero, so zero = lo + 8 * scale.
             self.scales = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(weight.dtype)
@@ -91,6 +101,8 @@ class PackedWeight:
             self.scales = scale.to(weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None:
+            return self.vnni(x)
         if self.bits == 4:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
@@ -328,8 +340,9 @@ class ParallelLMHead(nn.Module):
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
-def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int]) -> int:
-    """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches."""
+def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True) -> int:
+    """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches; with
+    `vnni`, 4-bit layers other than the LM head run cpu_qgemm's kernel where the CPU has it."""
     count = 0
     for name, module in model.named_modules():
         if not hasattr(module, "packed"):
@@ -339,8 +352,9 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int]) -> i
         if bits is None and isinstance(module, ParallelLMHead):
             bits = source_bits.get("embed_tokens.weight")  # tied
         if bits is not None and bits <= 8:
-            max_tokens = SMALL_BATCH_TOKENS_LM_HEAD if isinstance(module, ParallelLMHead) else SMALL_BATCH_TOKENS
-            module.packed = PackedWeight(module.weight.data, 4 if bits <= 4 else 8, max_tokens)
+            head = isinstance(module, ParallelLMHead)  # the logits keep bf16 activations
+            module.packed = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
+                                         SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head)
             count += 1
     return count
 

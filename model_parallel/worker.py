@@ -124,9 +124,9 @@ class Worker:
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
         invariant = config.scheduler.batch_invariant
-        if (config.model.small_batch_quant == "auto" and not invariant and device.type == "cpu"
+        if (config.model.small_batch_quant != "none" and not invariant and device.type == "cpu"
                 and self.dtype == torch.bfloat16):
-            packed = pack_small_batch_weights(self.model, source_bits)
+            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.model.small_batch_quant == "auto")
             log.info("packed %d layers for small-batch weight-only kernels", packed)
         # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
         if (config.model.cpu_weight_prepack or invariant) and onednn_available(device, self.dtype):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_parallel import parallel
+from model_parallel import cpu_qgemm, parallel
 from model_parallel.parallel import OneDNNWeight, PackedWeight, linear
 
 
@@ -67,6 +67,15 @@ def test_lm_head_leaves_the_int4_kernel_sooner():
     bits["embed_tokens.weight"] = 4
     assert parallel.pack_small_batch_weights(model, bits) == 2 * 4 + 1
     assert model.lm_head.packed.max_tokens == parallel.SMALL_BATCH_TOKENS_LM_HEAD
+    assert model.lm_head.packed.vnni is None  # the logits keep bf16 activations
+    # The other layers: the int4 x int8 kernel where the CPU has VNNI, for larger steps.
+    vnni = cpu_qgemm.available()
+    assert (model.layers[0].mlp.down_proj.packed.vnni is not None) == vnni
+    assert model.layers[0].mlp.down_proj.packed.max_tokens == (
+        parallel.VNNI_TOKENS if vnni else parallel.SMALL_BATCH_TOKENS)
+    # weight_only: torch's int4 kernel (bf16 activations) up to SMALL_BATCH_TOKENS everywhere.
+    assert parallel.pack_small_batch_weights(model, bits, vnni=False) == 2 * 4 + 1
+    assert model.layers[0].mlp.down_proj.packed.vnni is None
     assert model.layers[0].mlp.down_proj.packed.max_tokens == parallel.SMALL_BATCH_TOKENS
     rows = torch.randn(parallel.SMALL_BATCH_TOKENS_LM_HEAD + 1, 64).bfloat16()
     torch.testing.assert_close(model.lm_head(rows), F.linear(rows, model.lm_head.weight), rtol=0, atol=0)

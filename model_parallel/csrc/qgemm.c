@@ -1,0 +1,132 @@
+/* A 4-bit weight x 8-bit activation GEMM for steps of few rows on CPUs with AVX-512 VNNI.
+ *
+ * Weights: 4-bit values q in groups of 32 inputs, w = d * q + m (GGUF's Q4_1 form), laid out in tiles
+ * of 16 output columns: per tile and group, 256 bytes of nibbles, then d and m as 16 fp16 each.
+ * Byte c*4 + j of the tile's 64-byte word i holds column c's inputs 4i + j (low nibble, i < 4) and
+ * 4(i + 4) + j (high nibble), so one load and two masks give two VNNI operands of 16 columns x 4 inputs.
+ * Activations: each row quantized to int8 in groups of 32 (scale = max |x| / 127), as llama.cpp's Q8_1,
+ * then per group: d * dx * sum(q * qx) + m * dx * sum(qx).
+ *
+ * The int8 products cost one instruction per 64 multiply-adds, twice the rate of bf16's, and the
+ * weights are a quarter of bf16's bytes. Each row's result does not depend on the other rows or on
+ * the thread count (tiles split by columns; each row's sums run in one fixed order).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define HAVE_QGEMM 1
+#include <immintrin.h>
+#endif
+
+#define QGEMM_GROUP 32
+#define QGEMM_TILE 16
+#define QGEMM_ROWS 16 /* rows per pass over a tile: 16 fp32 accumulators, 8 weight registers */
+
+int qgemm_available(void) {
+#ifdef HAVE_QGEMM
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_QGEMM
+/* One row of bf16 into int8 groups: xq [K], xs [K/32][2] = (scale, scale * sum of the group's int8). */
+static void quant_row(const uint16_t *x, int K, int8_t *xq, float *xs) {
+    for (int g = 0; g < K / QGEMM_GROUP; g++) {
+        const __m256i *src = (const __m256i *)(x + g * QGEMM_GROUP);
+        __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
+        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+        _mm_storeu_si128((__m128i *)(xq + g * QGEMM_GROUP), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(xq + g * QGEMM_GROUP + 16), _mm512_cvtepi32_epi8(qb));
+        float dx = amax / 127.f;
+        xs[2 * g] = dx;
+        xs[2 * g + 1] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    }
+}
+
+/* R rows (a compile-time constant at each instantiation) against one tile: out [R][16] in bf16. */
+static inline __attribute__((always_inline)) void tile_rows(const int R, int G, const uint8_t *tile,
+                                                             const int8_t *xq, const float *xs, int K,
+                                                             uint16_t *out, int64_t out_stride) {
+    __m512 acc[QGEMM_ROWS];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = tile + (size_t)g * (256 + 64);
+        __m512i w[8];
+        for (int i = 0; i < 4; i++) {
+            __m512i p = _mm512_loadu_si512(blk + 64 * i);
+            w[i] = _mm512_and_si512(p, low);
+            w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+#pragma GCC unroll 16 /* keeps acc[] in registers */
+        for (int r = 0; r < R; r++) {
+            const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + g * QGEMM_GROUP);
+            const float *s = xs + ((size_t)r * G + g) * 2;
+            __m512i dot = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, w[i], _mm512_set1_epi32(x4[i]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_si256((__m256i *)(out + (size_t)r * out_stride), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+#define TILE_FN(R)                                                                                          \
+    static void tile_##R(int G, const uint8_t *t, const int8_t *xq, const float *xs, int K, uint16_t *o,   \
+                         int64_t os) {                                                                      \
+        tile_rows(R, G, t, xq, xs, K, o, os);                                                               \
+    }
+TILE_FN(1) TILE_FN(2) TILE_FN(3) TILE_FN(4) TILE_FN(5) TILE_FN(6) TILE_FN(7) TILE_FN(8)
+TILE_FN(9) TILE_FN(10) TILE_FN(11) TILE_FN(12) TILE_FN(13) TILE_FN(14) TILE_FN(15) TILE_FN(16)
+typedef void (*tile_fn)(int, const uint8_t *, const int8_t *, const float *, int, uint16_t *, int64_t);
+static const tile_fn TILES[QGEMM_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7,
+                                              tile_8, tile_9, tile_10, tile_11, tile_12, tile_13, tile_14,
+                                              tile_15, tile_16};
+#endif
+
+/* x: bf16 [M][K], rows x_stride apart; packed: [N/16][K/32][320 bytes]; out: bf16 [M][N], contiguous.
+ * Returns 0, 1 when out of memory, 5 when the shape is unsupported or the build has no VNNI. */
+int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, uint16_t *out, int M, int N,
+                    int K, int num_threads) {
+#ifdef HAVE_QGEMM
+    if (M <= 0 || N % QGEMM_TILE || K % QGEMM_GROUP || K <= 0) return 5;
+    const int G = K / QGEMM_GROUP, tiles = N / QGEMM_TILE;
+    int8_t *xq = malloc((size_t)M * K + 64);
+    float *xs = malloc((size_t)M * G * 2 * sizeof(float));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return 1;
+    }
+    for (int r = 0; r < M; r++) quant_row(x + (size_t)r * x_stride, K, xq + (size_t)r * K, xs + (size_t)r * G * 2);
+    const size_t tile_bytes = (size_t)G * (256 + 64);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles >= 8)
+    for (int t = 0; t < tiles; t++) {
+        for (int r0 = 0; r0 < M; r0 += QGEMM_ROWS) {
+            int R = M - r0 < QGEMM_ROWS ? M - r0 : QGEMM_ROWS;
+            TILES[R](G, packed + t * tile_bytes, xq + (size_t)r0 * K, xs + (size_t)r0 * G * 2, K,
+                     out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N);
+        }
+    }
+    free(xq);
+    free(xs);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)out, (void)M, (void)N, (void)K, (void)num_threads;
+    return 5;
+#endif
+}

@@ -1,0 +1,94 @@
+"""cpu_qgemm's int4 x int8 VNNI kernel against a reference written in torch (random weights and inputs:
+this test says so). The reference quantizes each row's groups of 32 to int8 as the kernel is documented
+to (scale max|x| / 127, round half to even) and sums in float64, so only the output's bf16 rounding and
+float32 summation order separate the two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_parallel import cpu_qgemm, parallel
+from model_parallel.parallel import PackedWeight
+
+pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="no AVX-512 VNNI on this CPU (or no C compiler)")
+
+
+def random_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    m = -torch.rand(n, k // 32, generator=g) * 0.15
+    return q, d, m
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape
+    # The kernel stores d and m in fp16.
+    w = q.double().view(n, k // 32, 32) * d.half().double()[..., None] + m.half().double()[..., None]
+    xg = x.float().view(x.shape[0], k // 32, 32)
+    amax = xg.abs().amax(-1, keepdim=True)  # float32 throughout, as the kernel
+    xq = torch.round(xg * torch.where(amax > 0, 127 / amax, 0.0))
+    scale = amax / 127
+    return (xq.double() * scale.double()).view(x.shape[0], k) @ w.view(n, k).T
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (960, 576), (576, 1536)])
+def test_kernel_equals_the_int8_reference(n, k):
+    q, d, m = random_weight(n, k)
+    weight = cpu_qgemm.Int4VnniWeight(q, d, m)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 16, 17, 40):  # 40: passes of 16, 16 and 8 rows over each tile
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        got = weight(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        want = reference(x, q, d, m)
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        # Against the unquantized product: the int8 activations cost ~0.5 % (relative norm).
+        exact = x.double() @ (q.double().view(n, k // 32, 32) * d.half().double()[..., None]
+                              + m.half().double()[..., None]).view(n, k).T
+        assert (got.double() - exact).norm() / exact.norm() < 0.02
+
+
+def test_rows_do_not_depend_on_the_batch_or_the_thread_count():
+    q, d, m = random_weight(576, 1536, seed=2)
+    weight = cpu_qgemm.Int4VnniWeight(q, d, m)
+    x = torch.randn(37, 1536).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([weight(x[i : i + 1]) for i in range(x.shape[0])])
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(weight(x), alone), t
+            assert torch.equal(weight(x[5:21]), alone[5:21]), t
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_and_empty_batches():
+    q, d, m = random_weight(64, 96, seed=3)
+    weight = cpu_qgemm.Int4VnniWeight(q, d, m)
+    wide = torch.randn(5, 3 * 96).bfloat16()
+    part = wide[:, 96:192]  # rows 288 apart, as a slice of a fused projection's output
+    assert torch.equal(weight(part), weight(part.contiguous()))
+    assert weight(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 64)
+    with pytest.raises(ValueError, match="bf16"):
+        weight(torch.randn(2, 96))
+
+
+def test_packed_weight_uses_the_kernel_for_supported_shapes_only():
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) * 0.05).bfloat16()
+    packed = PackedWeight(weight, 4, vnni=True)
+    assert packed.vnni is not None and packed.max_tokens == parallel.VNNI_TOKENS
+    x = torch.randn(parallel.VNNI_TOKENS, 64).bfloat16()
+    torch.testing.assert_close(parallel.linear(x, weight, None, packed), packed.vnni(x), rtol=0, atol=0)
+    exact = x.float() @ weight.float().T
+    assert (packed(x).float() - exact).norm() / exact.norm() < 0.15  # the 4-bit grid, as torch's int4 copy
+    # 48 inputs (not whole groups of 32): int8 per channel, for at most SMALL_BATCH_TOKENS.
+    odd = PackedWeight((torch.randn(96, 48) * 0.05).bfloat16(), 4, vnni=True)
+    assert odd.vnni is None and odd.bits == 8 and odd.max_tokens == parallel.SMALL_BATCH_TOKENS
+    assert not cpu_qgemm.supports(40, 64) and not cpu_qgemm.supports(96, 48) and cpu_qgemm.supports(96, 64)
+    # weight_only (vnni=False) keeps torch's kernel.
+    assert PackedWeight(weight, 4).vnni is None
