@@ -26,7 +26,8 @@ class ModelConfig:
     cpu_weight_prepack: bool = True
     # auto: weights are dense in `dtype`. quantized: a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 linear
     # weights stay quantized in memory and run quantized kernels at every batch size (model_parallel/
-    # quant.py; CPU); the embedding and other tensors stay dense.
+    # quant.py; CPU; 4-bit layers with int8 activations as small_batch_quant says); the embedding and
+    # other tensors stay dense.
     weights: str = "auto"
     # Embeddings (/v1/embeddings): pool the final-norm hidden state of the last token (decoder LLMs) or
     # the mean over all tokens.

@@ -3,7 +3,9 @@ integer values with per-group scale and zero, and run by quantized kernels at ev
 
 Every supported type is `w = q * scale + zero` over groups along the input dimension:
 - Q4_0 (d * (q - 8)), Q4_1 (d * q + m), Q4_K (super-block scales/mins give each 32 a scale and min):
-  4-bit values in groups of 32, run by torch's int4 weight-only kernel (`Int4GroupWeight`);
+  4-bit values in groups of 32 (`Int4GroupWeight`), run by cpu_qgemm's int4 x int8 kernel (activations
+  quantized in groups of 32) where the CPU has AVX-512 VNNI and `small_batch_quant` is auto, else by
+  torch's int4 weight-only kernel;
 - Q8_0 (groups of 32), Q5_K (5-bit, groups of 32), Q6_K (6-bit, groups of 16): int8 values with
   per-group scales (`Int8GroupWeight`), expanded to the activation dtype one layer at a time.
 A fused layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M mixes Q4_K and Q6_K) takes the
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_parallel import cpu_qgemm
+from model_parallel.cpu_qgemm import Int4VnniWeight
 from model_parallel.loader import RawBlocks, _unpermute_rotary, iter_gguf
 from model_parallel.parallel import ParallelLMHead, RowParallelLinear
 
@@ -89,24 +93,34 @@ def decode_blocks(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 class Int4GroupWeight:
-    """4-bit values (0..15), groups of 32: torch's int4 weight-only CPU kernel, whose per-row result
-    does not depend on the batch's row count (so the layer is batch-invariant too)."""
+    """4-bit values (0..15), groups of 32: cpu_qgemm's int4 x int8 kernel (`int8_activations`, bf16, a
+    CPU with VNNI) or torch's int4 weight-only kernel. Either's per-row result does not depend on the
+    batch's row count (so the layer is batch-invariant too)."""
 
     all_batches = True  # parallel.linear uses it at every step size; no dense weight is kept
     max_tokens = 1 << 62
     GROUP = 32
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
+                 int8_activations: bool = False):
         self.dtype = dtype
+        self.vnni: Int4VnniWeight | None = None
+        if int8_activations and dtype == torch.bfloat16 and cpu_qgemm.supports(*q.shape) and cpu_qgemm.available():
+            self.vnni = Int4VnniWeight(q, scale, zero)
+            return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The kernel computes (q - 8) * scale + zero'; zero' = zero + 8 * scale. [k/32, n, 2].
         self.scales = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None:
+            return self.vnni(x)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.GROUP, self.scales)
         return out.to(x.dtype)
 
     def nbytes(self) -> int:
+        if self.vnni is not None:
+            return self.vnni.nbytes()
         return self.packed.nbytes + self.scales.nbytes
 
 
@@ -171,9 +185,9 @@ def _fill(module: nn.Module, loader, pend: _Pending, raw: RawBlocks, shard) -> N
     pend.parts += 1
 
 
-def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype) -> None:
+def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool) -> None:
     if pend.int4 and pend.groups == {32}:
-        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype)
+        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations)
     else:
         step = 1 if 16 in pend.groups else 2
         module.packed = Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype)
@@ -181,10 +195,10 @@ def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype) -> None:
     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
-def load_quantized_weights(model: nn.Module, path: str) -> int:
+def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False) -> int:
     """Load a GGUF keeping its supported quantized linear weights quantized; everything else (norms,
     the embedding, a tied LM head, other types) dense as `loader.load_weights` does. Returns the
-    number of layers kept quantized."""
+    number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
     if not path.endswith(".gguf"):
         raise ValueError("model.weights: quantized needs a GGUF checkpoint")
     from gguf.quants import dequantize
@@ -217,7 +231,7 @@ def load_quantized_weights(model: nn.Module, path: str) -> int:
                                                     torch.zeros(n, k // 16), torch.zeros(n, k // 16))
             _fill(module, params[param_name].weight_loader, pend, tensor, shard)  # type: ignore[arg-type]
             if pend.parts == getattr(params[param_name], "num_shards", 1):
-                _finish(module, pending.pop(mod_name), dtype)
+                _finish(module, pending.pop(mod_name), dtype, int8_activations)
         else:
             if isinstance(tensor, RawBlocks):
                 if mod_name in pending:

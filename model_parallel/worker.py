@@ -120,7 +120,8 @@ class Worker:
             from model_parallel.quant import load_quantized_weights
 
             source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
-            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path))
+            int8_activations = config.model.small_batch_quant == "auto" and device.type == "cpu"
+            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
         invariant = config.scheduler.batch_invariant

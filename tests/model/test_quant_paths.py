@@ -13,6 +13,7 @@ import torch
 from model_parallel import cpu_qgemm, parallel
 from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from model_parallel.engine import LLMEngine
+from model_parallel.quant import Int4GroupWeight
 from model_parallel.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
@@ -50,12 +51,13 @@ PATHS = {  # name -> (model.weights, small_batch_quant)
     "int4": ("auto", "weight_only"),  # the GGUF's Q4 weights x bf16 activations (torch's int4 kernel)
     "int4_vnni": ("auto", "auto"),  # the same weights x int8 activations (cpu_qgemm, AVX-512 VNNI)
     "quantized": ("quantized", "none"),  # the GGUF's blocks kept as they are (no dense linear weights)
+    "quantized_vnni": ("quantized", "auto"),  # ...with their 4-bit layers on cpu_qgemm's kernel
 }
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, path):
-    if path == "int4_vnni" and not cpu_qgemm.available():
+    if path.endswith("_vnni") and not cpu_qgemm.available():
         pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
     weights, small = PATHS[path]
     engine = make_engine(gguf_path, "bfloat16", weights, small)
@@ -71,6 +73,10 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
                 p.max_tokens = 1 << 30
         else:
             assert not layers
+            kept = [m.packed for m in engine.executor.worker.model.modules()
+                    if isinstance(getattr(m, "packed", None), Int4GroupWeight)]
+            assert bool(kept) == (weights == "quantized")
+            assert all((p.vnni is not None) == path.endswith("_vnni") for p in kept)
         agree = agreement(engine, chat_prompts, reference)
     finally:
         engine.shutdown()

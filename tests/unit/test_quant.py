@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from model_parallel import cpu_qgemm
 from model_parallel.loader import RawBlocks, _unpermute_rotary
 from model_parallel.quant import Int4GroupWeight, Int8GroupWeight, decode_blocks
 
@@ -53,6 +54,26 @@ def test_decode_and_kernel_match_gguf_dequantize(name, heads):
     tol = 2e-2 * want.abs().max()
     assert (got - want).abs().max() <= tol, float((got - want).abs().max() / want.abs().max())
     assert torch.equal(kernel(x[:1]), kernel(x)[:1]) or name not in ("Q4_0", "Q4_1", "Q4_K")  # int4: row-invariant
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_layers_with_int8_activations_match_gguf_dequantize(name):
+    """small_batch_quant auto: the 4-bit layers run cpu_qgemm's kernel (activations quantized to int8 in
+    groups of 32); against gguf's own dequantized weights in fp32, within the int8 rounding."""
+    if not cpu_qgemm.available():
+        pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
+    data = blocks(name, np.random.default_rng(1))
+    qtype = GGMLQuantizationType[name]
+    ref = torch.from_numpy(dequantize(data, qtype).reshape(N, K).astype(np.float32))
+    q, scale, zero, group = decode_blocks(RawBlocks(data, qtype, (N, K), None))
+    kernel = Int4GroupWeight(q, scale[:, :: 32 // group], zero[:, :: 32 // group], torch.bfloat16,
+                             int8_activations=True)
+    assert kernel.vnni is not None
+    x = torch.randn(40, K).bfloat16()
+    got = kernel(x).float()
+    want = x.float() @ ref.t()
+    assert (got - want).norm() / want.norm() < 0.02
+    assert torch.equal(kernel(x[7:8]), got[7:8].bfloat16())  # rows do not depend on the batch
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])
