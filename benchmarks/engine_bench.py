@@ -2,7 +2,7 @@
 
     python benchmarks/engine_bench.py [--batches 1,16,64] [--new-tokens 64] [--dtypes bfloat16,float32]
                                       [--rounds 2] [--threads 0] [--no-prefix-cache] [--device cpu|cuda]
-                                      [--variants default,batch_invariant,quantized] [--model PATH]
+                                      [--variants default,weight_only,batch_invariant,quantized] [--model PATH]
                                       [--shape llama-3.1-8b|tiny]
                                       [--tp 2 --cpu-allreduce gloo,deepspeed]
 
@@ -180,7 +180,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="our engine's torch threads (0 = all cores, as "
                     "transformers uses); cluster.yaml serves with 1")
     ap.add_argument("--variants", default="default",
-                    help="comma list of engine settings: default, batch_invariant, quantized (model.weights)")
+                    help="comma list of engine settings: default, weight_only (model.small_batch_quant), "
+                    "batch_invariant, quantized (model.weights)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights "
@@ -218,7 +219,8 @@ def main() -> None:
             before = _rss_mb()
             engines[variant] = LLMEngine(
                 EngineConfig(
-                    model=ModelConfig(model=path, dtype=dtype, weights="quantized" if variant == "quantized" else "auto"),
+                    model=ModelConfig(model=path, dtype=dtype, weights="quantized" if variant == "quantized" else "auto",
+                                      small_batch_quant="weight_only" if variant == "weight_only" else "auto"),
                     cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_cache),
                     scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048,
                                               batch_invariant=variant == "batch_invariant"),
