@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_QGEMM 1
 #include <immintrin.h>
 #endif
@@ -51,6 +51,19 @@ static void quant_row(const uint16_t *x, int K, int8_t *xq, float *xs) {
     }
 }
 
+/* fp32 -> bf16, rounding to nearest even (finite inputs): AVX-512 BF16's instruction where the CPU has
+ * it, else the same rounding in integers (VNNI without BF16: Cascade Lake, Ice Lake). */
+static inline __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+}
+
 /* R rows (a compile-time constant at each instantiation) against one tile: out [R][16] in bf16. */
 static inline __attribute__((always_inline)) void tile_rows(const int R, int G, const uint8_t *tile,
                                                              const int8_t *xq, const float *xs, int K,
@@ -82,7 +95,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int G, 
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        _mm256_storeu_si256((__m256i *)(out + (size_t)r * out_stride), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+        _mm256_storeu_si256((__m256i *)(out + (size_t)r * out_stride), to_bf16(acc[r]));
 }
 
 #define TILE_FN(R)                                                                                          \

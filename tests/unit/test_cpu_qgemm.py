@@ -5,10 +5,12 @@ float32 summation order separate the two."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from model_parallel import cpu_qgemm, parallel
+from model_parallel import cpu_kernels, cpu_qgemm, parallel
 from model_parallel.parallel import PackedWeight
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="no AVX-512 VNNI on this CPU (or no C compiler)")
@@ -92,3 +94,17 @@ def test_packed_weight_uses_the_kernel_for_supported_shapes_only():
     assert not cpu_qgemm.supports(40, 64) and not cpu_qgemm.supports(96, 48) and cpu_qgemm.supports(96, 64)
     # weight_only (vnni=False) keeps torch's kernel.
     assert PackedWeight(weight, 4).vnni is None
+
+
+def test_the_build_without_avx512_bf16_rounds_its_output_the_same(tmp_path):
+    """CPUs with VNNI but not AVX-512 BF16 (Cascade Lake, Ice Lake) round fp32 to bf16 in integers: the
+    same round-to-nearest-even as the BF16 instruction, so the same bits."""
+    lib = ctypes.CDLL(str(cpu_kernels.build(tmp_path, [*cpu_kernels.CFLAGS, "-mno-avx512bf16"])))
+    gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                       ctypes.c_void_p, *[ctypes.c_int] * 4], ctypes.c_int)
+    q, d, m = random_weight(960, 576, seed=4)
+    weight = cpu_qgemm.Int4VnniWeight(q, d, m)
+    x = torch.randn(19, 576).bfloat16() * 30  # outputs over a wide range of exponents
+    out = torch.empty(19, 960, dtype=torch.bfloat16)
+    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1) == 0
+    assert torch.equal(out, weight(x))
