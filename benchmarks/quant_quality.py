@@ -11,8 +11,8 @@ next-token distribution is compared with fp32's at every continuation position:
   <= 8 tokens use where the CPU has no AVX-512 VNNI (forced here for every position);
 - int4_vnni: the same weights x activations quantized to int8 in groups of 32 (cpu_qgemm), what steps
   of up to parallel.VNNI_TOKENS tokens use on CPUs with AVX-512 VNNI (forced for every position);
-- quantized: `model.weights: quantized`, the GGUF's blocks kept quantized with no dense copy (int4
-  kernel at every step size);
+- quantized: `model.weights: quantized`, the GGUF's blocks kept quantized with no dense copy (torch's
+  int4 kernel at every step size); quantized_vnni: the same with its 4-bit layers on cpu_qgemm;
 - w8a8: a candidate measured and rejected, defined here only: per-channel int8 weights x per-token
   int8 activations (`torch._int_mm`), faster than bf16 GEMMs at 16-64 tokens but too coarse (docs/benchmarks.md).
 
@@ -49,6 +49,7 @@ PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer 
     "int4": ("bfloat16", "weight_only", "small-batch", "auto"),
     "int4_vnni": ("bfloat16", "auto", "small-batch", "auto"),
     "quantized": ("bfloat16", "none", "default", "quantized"),
+    "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
     "w8a8": ("bfloat16", "weight_only", "w8a8", "auto"),
 }
 
@@ -122,7 +123,7 @@ def main() -> None:
     chosen = ["fp32"] + [p for p in args.paths.split(",") if p != "fp32"]
     for name in tqdm(chosen, desc="paths", file=sys.stderr):
         dtype, small, kernel, weights = PATHS[name]
-        if name == "int4_vnni" and not cpu_qgemm.available():
+        if name.endswith("_vnni") and not cpu_qgemm.available():
             print(f"skipping {name}: this CPU or build has no AVX-512 VNNI kernel", file=sys.stderr)
             continue
         engine = make_engine(path, dtype, small, args.prompts, weights)
