@@ -8,18 +8,14 @@ sums int8 products, which this CPU does at twice bf16's rate and from a quarter 
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 
 import torch
 
 from model_parallel import cpu_kernels
 
-log = logging.getLogger(__name__)
-
 GROUP = 32
 TILE = 16  # output columns per tile
-_GROUP_BYTES = 256 + 64  # a tile's nibbles for one group of inputs, then d and m as 16 fp16 each
 
 
 class _Lib:
@@ -30,8 +26,7 @@ class _Lib:
 
 @cache
 def _lib() -> _Lib | None:
-    kernels = cpu_kernels.load()
-    if kernels is None:
+    if cpu_kernels.load() is None:  # no compiler, or turned off: logged there
         return None
     lib = ctypes.CDLL(str(cpu_kernels.build()))
     lib.qgemm_available.restype = ctypes.c_int
@@ -39,7 +34,7 @@ def _lib() -> _Lib | None:
 
 
 def available() -> bool:
-    """Whether the kernels were built with AVX-512 VNNI and BF16 (else the caller keeps torch's int4 kernel)."""
+    """Whether the kernels were built with AVX-512 VNNI (else the caller keeps torch's int4 kernel)."""
     return _lib() is not None
 
 
@@ -49,7 +44,8 @@ def supports(n: int, k: int) -> bool:
 
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """q: 4-bit values [N, K] (any integer dtype, 0..15); d, m: [N, K/32] with w = d * q + m.
-    Returns the kernel's layout: uint8 [N/16, K/32, 320]."""
+    Returns the kernel's layout: uint8 [N/16, K/32, 320] (per tile and group: 256 bytes of nibbles,
+    then d and m as 16 fp16 each)."""
     n, k = q.shape
     tiles, groups = n // TILE, k // GROUP
     # [tile, group, word i (inputs 4i..4i+3), column, j]: word i in the low nibbles, word i + 4 in the high.
