@@ -14,9 +14,7 @@ ENV PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
 WORKDIR /home/ray/rayllm-tp
 COPY --chown=ray:users pyproject.toml README.md ./
 COPY --chown=ray:users constraints ./constraints
-COPY --chown=ray:users app ./app
-COPY --chown=ray:users deployments ./deployments
-COPY --chown=ray:users model_parallel ./model_parallel
+COPY --chown=ray:users rayllm ./rayllm
 COPY --chown=ray:users cluster.yaml ./
 # CPU: the CPU build of torch (constraints/cpu.txt). GPU: torch and xformers built for each other.
 RUN if [ "$VARIANT" = "gpu" ]; then \

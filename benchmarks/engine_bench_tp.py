@@ -2,7 +2,7 @@
 
 Two JSON lines kinds, each naming its backend:
 - `"bench": "allreduce"`: microseconds (median and mean) per TP all-reduce of a [rows, hidden] activation,
-  timed in N fresh processes through model_parallel.allreduce (no model, no Ray): what one decode step pays
+  timed in N fresh processes through rayllm.distributed.allreduce (no model, no Ray): what one decode step pays
   2 x layers + 1 times.
 - `"bench": "engine_tp"`: the engine at TP=N (Ray actors, one per rank): median decode step time of a
   batch of chat prompts and generate tokens/s, rounds alternating between the backends' engines.
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model_parallel.allreduce import make_all_reduce
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import LLMEngine
-from model_parallel.sampling_params import SamplingParams
+from rayllm.distributed.allreduce import make_all_reduce
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
 
 
 def _free_port() -> int:

@@ -39,7 +39,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def _group(cmdline: str) -> str | None:
     """A process's role in the server, from its command line (None: not part of it)."""
-    if "model_parallel.engine_process" in cmdline:
+    if "rayllm.engine.client.engine_process" in cmdline:
         return "engine"
     m = re.search(r"ray::ServeReplica:[^:\s]+:([^\s]+)", cmdline)
     if m:

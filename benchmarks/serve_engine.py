@@ -28,9 +28,9 @@ def engine_config(config_path: str):
     import torch
     import yaml
 
-    from deployments.builder import resolve_device
-    from deployments.config import ServerConfig
-    from model_parallel.model_files import resolve_model_path
+    from rayllm.loader.model_files import resolve_model_path
+    from rayllm.serve.builder import resolve_device
+    from rayllm.serve.config import ServerConfig
 
     with open(config_path) as f:
         args = yaml.safe_load(f)["applications"][0].get("args") or {}
@@ -46,7 +46,7 @@ def measure(config_path: str, batch: int, new_tokens: int, rounds: int) -> list[
     from engine_bench import bench_ours, prompts
     from transformers import AutoTokenizer
 
-    from model_parallel.engine import LLMEngine
+    from rayllm.engine.engine import LLMEngine
 
     base = engine_config(config_path)
     path = base.model.model

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from serve_stats import Result, summarize
 
-from deployments.serving_env import serving_env
+from rayllm.serve.serving_env import serving_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

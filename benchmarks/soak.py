@@ -32,12 +32,12 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicy
 
 
 def engine_pids() -> list[int]:
-    """Engine child processes on this machine (`python -m model_parallel.engine_process FD`)."""
+    """Engine child processes on this machine (`python -m rayllm.engine.client.engine_process FD`)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"model_parallel.engine_process" in f.read():
+                if b"rayllm.engine.client.engine_process" in f.read():
                     pids.append(int(pid))
         except OSError:
             pass
@@ -116,7 +116,7 @@ def start_local() -> str:
     from ray import serve
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     with open(os.path.join(os.path.dirname(__file__), "..", "cluster.yaml")) as f:
         args = yaml.safe_load(f)["applications"][0]["args"]

@@ -11,8 +11,8 @@ for handle paths, the CPU µs per call of the caller and of the called replica (
 
 - `handle_render_chat`: ingress -> tokenizer deployment `render_chat` -> back; `handle_encode`: the same
   for `encode` of the rendered prompt (a plain method: Serve runs it in a thread pool);
-- `direct_render_chat`: the same render as the ingress makes it (`deployments.render_batcher`): over the
-  tokenizer replica's direct channel (`deployments.render_channel`, a Unix socket on the same node);
+- `direct_render_chat`: the same render as the ingress makes it (`rayllm.serve.render_batcher`): over the
+  tokenizer replica's direct channel (`rayllm.serve.render_channel`, a Unix socket on the same node);
   `batcher_render_chat`: its fallback through the handle, concurrent renders coalesced into
   `render_chat_batch` calls (`renders_per_call` says how many went together);
 - `handle_echo`, `handle_echo_sync`: the same trips to a deployment that does nothing (async / plain);
@@ -37,7 +37,7 @@ import timeit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deployments.serving_env import serving_env  # noqa: E402
+from rayllm.serve.serving_env import serving_env  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -59,7 +59,7 @@ def stats(name: str, times_s: list[float], **extra) -> dict:
 
 def in_process(model_path: str, n: int) -> list[dict]:
     """Each stage of `TokenizerService.render_chat`, timed call by call (no Ray)."""
-    from deployments.tokenizer import TokenizerService
+    from rayllm.serve.tokenizer import TokenizerService
 
     service = TokenizerService(model_path)
     renderer = service.renderer
@@ -170,7 +170,7 @@ def replica_cpu_s(app: str, deployment: str) -> float:
 PATHS = {"handle_echo": ("echo", "render_chat"), "handle_echo_sync": ("echo", "render_chat_sync"),
          "handle_render_chat": ("tokenizer", "render_chat"), "handle_encode": ("tokenizer", "encode"),
          "actor_echo": ("actor", "render_chat"),  # a plain Ray actor call: Ray's share of Serve's
-         "batcher_render_chat": ("tokenizer", "batcher"),  # deployments.render_batcher through the handle
+         "batcher_render_chat": ("tokenizer", "batcher"),  # rayllm.serve.render_batcher through the handle
          "direct_render_chat": ("tokenizer", "direct")}  # as the ingress renders: the replica's direct channel
 ECHO_REPLY = ("x" * 160, list(range(32)))  # the size of a typical render_chat answer
 PROMPT_TEXT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the capital "
@@ -182,9 +182,9 @@ def serve_app(model_name: str, model_path: str, variant: str):
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
-    from deployments.model_routes import ModelTokenizer
-    from deployments.render_batcher import RenderBatcher
-    from deployments.tokenizer import TokenizerDeployment
+    from rayllm.serve.render_batcher import RenderBatcher
+    from rayllm.serve.routes.model_routes import ModelTokenizer
+    from rayllm.serve.tokenizer import TokenizerDeployment
 
     env = VARIANTS[variant]
 
@@ -287,7 +287,7 @@ def through_serve(model_name: str, model_path: str, n: int, concurrencies: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model_parallel.model_files import default_model_path
+    from rayllm.loader.model_files import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400, help="timed calls per path and concurrency")

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
-    from model_parallel.model_files import default_model_path
+    from rayllm.loader.model_files import default_model_path
 
     return default_model_path()
 

@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def xformers_or_skip() -> None:
-    from model_parallel.attention import XformersAttention
+    from rayllm.attention.backends import XformersAttention
 
     try:
         XformersAttention().probe(torch.device("cuda"))
@@ -30,7 +30,7 @@ def xformers_or_skip() -> None:
 
 def triton_or_skip() -> None:
     try:
-        from model_parallel.triton_kernels import TritonAttention
+        from rayllm.attention.triton import TritonAttention
 
         TritonAttention().probe(torch.device("cuda"))
     except Exception as exc:  # no triton, or no compiler for this GPU
@@ -51,6 +51,6 @@ def backend(request) -> str:
 def gguf_path() -> str:
     """The default model; RAYLLM_GPU_TEST_GGUF names another file (e.g. a copy cut to its first layers by
     trim_gguf.py, real weights, where the 98 MB file cannot travel to the GPU machine)."""
-    from model_parallel.model_files import default_model_path
+    from rayllm.loader.model_files import default_model_path
 
     return os.environ.get("RAYLLM_GPU_TEST_GGUF") or default_model_path()

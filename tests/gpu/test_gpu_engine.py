@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import LLMEngine
-from model_parallel.executor import make_executor
-from model_parallel.loader import read_arch
-from model_parallel.sampling_params import GuidedSpec, SamplingParams
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 # Every sequence runs all its tokens, whatever the weights make of EOS: ~40-token chat prompts cross
@@ -187,7 +187,7 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(gguf_path, eos, chat_prompt
 
 def test_every_sampling_feature_runs_on_cuda(gguf_path, eos, hf_tokenizer, chat_prompts, backend):
     """Each feature once, in one busy batch: the outputs are well-formed and obey what was asked."""
-    from model_parallel.guided import GrammarCompiler
+    from rayllm.sample.guided import GrammarCompiler
 
     engine = LLMEngine(config(gguf_path, backend), eos_token_ids=eos)
     try:

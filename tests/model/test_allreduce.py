@@ -1,4 +1,4 @@
-"""The CPU tensor-parallel all-reduce (model_parallel/allreduce.py): DeepSpeed's shared-memory kernel sums
+"""The CPU tensor-parallel all-reduce (rayllm/distributed/allreduce.py): DeepSpeed's shared-memory kernel sums
 exactly what gloo sums, and a TP=2 engine on it computes what TP=2 on gloo and TP=1 compute.
 
 Needs the `deepspeed` extra (`make install-test` installs it); skipped, saying so, without it. The first
@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model_parallel.allreduce import make_all_reduce
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from model_parallel.engine import LLMEngine
-from model_parallel.sampling_params import SamplingParams
+from rayllm.distributed.allreduce import make_all_reduce
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (pip install -e '.[deepspeed]')")
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from model_parallel.config import (
+from rayllm.engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -28,9 +28,9 @@ from model_parallel.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from model_parallel.engine import LLMEngine
-from model_parallel.lora_files import random_peft_adapter
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.lora.files import random_peft_adapter
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from model_parallel.engine import LLMEngine
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
 from tests.model.test_engine import GREEDY, make_engine
 
 EMBED = SamplingParams(embed=True)

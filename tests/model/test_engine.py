@@ -8,10 +8,10 @@ import pytest
 import ray
 import torch
 
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.cpu_kernels import onednn_cache_env
-from model_parallel.engine import LLMEngine
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.platforms.cpu.kernels import onednn_cache_env
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 

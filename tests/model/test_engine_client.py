@@ -1,4 +1,4 @@
-"""Both engine clients (model_parallel/engine_client.py), an engine on a thread and one in a child process,
+"""Both engine clients (rayllm/engine/client/engine_client.py), an engine on a thread and one in a child process,
 serve the same outputs as `LLMEngine` run offline, end aborted requests, and report stats and health.
 The real default model (SmolLM2 GGUF), in float32 so batch composition cannot change a greedy token."""
 
@@ -9,17 +9,17 @@ import dataclasses
 
 import pytest
 
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import EngineStats, LLMEngine
-from model_parallel.engine_client import (
+from rayllm.engine.client.engine_client import (
     EngineClient,
     InprocClient,
     ProcessClient,
     make_engine_client,
     steps_in_child,
 )
-from model_parallel.outputs import EngineDeadError
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import EngineStats, LLMEngine
+from rayllm.engine.outputs import EngineDeadError
+from rayllm.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import LLMEngine, SequenceError
-from model_parallel.engine_client import EngineClient, InprocClient, ProcessClient
-from model_parallel.engine_process import EngineProcess
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.client.engine_client import EngineClient, InprocClient, ProcessClient
+from rayllm.engine.client.engine_process import EngineProcess
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import LLMEngine, SequenceError
+from rayllm.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12)

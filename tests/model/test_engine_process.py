@@ -9,13 +9,13 @@ import os
 
 import pytest
 
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.cpu_kernels import ONEDNN_CACHE_CAPACITY
-from model_parallel.engine_client import ProcessClient
-from model_parallel.engine_process import EngineProcess, child_env
-from model_parallel.guided import GrammarCompiler
-from model_parallel.outputs import EngineDeadError
-from model_parallel.sampling_params import GuidedSpec, SamplingParams
+from rayllm.engine.client.engine_client import ProcessClient
+from rayllm.engine.client.engine_process import EngineProcess, child_env
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.outputs import EngineDeadError
+from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
+from rayllm.platforms.cpu.kernels import ONEDNN_CACHE_CAPACITY
+from rayllm.sample.guided import GrammarCompiler
 
 
 def config(gguf_path: str) -> EngineConfig:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_parallel.config import (
+from rayllm.engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -24,11 +24,11 @@ from model_parallel.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from model_parallel.engine import LLMEngine
-from model_parallel.executor import make_executor
-from model_parallel.loader import read_arch
-from model_parallel.lora_files import TARGETS, random_peft_adapter
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
+from rayllm.lora.files import TARGETS, random_peft_adapter
 
 VOCAB = 256
 FAMILIES = ["gemma2", "gemma3", "phi3"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_families import FAMILIES, make_checkpoint, write_gguf
 
-from model_parallel.config import (
+from rayllm.engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -20,10 +20,10 @@ from model_parallel.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from model_parallel.engine import LLMEngine
-from model_parallel.executor import make_executor
-from model_parallel.loader import read_arch
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
 
 VOCAB = 256
 
@@ -171,7 +171,7 @@ def test_expert_lora_is_refused_with_a_clear_error(checkpoints, key, tmp_path):
 
     from safetensors.torch import save_file
 
-    from model_parallel.lora_files import LoRAError, read_peft_adapter
+    from rayllm.lora.files import LoRAError, read_peft_adapter
 
     path = tmp_path / "experts_adapter"
     path.mkdir()

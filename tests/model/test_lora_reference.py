@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from model_parallel.config import (
+from rayllm.engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -17,9 +17,9 @@ from model_parallel.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from model_parallel.executor import make_executor
-from model_parallel.loader import read_arch
-from model_parallel.lora_files import LoRAError, random_peft_adapter, read_peft_adapter
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
+from rayllm.lora.files import LoRAError, random_peft_adapter, read_peft_adapter
 
 
 def tiny_llama(tmp_path) -> str:
@@ -94,8 +94,8 @@ def test_adapters_match_peft_reference(tmp_path, tp, request):
 
 def test_mixed_batch_equals_each_request_alone(gguf_path, chat_prompts, tmp_path):
     """Base + two adapters in one continuous batch: each request gets exactly its tokens when alone."""
-    from model_parallel.engine import LLMEngine
-    from model_parallel.sampling_params import SamplingParams
+    from rayllm.engine.engine import LLMEngine
+    from rayllm.engine.sampling_params import SamplingParams
 
     arch = read_arch(gguf_path)
     paths = [random_peft_adapter(str(tmp_path / f"ad{i}"), arch, rank=8, seed=i) for i in (1, 2)]
@@ -175,9 +175,9 @@ def test_bad_adapters_are_refused_with_clear_errors(gguf_path, tmp_path):
 
 async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
     """Two slots: idle adapters are evicted least-recently-used first, busy ones never."""
-    from app.errors import APIError
-    from deployments.lora_registry import LoRARegistry
-    from model_parallel.engine_client import make_engine_client
+    from rayllm.engine.client.engine_client import make_engine_client
+    from rayllm.protocol.errors import APIError
+    from rayllm.serve.lora.lora_registry import LoRARegistry
 
     base = tiny_llama(tmp_path)
     arch = read_arch(base)

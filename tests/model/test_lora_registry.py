@@ -13,10 +13,7 @@ import os
 import pytest
 import torch
 
-from app.errors import APIError
-from app.io_struct import GenerateRequest, StopOptions
-from deployments.llm_server import LLMServer
-from model_parallel.config import (
+from rayllm.engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -24,8 +21,11 @@ from model_parallel.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from model_parallel.lora_files import UnknownAdapterError
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.lora.files import UnknownAdapterError
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.io_struct import GenerateRequest, StopOptions
+from rayllm.serve.llm_server import LLMServer
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,8 @@ async def test_unload_in_use_aborts_its_requests_and_the_engine_serves_on(gguf_p
 def test_a_step_naming_an_unloaded_adapter_is_that_sequences_error(gguf_path, peft_dir):
     """The LoRA manager names the adapter ids it does not hold, and leaves the batch state untouched,
     so the engine can fail just the sequences carrying them."""
-    from model_parallel.executor import make_executor
-    from model_parallel.loader import read_arch
+    from rayllm.executor.executor import make_executor
+    from rayllm.loader.loader import read_arch
 
     config = EngineConfig(model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=256),
                           cache=CacheConfig(kv_cache_bytes=8 << 20), lora=LoRAConfig(max_loras=1, max_lora_rank=8))

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_parallel import cpu_qgemm, parallel
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import LLMEngine
-from model_parallel.quant import Int4GroupWeight
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.layers import linear as parallel
+from rayllm.platforms.cpu import qgemm as cpu_qgemm
+from rayllm.quant.methods import Int4GroupWeight
 
 NEW_TOKENS = 32
 

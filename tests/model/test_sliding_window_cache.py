@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_parallel.block_manager import FREED
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from model_parallel.engine import LLMEngine
-from model_parallel.kv_cache import bytes_per_block
-from model_parallel.loader import read_arch
-from model_parallel.registry import kv_window
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.block_manager import FREED
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.engine.engine import LLMEngine
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.loader.loader import read_arch
+from rayllm.models.registry import kv_window
+from rayllm.runner.kv_cache import bytes_per_block
 
 VOCAB, WINDOW, BS, BUDGET, MAX_TOKENS = 256, 8, 4, 16, 40
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

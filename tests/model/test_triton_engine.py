@@ -18,11 +18,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-import model_parallel.worker as worker_module  # noqa: E402
-from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
-from model_parallel.engine import LLMEngine  # noqa: E402
-from model_parallel.sampling_params import SamplingParams  # noqa: E402
-from model_parallel.triton_kernels import TritonAttention  # noqa: E402
+import rayllm.executor.worker as worker_module  # noqa: E402
+from rayllm.attention.triton import TritonAttention  # noqa: E402
+from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from rayllm.engine.engine import LLMEngine  # noqa: E402
+from rayllm.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def make_engine(gguf_path: str) -> LLMEngine:

@@ -15,7 +15,7 @@ import pytest
 # the shipped environment (serving.env: Serve's throughput mode, HAProxy, worker niceness).
 import ray.serve._private.constants  # noqa: F401
 
-from deployments.serving_env import serving_env
+from rayllm.serve.serving_env import serving_env
 
 os.environ.update(serving_env())
 
@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     import ray
     from ray import serve
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     port = _free_port()
     # Conversations go to a throwaway SQLite file (every app these tests build, through STORAGE_URL).

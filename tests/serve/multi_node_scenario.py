@@ -85,7 +85,7 @@ def main() -> dict:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     result: dict = {}
     cluster = Cluster(initialize_head=True, head_node_args={

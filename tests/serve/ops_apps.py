@@ -16,7 +16,7 @@ SMALL_ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
 def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
     from ray import serve
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     small = {} if "models" in args else {"engine": SMALL_ENGINE}  # a `models` list brings its own engines
     app = build_app({"replica_num_cpus": 0.5} | small | args)

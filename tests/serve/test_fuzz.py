@@ -23,8 +23,8 @@ _started: list[float] = []
 
 
 def api_schema() -> schemathesis.BaseSchema:
-    import deployments.ingress  # noqa: F401  (registers the routes on the app)
-    from deployments.http_app import app
+    import rayllm.serve.ingress  # noqa: F401  (registers the routes on the app)
+    from rayllm.serve.routes.http_app import app
 
     # From the app object, not /openapi.json (off when API keys are on).
     return schemathesis.openapi.from_dict(app.openapi()).include(path_regex=FUZZED)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from deployments.adapter_paths import REFUSED
+from rayllm.serve.lora.adapter_paths import REFUSED
 from tests.serve.conftest import ADMIN_KEY, API_KEY
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -17,9 +17,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
-    from model_parallel.config import LlamaArch
-    from model_parallel.loader import read_arch
-    from model_parallel.lora_files import random_peft_adapter
+    from rayllm.engine.config import LlamaArch
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
 
     arch = read_arch(gguf_path)
     root = tmp_path_factory.mktemp("adapters")
@@ -38,8 +38,8 @@ def lora_server(server, adapters, tmp_path_factory) -> str:
     """A second app on the session's Serve instance: two model replicas with two adapter slots each."""
     from ray import serve
 
-    from deployments.builder import build_app_with
-    from deployments.config import ServerConfig
+    from rayllm.serve.builder import build_app_with
+    from rayllm.serve.config import ServerConfig
 
     config = ServerConfig.from_args({
         "api_keys": [API_KEY],

@@ -191,7 +191,7 @@ def test_tensor_parallel_2_replica_through_serve(server, client, model_name, aut
     from openai import OpenAI
     from ray import serve
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     api_key = auth["Authorization"].removeprefix("Bearer ")
     allreduce = "deepspeed" if importlib.util.find_spec("deepspeed") else "gloo"

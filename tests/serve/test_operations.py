@@ -245,7 +245,7 @@ def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray):
             time.sleep(0.5)
     assert saw_503 and h.json()["error"]["type"] == "server_error"
     # A fixed text: no Ray traceback, actor id or pid reaches the client (the cause is in the ingress log).
-    from deployments.ops_routes import UNHEALTHY
+    from rayllm.serve.routes.ops_routes import UNHEALTHY
 
     assert h.json()["error"]["message"] == UNHEALTHY and "Actor" not in h.text and "pid" not in h.text
     # Serve replaces the replica (new rank actors) and new requests succeed.

@@ -189,7 +189,7 @@ def test_postgresql_storage_through_serve(server, postgres_url, auth, model_name
     """A second application whose ingress stores in a real PostgreSQL server (multi-node storage)."""
     from ray import serve
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     key = auth["Authorization"].removeprefix("Bearer ")
     app = build_app({"api_keys": [key, "other-key"], "storage_url": postgres_url, "engine": {

@@ -1,4 +1,4 @@
-"""The ingress's chat renders (deployments/render_batcher.py) on the session's real Serve app, over the tokenizer
+"""The ingress's chat renders (rayllm/serve/render_batcher.py) on the session's real Serve app, over the tokenizer
 replica's direct channel and coalesced into batch calls through the handle: each request still gets exactly
 the ids of transformers' apply_chat_template."""
 
@@ -29,8 +29,8 @@ def reference_ids(hf_tokenizer, messages: list[dict], add_generation_prompt: boo
 def batcher_of(model_name: str, direct: bool):
     from ray import serve
 
-    from deployments.model_routes import ModelTokenizer
-    from deployments.render_batcher import RenderBatcher
+    from rayllm.serve.render_batcher import RenderBatcher
+    from rayllm.serve.routes.model_routes import ModelTokenizer
 
     return RenderBatcher(ModelTokenizer(serve.get_deployment_handle("tokenizer", app_name="llm"), model_name),
                          direct=direct)

@@ -134,7 +134,7 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
 
 def ingress_drain_s() -> float:
     """How long the ingress lets an open stream finish when it is replaced or deleted (set in code)."""
-    from deployments.ingress import Ingress
+    from rayllm.serve.ingress import Ingress
 
     return Ingress._deployment_config.graceful_shutdown_timeout_s
 
@@ -195,7 +195,7 @@ def test_in_flight_stream_finishes_while_app_is_redeployed(drained):
     """Graceful drain on a rolling update: the old replicas stop only once the open stream has ended."""
     from ray import serve
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     app, pace = drained.name, Pace(drained.base)
     tokens = stream_tokens(pace)

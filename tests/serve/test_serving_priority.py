@@ -28,6 +28,6 @@ def _max_nice(procs: dict[str, list[int]], needle: str) -> int:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads nice values from Linux's /proc")
 def test_serving_processes_run_below_the_engine(server):
     procs = _nice_by_cmdline()
-    engine = _max_nice(procs, "-m model_parallel.engine_process")
+    engine = _max_nice(procs, "-m rayllm.engine.client.engine_process")
     for name in ("ingress", "tokenizer", "llm"):  # the model replica too: its engine runs in the child
         assert _max_nice(procs, f"ray::ServeReplica:llm:{name}") >= min(19, engine + 10), name

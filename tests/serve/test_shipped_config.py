@@ -57,8 +57,8 @@ def shipped_args(adapter_root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory, gguf_path) -> str:
-    from model_parallel.loader import read_arch
-    from model_parallel.lora_files import random_peft_adapter
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
 
     root = tmp_path_factory.mktemp("shipped_adapters")
     return random_peft_adapter(str(root / "a"), read_arch(gguf_path), rank=8, seed=21)
@@ -68,7 +68,7 @@ def adapter(tmp_path_factory, gguf_path) -> str:
 def shipped(server, adapter) -> str:
     from ray import serve
 
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     args = shipped_args(str(pathlib.Path(adapter).parent))
     assert args["engine"]["model"]["dtype"] == "auto" and args["engine"]["model"]["cpu_weight_prepack"]
@@ -193,8 +193,8 @@ def loaded(shipped, adapter) -> str:
 @pytest.fixture(scope="module")
 def loaded_b(shipped, adapter, gguf_path) -> str:
     """A second adapter (another rank: padded differently in a mixed step), beside the first."""
-    from model_parallel.loader import read_arch
-    from model_parallel.lora_files import random_peft_adapter
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
 
     path = random_peft_adapter(str(pathlib.Path(adapter).parent / "b"), read_arch(gguf_path), rank=4, seed=22)
     r = httpx.post(f"{shipped}/v1/load_lora_adapter", json={"lora_name": "shipped-b", "lora_path": path},

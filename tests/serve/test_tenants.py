@@ -66,7 +66,7 @@ def test_request_lora_path_is_off_by_default(client):
 
 
 def test_no_schema_or_docs_with_keys_on(server):
-    from deployments.http_app import app
+    from rayllm.serve.routes.http_app import app
 
     for path in ("/openapi.json", "/docs", "/redoc"):
         assert httpx.get(f"{server}{path}", headers=hdr(API_KEY)).status_code == 404

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import APIError
-from deployments.adapter_table import AdapterTable
+from rayllm.protocol.errors import APIError
+from rayllm.serve.lora.adapter_table import AdapterTable
 
 BASE = "SmolLM2-135M-Instruct"
 

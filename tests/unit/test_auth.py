@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from app.errors import APIError
-from deployments.auth import Access, KeyRing
+from rayllm.protocol.errors import APIError
+from rayllm.serve.auth import Access, KeyRing
 
 
 def bearer(key: str) -> str:
@@ -58,7 +58,7 @@ def test_metrics_key_switch():
 
 
 def test_cache_salt_separates_owners_and_client_salts():
-    from deployments.auth import cache_salt
+    from rayllm.serve.auth import cache_salt
 
     assert cache_salt("", None) is None  # keys off, no salt: the shared cache
     salts = {cache_salt("aa", None), cache_salt("bb", None), cache_salt("", "x"), cache_salt("aa", "x")}

@@ -7,11 +7,11 @@ runner would see can be checked directly.
 
 from __future__ import annotations
 
-from model_parallel.block_manager import FREED, BlockManager
-from model_parallel.config import SchedulerConfig
-from model_parallel.sampling_params import SamplingParams
-from model_parallel.scheduler import Scheduler
-from model_parallel.sequence import Sequence
+from rayllm.engine.block_manager import FREED, BlockManager
+from rayllm.engine.config import SchedulerConfig
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.engine.scheduler import Scheduler
+from rayllm.engine.sequence import Sequence
 
 BS, WINDOW, BUDGET = 4, 8, 16
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from app.chat_output import ChatOutputParser, merge_deltas
-from app.request_models import ChatCompletionRequest
-from app.tools import plan_tools
+from rayllm.protocol.chat_output import ChatOutputParser, merge_deltas
+from rayllm.protocol.request_models import ChatCompletionRequest
+from rayllm.protocol.tools import plan_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -115,7 +115,7 @@ def test_mistral_format_calls_run_to_the_end():
 
 @pytest.mark.parametrize("fmt", ["hermes", "mistral"])
 def test_auto_structural_tags_compile_and_constrain(svc_tokenizer, fmt):
-    from model_parallel.guided import GrammarCompiler, new_matcher
+    from rayllm.sample.guided import GrammarCompiler, new_matcher
 
     p = plan_tools(ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS}), other_constraint=False,
                    tool_format=fmt)
@@ -132,6 +132,6 @@ def test_auto_structural_tags_compile_and_constrain(svc_tokenizer, fmt):
 
 @pytest.fixture(scope="module")
 def svc_tokenizer(gguf_path):
-    from deployments.tokenizer import load_tokenizer
+    from rayllm.serve.tokenizer import load_tokenizer
 
     return load_tokenizer(gguf_path)

@@ -1,4 +1,4 @@
-"""app.choice_state: one state per choice, fed once per delta; the stream and the whole body written from it
+"""rayllm.protocol.choice_state: one state per choice, fed once per delta; the stream and the whole body written from it
 agree, as the OpenAI SDK's own stream accumulator rebuilds them."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatChunk
 
-from app.chat_output import ChatOutputParser, merge_deltas, output_parser_factory
-from app.choice_state import GenerationState
-from app.io_struct import GenerationDelta
-from app.request_models import ChatCompletionRequest
-from app.sse import SSE_DONE, ChatFormat
-from app.tools import plan_tools
+from rayllm.protocol.chat_output import ChatOutputParser, merge_deltas, output_parser_factory
+from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.protocol.request_models import ChatCompletionRequest
+from rayllm.protocol.sse import SSE_DONE, ChatFormat
+from rayllm.protocol.tools import plan_tools
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

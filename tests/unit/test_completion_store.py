@@ -7,11 +7,11 @@ import sqlite3
 
 import pytest
 
-from app import protocol as P
-from app.choice_state import GenerationState
-from app.io_struct import GenerationDelta
-from deployments.completion_store import completion_store
-from deployments.conversation_store import ConversationStore, StorageUnavailable
+from rayllm.protocol import protocol as P
+from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.serve.stores.completion_store import completion_store
+from rayllm.serve.stores.conversation_store import ConversationStore, StorageUnavailable
 
 
 def generated(texts: list[str], finish: str | None = "stop") -> GenerationState:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.config import ServerConfig
-from model_parallel.config import EngineConfig
+from rayllm.engine.config import EngineConfig
+from rayllm.serve.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_cluster_yaml_builds_server_config():
     doc = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     ServeDeploySchema.model_validate(doc) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema(**doc)
     (app,) = doc["applications"]
-    assert app["import_path"] == "deployments.builder:build_app"
+    assert app["import_path"] == "rayllm.serve.builder:build_app"
     cfg = ServerConfig.from_args(app["args"])
     assert cfg.served_model_name == "SmolLM2-135M-Instruct"
     assert cfg.engine.parallel.tensor_parallel_size == 1
@@ -28,7 +28,7 @@ def test_cluster_yaml_builds_server_config():
 
 
 def test_builder_takes_exactly_one_argument_as_serve_requires():
-    from deployments.builder import build_app
+    from rayllm.serve.builder import build_app
 
     assert len(inspect.signature(build_app).parameters) == 1
 
@@ -46,7 +46,7 @@ def test_bad_engine_config_is_rejected():
 
 
 def test_tp_placement_bundles():
-    from deployments.builder import placement_bundles
+    from rayllm.serve.builder import placement_bundles
 
     cfg = ServerConfig.from_args({"engine": {"parallel": {"tensor_parallel_size": 2, "device": "cpu"}}})
     assert placement_bundles(cfg) == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
@@ -54,7 +54,7 @@ def test_tp_placement_bundles():
 
 
 def test_serving_nice_is_bounded_and_only_for_cpu_engines():
-    from deployments.builder import serving_nice
+    from rayllm.serve.builder import serving_nice
 
     with pytest.raises(ValueError):
         ServerConfig(serving_nice=20)

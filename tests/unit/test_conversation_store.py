@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from app import conversations as C
-from app.errors import APIError
-from deployments.auth import KeyRing
-from deployments.config import ServerConfig
-from deployments.conversation_store import ConversationStore
+from rayllm.protocol import conversations as C
+from rayllm.protocol.errors import APIError
+from rayllm.serve.auth import KeyRing
+from rayllm.serve.config import ServerConfig
+from rayllm.serve.stores.conversation_store import ConversationStore
 
 ALICE, BOB = "a" * 64, "b" * 64
 
@@ -102,7 +102,7 @@ def test_sqlite_is_wal_and_survives_a_killed_writer(tmp_path):
     ConversationStore(url)
     assert sqlite3.connect(tmp_path / "conv.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     # A process that stores, then dies without any clean-up: what it was told is stored, is.
-    code = ("import os; from deployments.conversation_store import ConversationStore as S; "
+    code = ("import os; from rayllm.serve.stores.conversation_store import ConversationStore as S; "
             f"s = S({url!r}); c = s.create('o'); print(c['id'], flush=True); os._exit(9)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 9
@@ -194,7 +194,7 @@ def test_locked_sqlite_answers_503_within_the_timeout_and_recovers(tmp_path):
     storage_unavailable (not a 30 s wait and a 500); reads go on (WAL); the lock's release heals it."""
     import time
 
-    from deployments.conversation_store import StorageUnavailable
+    from rayllm.serve.stores.conversation_store import StorageUnavailable
 
     url = f"sqlite:///{tmp_path}/conv.db"
     store = ConversationStore(url, timeout_s=0.5)
@@ -225,7 +225,7 @@ def test_stopped_postgresql_answers_503_within_the_timeout(postgres_url):
 
     from pg_server import _as_user, find_bin_dir, postgres_server
 
-    from deployments.conversation_store import StorageUnavailable
+    from rayllm.serve.stores.conversation_store import StorageUnavailable
 
     with postgres_server() as url:  # a server of its own, to stop (the session's keeps serving others)
         store = ConversationStore(url, timeout_s=1.0, pool_size=2)

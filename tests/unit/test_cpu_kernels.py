@@ -1,4 +1,4 @@
-"""The C paged kernels (model_parallel/csrc) agree with the torch paths they replace."""
+"""The C paged kernels (rayllm/platforms/cpu/csrc) agree with the torch paths they replace."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from model_parallel import cpu_kernels
-from model_parallel.attention import AttentionMetadata, decode_attention, decode_gather_index, write_cache
+from rayllm.attention.backends import AttentionMetadata, decode_attention, decode_gather_index, write_cache
+from rayllm.platforms.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +125,10 @@ def test_build_is_cached_per_source(tmp_path):
 
 
 def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path):
-    from model_parallel.attention import make_attention_backend
+    from rayllm.attention.backends import make_attention_backend
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("MODEL_PARALLEL_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing cached to reuse
+    monkeypatch.setenv("RAYLLM_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing cached to reuse
     cpu_kernels.load.cache_clear()
     try:
         assert cpu_kernels.load() is None
@@ -145,7 +145,7 @@ def bf16_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_fused_add_rms_norm_equals_rmsnorm_module(kernels, with_residual):
-    from model_parallel.layers import RMSNorm
+    from rayllm.layers.basic import RMSNorm
 
     torch.manual_seed(0)
     ref = RMSNorm(576, 1e-5).to(torch.bfloat16)
@@ -160,14 +160,14 @@ def test_fused_add_rms_norm_equals_rmsnorm_module(kernels, with_residual):
 
 
 def test_fused_silu_and_mul_equals_torch(kernels):
-    from model_parallel.layers import silu_and_mul
+    from rayllm.layers.basic import silu_and_mul
 
     x = (torch.randn(5, 2 * 1536) * 4).to(torch.bfloat16)
     bf16_close(kernels.silu_and_mul(x), silu_and_mul(x))
 
 
 def test_rotary_in_place_equals_rotary_module(kernels):
-    from model_parallel.layers import RotaryEmbedding
+    from rayllm.layers.basic import RotaryEmbedding
 
     rotary = RotaryEmbedding(64, 2048, 10000.0)
     t, hq, hk = 6, 9, 3
@@ -212,7 +212,7 @@ def test_portable_build_without_avx512_agrees_too(tmp_path):
         torch.testing.assert_close(portable.paged_attention(q, k_cache, v_cache, tables, lens).float(),
                                    native.paged_attention(q, k_cache, v_cache, tables, lens).float(),
                                    atol=2e-2, rtol=2e-2)
-    from model_parallel.layers import RMSNorm, silu_and_mul
+    from rayllm.layers.basic import RMSNorm, silu_and_mul
 
     x = (torch.randn(3, 2 * 96) * 3).to(torch.bfloat16)
     bf16_close(portable.silu_and_mul(x), silu_and_mul(x))
@@ -244,7 +244,7 @@ def test_argmax_handles_infinities_and_nan_as_torch(kernels):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_kernels_split_across_threads_agree(kernels, threads):
     """Enough rows that norm, SiLU and rotary split them across threads: same results as torch."""
-    from model_parallel.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+    from rayllm.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -349,7 +349,7 @@ def test_write_kv_refuses_out_of_range_slots_and_writes_nothing(kernels):
 
 
 def test_row_kernels_refuse_bad_shapes_and_unsupported_head_dims(kernels):
-    from model_parallel.layers import RotaryEmbedding
+    from rayllm.layers.basic import RotaryEmbedding
 
     qkv = torch.randn(2, 4 * 576).to(torch.bfloat16)
     big = RotaryEmbedding(576, 64, 10000.0).tables(torch.arange(2))

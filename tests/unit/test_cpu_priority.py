@@ -11,7 +11,7 @@ import pytest
 
 CHILD = """
 import json, os, threading
-from deployments.cpu_priority import lower_process_priority
+from rayllm.platforms.cpu.priority import lower_process_priority
 
 base = os.getpriority(os.PRIO_PROCESS, 0)
 stop = threading.Event()
@@ -50,7 +50,7 @@ def test_every_thread_and_later_threads_step_back():
 
 
 def test_zero_changes_nothing():
-    from deployments.cpu_priority import lower_process_priority
+    from rayllm.platforms.cpu.priority import lower_process_priority
 
     before = os.getpriority(os.PRIO_PROCESS, 0)
     assert lower_process_priority(0) == 0

@@ -10,8 +10,10 @@ import ctypes
 import pytest
 import torch
 
-from model_parallel import cpu_kernels, cpu_qgemm, parallel
-from model_parallel.parallel import PackedWeight
+from rayllm.layers import linear as parallel
+from rayllm.layers.linear import PackedWeight
+from rayllm.platforms.cpu import kernels as cpu_kernels
+from rayllm.platforms.cpu import qgemm as cpu_qgemm
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(), reason="no AVX-512 VNNI on this CPU (or no C compiler)")
 

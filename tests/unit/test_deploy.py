@@ -63,7 +63,7 @@ def test_image_matches_the_pinned_ray_and_the_makefile_installs():
 
 def test_rayservice_pods_have_the_serving_environment():
     """Every Ray container starts with serving.env's variables, as `make serve` and the serve tests do."""
-    from deployments.serving_env import serving_env
+    from rayllm.serve.serving_env import serving_env
 
     expected = serving_env()
     assert {"RAY_SERVE_ENABLE_HA_PROXY", "RAY_worker_niceness"} <= set(expected)
@@ -79,7 +79,7 @@ def test_serving_env_is_what_make_serve_sources():
     """`make serve` sources serving.env in a POSIX shell: the parser reads the same variables."""
     import subprocess
 
-    from deployments.serving_env import SERVING_ENV, serving_env
+    from rayllm.serve.serving_env import SERVING_ENV, serving_env
 
     out = subprocess.run(["sh", "-c", f"set -a && . {SERVING_ENV} && env"], capture_output=True, text=True,
                          check=True, env={"PATH": "/usr/bin:/bin"}).stdout
@@ -176,14 +176,14 @@ def cluster_nodes(manifest: dict, scale: str) -> list[dict[str, float]]:
 def replica_demands(manifest: dict, nodes: list[dict[str, float]], scale: str) -> list[tuple[str, dict[str, float]]]:
     """Per replica (at min or max replicas) what must sit on one node: its placement bundles summed
     when STRICT_PACK (the replica runs in bundle 0), else its ray_actor_options. The options come
-    from deployments/builder.py as `serve run` builds them, then the Serve config's `deployments`."""
-    from deployments.builder import (
+    from rayllm/serve/builder.py as `serve run` builds them, then the Serve config's `deployments`."""
+    from rayllm.serve.builder import (
         deployment_name,
         llm_deployment_options,
         model_config,
         with_resolved_device,
     )
-    from deployments.config import ServerConfig
+    from rayllm.serve.config import ServerConfig
 
     (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
     total = {"GPU": sum(n["GPU"] for n in nodes)}  # device: auto resolves from the cluster's resources

@@ -1,4 +1,4 @@
-"""stop_regex under RE2 (deployments.detokenizer), against Python's `re` as the reference, with the real
+"""stop_regex under RE2 (rayllm.serve.detokenizer), against Python's `re` as the reference, with the real
 SmolLM2 tokenizer."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from deployments.detokenizer import REGEX_WINDOW_CHARS, IncrementalDetokenizer
-from deployments.tokenizer import TokenizerService
+from rayllm.serve.detokenizer import REGEX_WINDOW_CHARS, IncrementalDetokenizer
+from rayllm.serve.tokenizer import TokenizerService
 
 TEXT = "Grüße aus Köln — 東京タワー 🎉 costs 1234 yen, naïve café 5678 END"
 
@@ -88,7 +88,7 @@ def test_every_search_is_bounded_by_the_window_and_a_match_inside_it_stops(svc):
 
 
 def test_patterns_re2_cannot_run_in_linear_time_are_refused():
-    from app.request_models import compile_regexes
+    from rayllm.protocol.request_models import compile_regexes
 
     for bad in (r"(\w)\1", r"(?<=a)b", r"(?=x)y"):
         with pytest.raises(ValueError, match="not a valid RE2"):

@@ -1,4 +1,4 @@
-"""deployments.generation_stream: the ingress's one loop over a model call (here an async generator of delta
+"""rayllm.serve.generation_stream: the ingress's one loop over a model call (here an async generator of delta
 batches, as the Serve handle streams them): the request timeout, the replica header, storage before the end,
 and the metrics each way a request can end."""
 
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.choice_state import GenerationState
-from app.errors import APIError
-from app.io_struct import GenerationDelta
-from app.sse import SSE_DONE, ChatFormat
-from deployments.generation_stream import Generation
-from deployments.metrics import ServerMetrics
+from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.protocol.sse import SSE_DONE, ChatFormat
+from rayllm.serve.generation_stream import Generation
+from rayllm.serve.metrics import ServerMetrics
 
 
 def delta(i: int, text: str, finish: str | None = None, **kw: Any) -> GenerationDelta:

@@ -1,5 +1,5 @@
 """Grammar compilation in a child process with a time limit, and the byte-bounded cache
-(model_parallel.grammar_worker, model_parallel.guided), with the real SmolLM2 tokenizer and xgrammar."""
+(rayllm.sample.grammar_worker, rayllm.sample.guided), with the real SmolLM2 tokenizer and xgrammar."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from model_parallel.guided import GrammarCompiler, new_matcher, next_token_bitmask
-from model_parallel.sampling_params import GuidedSpec
+from rayllm.engine.sampling_params import GuidedSpec
+from rayllm.sample.guided import GrammarCompiler, new_matcher, next_token_bitmask
 
 SCHEMA = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                "required": ["a"]}), "response_format")
@@ -18,7 +18,7 @@ SLOW = GuidedSpec("ebnf", "root ::= " + " ".join("[a-z]*" for _ in range(3000)),
 
 @pytest.fixture(scope="module")
 def tok(gguf_path):
-    from deployments.tokenizer import load_tokenizer
+    from rayllm.serve.tokenizer import load_tokenizer
 
     return load_tokenizer(gguf_path)
 

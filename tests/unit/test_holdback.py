@@ -1,10 +1,10 @@
-"""app.holdback against a brute-force reference: the longest suffix of the text that is a proper prefix of a word."""
+"""rayllm.protocol.holdback against a brute-force reference: the longest suffix of the text that is a proper prefix of a word."""
 
 from __future__ import annotations
 
 import random
 
-from app.holdback import HeldSuffix
+from rayllm.protocol.holdback import HeldSuffix
 
 
 def reference(text: str, words: list[str]) -> int:

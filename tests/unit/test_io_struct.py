@@ -1,4 +1,4 @@
-"""app.io_struct: the generation path's messages, defined once, light enough for the ingress to import."""
+"""rayllm.protocol.io_struct: the generation path's messages, defined once, light enough for the ingress to import."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.io_struct import GenerateRequest, GenerationDelta, StopOptions
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, StopOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_ingress_imports_neither_torch_nor_the_model_replica():
     """A fresh interpreter (this one has loaded torch for other tests) imports the ingress and lists what came."""
-    code = ("import json, sys; import deployments.ingress; "
-            "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'deployments.llm_server', "
-            "'deployments.detokenizer', 'deployments.tokenizer', 'model_parallel.engine') if m in sys.modules)))")
+    code = ("import json, sys; import rayllm.serve.ingress; "
+            "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'rayllm.serve.llm_server', "
+            "'rayllm.serve.detokenizer', 'rayllm.serve.tokenizer', 'rayllm.engine.engine') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

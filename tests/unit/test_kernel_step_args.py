@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from model_parallel import cpu_kernels
+from rayllm.platforms.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_parallel.config import CacheConfig, EngineConfig, ParallelConfig
-from model_parallel.engine import LLMEngine
+from rayllm.engine.config import CacheConfig, EngineConfig, ParallelConfig
+from rayllm.engine.engine import LLMEngine
 
 
 def test_engine_with_no_room_for_kv_fails_at_start_naming_the_budget():
@@ -15,7 +15,7 @@ def test_engine_with_no_room_for_kv_fails_at_start_naming_the_budget():
 
 
 def test_profile_step_is_the_largest_step_on_disjoint_blocks():
-    from model_parallel.kv_cache import profile_step
+    from rayllm.runner.kv_cache import profile_step
 
     step, num_blocks = profile_step(max_tokens=1000, max_seqs=64, block_size=16)
     assert sum(len(s.token_ids) for s in step.seqs) == 1000 and len(step.seqs) == 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_parallel.layers import RotaryEmbedding, rope_inv_freq
+from rayllm.layers.basic import RotaryEmbedding, rope_inv_freq
 
 HEAD_DIM, MAX_POS, THETA = 32, 512, 10000.0
 CASES = {

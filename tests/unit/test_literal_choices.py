@@ -1,4 +1,4 @@
-"""app.structured's literal-choice recognition and choice picking (the serve path: tests/serve/test_guided_choice.py)."""
+"""rayllm.protocol.structured's literal-choice recognition and choice picking (the serve path: tests/serve/test_guided_choice.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from app.structured import choice_grammar, literal_choices, pick_choice
-from model_parallel.sampling_params import GuidedSpec
+from rayllm.engine.sampling_params import GuidedSpec
+from rayllm.protocol.structured import choice_grammar, literal_choices, pick_choice
 
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ['say "hi"', "a | b", "back\\slash", "ünï", ""], ["x", "x", "y"]])

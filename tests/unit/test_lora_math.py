@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_parallel.config import LlamaArch, LoRAConfig
-from model_parallel.llama import LlamaForCausalLM
-from model_parallel.lora import LoRAManager
-from model_parallel.lora_files import random_peft_adapter, read_peft_adapter
-from model_parallel.parallel import TPGroup
+from rayllm.engine.config import LlamaArch, LoRAConfig
+from rayllm.layers.linear import TPGroup
+from rayllm.lora.files import random_peft_adapter, read_peft_adapter
+from rayllm.lora.layers import LoRAManager
+from rayllm.models.llama import LlamaForCausalLM
 
 ARCH = LlamaArch(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                  vocab_size=50, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
@@ -92,7 +92,7 @@ def test_batch_invariant_delta_of_a_row_does_not_depend_on_its_batch(tmp_path):
     """scheduler.batch_invariant, bf16: a row's output (base output + its adapter's delta) is bit-equal
     alone, beside base rows, beside other adapters' rows, in a long prefill and at any offset; base rows
     are left untouched. The deltas are still B A x."""
-    from model_parallel.parallel import onednn_available
+    from rayllm.layers.linear import onednn_available
 
     if not onednn_available(torch.device("cpu"), torch.bfloat16):
         pytest.skip("torch built without oneDNN")

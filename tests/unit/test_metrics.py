@@ -7,10 +7,10 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.choice_state import GenerationState
-from app.io_struct import GenerationDelta
-from deployments.config import ServerConfig
-from deployments.metrics import ServerMetrics
+from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.serve.config import ServerConfig
+from rayllm.serve.metrics import ServerMetrics
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -74,7 +74,7 @@ def test_grafana_dashboard_uses_only_metrics_we_export():
     import re
     from pathlib import Path
 
-    from deployments.metrics import SPECS, ray_metric_name
+    from rayllm.serve.metrics import SPECS, ray_metric_name
 
     dash = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]

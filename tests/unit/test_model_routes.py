@@ -1,13 +1,13 @@
-"""The ingress's model table (deployments/model_routes.py): which base model a request's `model` names.
+"""The ingress's model table (rayllm/serve/routes/model_routes.py): which base model a request's `model` names.
 Lookup only: the deployment handles are never called here, so none are bound (None)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.errors import APIError
-from deployments.config import ServerConfig
-from deployments.model_routes import ModelRoutes
+from rayllm.protocol.errors import APIError
+from rayllm.serve.config import ServerConfig
+from rayllm.serve.routes.model_routes import ModelRoutes
 
 
 @pytest.fixture()

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from model_parallel import cpu_kernels
-from model_parallel.attention import SDPAAttention
-from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
+from rayllm.attention.backends import SDPAAttention
+from rayllm.platforms.cpu import kernels as cpu_kernels
+from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput
 
 
 def dense_attention(q, k, v):

@@ -13,7 +13,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.builder import (
+from rayllm.executor.executor import rank_actor_resources, resolve_local_device
+from rayllm.executor.worker import cuda_index
+from rayllm.serve.builder import (
     build_app_with,
     check_fits_one_node,
     llm_deployment_options,
@@ -22,9 +24,7 @@ from deployments.builder import (
     resolve_device,
     with_resolved_device,
 )
-from deployments.config import ServerConfig
-from model_parallel.executor import rank_actor_resources, resolve_local_device
-from model_parallel.worker import cuda_index
+from rayllm.serve.config import ServerConfig
 
 
 def _config(device: str = "cuda", tp: int = 1, executor: str = "auto") -> ServerConfig:

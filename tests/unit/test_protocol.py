@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.errors import APIError, from_validation_error
-from app.protocol import (
+from rayllm.protocol.errors import APIError, from_validation_error
+from rayllm.protocol.protocol import (
     IGNORED,
     UNSUPPORTED,
     ChatCompletionRequest,
@@ -19,8 +19,8 @@ from app.protocol import (
     stop_options,
     to_sampling_params,
 )
-from app.structured import guided_spec
-from app.tools import plan_tools
+from rayllm.protocol.structured import guided_spec
+from rayllm.protocol.tools import plan_tools
 
 MSG = [{"role": "user", "content": "hi"}]
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
@@ -303,8 +303,8 @@ def test_every_seed_parameter_parses_then_works_or_is_refused_by_name(route, nam
 def test_prompt_lists_and_tokenize_fields_are_bounded():
     """Completions take at most MAX_PROMPTS prompts (a token-id list is one prompt, whatever its length);
     /tokenize bounds its messages and template kwargs as chat does. Each breach names its field."""
-    from app import limits as L
-    from app.request_models import TokenizeRequest
+    from rayllm.protocol import limits as L
+    from rayllm.protocol.request_models import TokenizeRequest
 
     CompletionRequest(model="m", prompt=[1] * (L.MAX_PROMPTS + 1))  # one long prompt of token ids
     CompletionRequest(model="m", prompt=["x"] * L.MAX_PROMPTS)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.errors import APIError
-from app.protocol import (
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -129,7 +129,7 @@ def test_tokenize_requests():
 
 
 def test_app_imports_neither_torch_nor_ray():
-    code = ("import sys, app.protocol, app.sse, app.errors; "
+    code = ("import sys, rayllm.protocol.protocol, rayllm.protocol.sse, rayllm.protocol.errors; "
             "print(sorted(m for m in ('torch', 'ray', 'fastapi') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])

@@ -1,4 +1,4 @@
-"""GGUF blocks kept quantized (model_parallel/quant.py) reproduce gguf's own dequantize, and the
+"""GGUF blocks kept quantized (rayllm/quant/methods.py) reproduce gguf's own dequantize, and the
 quantized kernels reproduce that dense weight times the activations.
 
 Q4_0, Q4_1 and Q8_0 blocks come from `gguf.quants.quantize` of random weights; gguf has no
@@ -14,9 +14,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from model_parallel import cpu_qgemm
-from model_parallel.loader import RawBlocks, _unpermute_rotary
-from model_parallel.quant import Int4GroupWeight, Int8GroupWeight, decode_blocks
+from rayllm.loader.loader import RawBlocks, _unpermute_rotary
+from rayllm.platforms.cpu import qgemm as cpu_qgemm
+from rayllm.quant.methods import Int4GroupWeight, Int8GroupWeight, decode_blocks
 
 N, K = 64, 512
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales in a block
@@ -84,7 +84,7 @@ def test_quantized_safetensors_refused_naming_the_method(tmp_path, method):
 
     from transformers import LlamaConfig
 
-    from model_parallel.loader import read_arch
+    from rayllm.loader.loader import read_arch
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100)
@@ -106,9 +106,9 @@ def test_fp8_checkpoint_dequantized_matches_transformers(tmp_path, scale_kind):
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from model_parallel.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-    from model_parallel.executor import make_executor
-    from model_parallel.loader import read_arch
+    from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+    from rayllm.executor.executor import make_executor
+    from rayllm.loader.loader import read_arch
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_parallel import cpu_qgemm, parallel
-from model_parallel.parallel import OneDNNWeight, PackedWeight, linear
+from rayllm.layers import linear as parallel
+from rayllm.layers.linear import OneDNNWeight, PackedWeight, linear
+from rayllm.platforms.cpu import qgemm as cpu_qgemm
 
 
 def test_linear_picks_the_kernel_by_tokens_per_step():
@@ -51,9 +52,9 @@ def test_small_batches_keep_the_weight_only_kernel_when_prepacked():
 
 
 def tiny_model():
-    from model_parallel.config import LlamaArch
-    from model_parallel.llama import LlamaForCausalLM
-    from model_parallel.parallel import TPGroup
+    from rayllm.engine.config import LlamaArch
+    from rayllm.layers.linear import TPGroup
+    from rayllm.models.llama import LlamaForCausalLM
 
     arch = LlamaArch(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1e4,
@@ -82,7 +83,7 @@ def test_lm_head_leaves_the_int4_kernel_sooner():
 
 
 def test_prepack_covers_every_linear_layer_and_the_lm_head():
-    from model_parallel.parallel import prepack_onednn_weights
+    from rayllm.layers.linear import prepack_onednn_weights
 
     if not parallel.onednn_available(torch.device("cpu"), torch.bfloat16):
         pytest.skip("torch built without oneDNN")

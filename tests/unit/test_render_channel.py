@@ -1,4 +1,4 @@
-"""The tokenizer replica's direct render channel (deployments/render_channel.py), server and client in this
+"""The tokenizer replica's direct render channel (rayllm/serve/render_channel.py), server and client in this
 process's threads with the real SmolLM2 tokenizer (no Ray): the ids equal transformers' apply_chat_template."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from deployments.render_channel import RenderChannel, RenderServer
-from deployments.tokenizer import TokenizerService
+from rayllm.serve.render_channel import RenderChannel, RenderServer
+from rayllm.serve.tokenizer import TokenizerService
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

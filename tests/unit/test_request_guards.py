@@ -1,13 +1,13 @@
-"""The ingress's per-request bounds (deployments.request_guards) on real parsed requests and ServerConfig."""
+"""The ingress's per-request bounds (rayllm.serve.request_guards) on real parsed requests and ServerConfig."""
 
 from __future__ import annotations
 
 import pytest
 
-from app import protocol as P
-from app.errors import APIError
-from deployments.config import ServerConfig
-from deployments.request_guards import check_request, check_sampling
+from rayllm.protocol import protocol as P
+from rayllm.protocol.errors import APIError
+from rayllm.serve.config import ServerConfig
+from rayllm.serve.request_guards import check_request, check_sampling
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app import conversations as C
-from deployments.conversation_store import ConversationStore
-from deployments.response_store import ResponseStore
+from rayllm.protocol import conversations as C
+from rayllm.serve.stores.conversation_store import ConversationStore
+from rayllm.serve.stores.response_store import ResponseStore
 
 ALICE, BOB = "a" * 64, "b" * 64
 

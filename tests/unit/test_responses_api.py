@@ -11,8 +11,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from app import responses_api as R
-from app.errors import APIError, from_validation_error
+from rayllm.protocol import responses_api as R
+from rayllm.protocol.errors import APIError, from_validation_error
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 

@@ -15,13 +15,13 @@ from openai import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
-from app.chat_output import ChatOutputParser
-from app.choice_state import GenerationState
-from app.io_struct import GenerationDelta
-from app.request_models import ChatCompletionRequest
-from app.responses_api import ResponseCreate
-from app.responses_events import ResponseAssembler, skeleton, sse
-from app.tools import plan_tools
+from rayllm.protocol.chat_output import ChatOutputParser
+from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.protocol.request_models import ChatCompletionRequest
+from rayllm.protocol.responses_api import ResponseCreate
+from rayllm.protocol.responses_events import ResponseAssembler, skeleton, sse
+from rayllm.protocol.tools import plan_tools
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 

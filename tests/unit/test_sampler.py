@@ -19,10 +19,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from model_parallel.model_runner import SeqStep
-from model_parallel.sampler import processed_logits, sample, sampling_probs, scaled_logits
-from model_parallel.sampling_inputs import SamplingInputs
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.runner.model_runner import SeqStep
+from rayllm.sample.sampler import processed_logits, sample, sampling_probs, scaled_logits
+from rayllm.sample.sampling_inputs import SamplingInputs
 
 VOCAB = 40
 EOS = 2

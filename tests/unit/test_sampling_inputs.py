@@ -19,11 +19,11 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
-from model_parallel import sampling_inputs
-from model_parallel.model_runner import SeqStep
-from model_parallel.sampler import Penalties, SamplingTensors, sample_on_device, top_logprobs
-from model_parallel.sampling_inputs import SamplingInputs, allowed_tokens, to_device
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.runner.model_runner import SeqStep
+from rayllm.sample import sampling_inputs
+from rayllm.sample.sampler import Penalties, SamplingTensors, sample_on_device, top_logprobs
+from rayllm.sample.sampling_inputs import SamplingInputs, allowed_tokens, to_device
 
 VOCAB = 100
 

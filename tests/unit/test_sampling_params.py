@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model_parallel.model_runner import SeqStep
-from model_parallel.sampling_inputs import SamplingInputs, prompt_logprobs
-from model_parallel.sampling_params import SamplingParams
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.runner.model_runner import SeqStep
+from rayllm.sample.sampling_inputs import SamplingInputs, prompt_logprobs
 
 VOCAB = 64
 EDGE_INTS = [-(2**63) - 1, -(2**63), -2, -1, 0, 1, 2, VOCAB - 1, VOCAB, VOCAB + 1, 2**31 - 1, 2**31, 2**63 - 1, 2**63,
@@ -67,7 +67,7 @@ def test_params_that_construct_can_be_turned_into_tensors_and_sampled(fields):
         assert math.isfinite(value)
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     sample_once(p, logits)
-    # Per-choice seeds are seed + i (deployments/llm_server.py): they wrap to 64 bits as well.
+    # Per-choice seeds are seed + i (rayllm/serve/llm_server.py): they wrap to 64 bits as well.
     if p.seed is not None:
         sample_once(replace(p, seed=p.seed + 3), logits, rid="choice3")
 
@@ -96,7 +96,7 @@ def test_sequence_error_crosses_a_process_boundary():
     """The engine process sends a request's own failure over its pipe (pickled)."""
     import pickle
 
-    from model_parallel.outputs import SequenceError
+    from rayllm.engine.outputs import SequenceError
 
     err = pickle.loads(pickle.dumps(SequenceError("req-1", "bad seed")))
     assert isinstance(err, SequenceError) and err.request_id == "req-1" and str(err) == "bad seed"

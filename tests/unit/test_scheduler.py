@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from model_parallel.block_manager import BlockManager
-from model_parallel.config import SchedulerConfig
-from model_parallel.sampling_params import SamplingParams
-from model_parallel.scheduler import Scheduler
-from model_parallel.sequence import Sequence, SequenceStatus
+from rayllm.engine.block_manager import BlockManager
+from rayllm.engine.config import SchedulerConfig
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.engine.scheduler import Scheduler
+from rayllm.engine.sequence import Sequence, SequenceStatus
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from model_parallel.block_manager import BlockManager
-from model_parallel.config import SchedulerConfig
-from model_parallel.model_runner import SeqStep
-from model_parallel.sampling_params import SamplingParams
-from model_parallel.scheduler import Scheduler
-from model_parallel.sequence import Sequence
-from model_parallel.split_step import split_point
+from rayllm.engine.block_manager import BlockManager
+from rayllm.engine.config import SchedulerConfig
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.engine.scheduler import Scheduler
+from rayllm.engine.sequence import Sequence
+from rayllm.platforms.cpu.split_step import split_point
+from rayllm.runner.model_runner import SeqStep
 
 BS = 4
 
@@ -75,8 +75,8 @@ def test_the_lm_head_in_two_vocabulary_halves_is_bit_equal_to_one_call():
     """Random weights (an odd vocabulary, so the halves differ in size), bf16 and fp32, through oneDNN."""
     import torch
 
-    from model_parallel.parallel import OneDNNWeight
-    from model_parallel.split_step import HalfThread, VocabHalves
+    from rayllm.layers.linear import OneDNNWeight
+    from rayllm.platforms.cpu.split_step import HalfThread, VocabHalves
 
     before = torch.get_num_threads()
     thread = HalfThread()

@@ -1,6 +1,6 @@
 """Stream chunk sequencing and non-stream assembly, checked against our models and the OpenAI SDK's types.
 
-The formats are driven by the ingress's real stream loop (deployments.generation_stream), fed batches of one
+The formats are driven by the ingress's real stream loop (rayllm.serve.generation_stream), fed batches of one
 delta each as the model deployment would stream them."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from openai.types import Completion as SDKCompletion
 from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatChunk
 
-from app.choice_state import GenerationState, ParserFactory
-from app.errors import APIError
-from app.io_struct import GenerationDelta
-from app.responses import (
+from rayllm.protocol.choice_state import GenerationState, ParserFactory
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.protocol.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
@@ -25,9 +25,9 @@ from app.responses import (
     ModelList,
     TokenizeResponse,
 )
-from app.sse import SSE_DONE, ChatFormat, CompletionFormat, OpenAIFormat, sse_event
-from deployments.generation_stream import Generation
-from deployments.metrics import ServerMetrics
+from rayllm.protocol.sse import SSE_DONE, ChatFormat, CompletionFormat, OpenAIFormat, sse_event
+from rayllm.serve.generation_stream import Generation
+from rayllm.serve.metrics import ServerMetrics
 
 KW: dict[str, Any] = dict(request_id="r1", model="m", created=1)
 

@@ -1,13 +1,13 @@
-"""Request chat templates in the sandbox process (deployments.template_sandbox), with the real SmolLM2
+"""Request chat templates in the sandbox process (rayllm.serve.template_sandbox), with the real SmolLM2
 tokenizer: same text as the in-process renderer, and hostile templates end in a 400, never a hang."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.errors import APIError
-from deployments.template_sandbox import TemplateSandbox
-from deployments.tokenizer import ChatRenderer, load_tokenizer
+from rayllm.protocol.errors import APIError
+from rayllm.serve.template_sandbox import TemplateSandbox
+from rayllm.serve.tokenizer import ChatRenderer, load_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{{ bos_token }}"

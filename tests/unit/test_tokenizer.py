@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from deployments.detokenizer import IncrementalDetokenizer
-from deployments.tokenizer import TokenizerService, load_tokenizer
-from model_parallel.model_files import DEFAULT_MODEL_NAME, resolve_model_path
+from rayllm.loader.model_files import DEFAULT_MODEL_NAME, resolve_model_path
+from rayllm.serve.detokenizer import IncrementalDetokenizer
+from rayllm.serve.tokenizer import TokenizerService, load_tokenizer
 
 TEXT = "Hello wörld 🎉 — naïve café, 東京タワー. The capital of France is Paris. END"
 LONG = (
@@ -247,11 +247,11 @@ def test_gguf_tokenizer_is_saved_once_and_equals_transformers_rebuild(gguf_path,
 
 
 def test_render_chat_batch_equals_apply_chat_template(gguf_path, hf_tokenizer):
-    """The batch render the ingress uses (deployments.render_batcher) gives, request by request, the ids of
+    """The batch render the ingress uses (rayllm.serve.render_batcher) gives, request by request, the ids of
     transformers' own apply_chat_template; one request's error comes back in its place, the rest render."""
     import asyncio
 
-    from deployments.tokenizer import TokenizerDeployment
+    from rayllm.serve.tokenizer import TokenizerDeployment
 
     deployment = TokenizerDeployment.func_or_class({"m": gguf_path})  # the replica's class, without Serve
     conversations = [

@@ -1,4 +1,4 @@
-"""The Triton kernels (model_parallel/triton_kernels.py) against the torch paths they replace.
+"""The Triton kernels (rayllm/attention/triton.py) against the torch paths they replace.
 
 Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set before the import): the same
 kernel code, executed on CPU tensors. The GPU lane runs this file natively on CUDA. Inputs are random.
@@ -17,9 +17,9 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from model_parallel.attention import write_cache  # noqa: E402
-from model_parallel.layers import RMSNorm, RotaryEmbedding, silu_and_mul  # noqa: E402
-from model_parallel.triton_kernels import TritonKernels  # noqa: E402
+from rayllm.attention.backends import write_cache  # noqa: E402
+from rayllm.attention.triton import TritonKernels  # noqa: E402
+from rayllm.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 K = TritonKernels()

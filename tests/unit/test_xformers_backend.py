@@ -17,10 +17,10 @@ import pytest
 import torch
 from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
-from model_parallel import attention as attention_module
-from model_parallel.attention import SDPAAttention, XformersAttention, make_attention_backend
-from model_parallel.block_manager import FREED
-from model_parallel.model_runner import ModelRunner, SeqStep, StepInput
+from rayllm.attention import backends as attention_module
+from rayllm.attention.backends import SDPAAttention, XformersAttention, make_attention_backend
+from rayllm.engine.block_manager import FREED
+from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput
 
 STEPS_TABLES = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
 
@@ -141,7 +141,7 @@ def test_backend_choice(monkeypatch, caplog):
         raise NotImplementedError("No operator found for `memory_efficient_attention_forward` with inputs:")
 
     monkeypatch.setattr(XformersAttention, "probe", refuse)
-    with caplog.at_level(logging.WARNING, logger="model_parallel.attention"):
+    with caplog.at_level(logging.WARNING, logger="rayllm.attention.backends"):
         assert make_attention_backend("auto", cuda).name == "sdpa"
     assert "No operator found" in caplog.text
     with pytest.raises(NotImplementedError):
@@ -149,14 +149,14 @@ def test_backend_choice(monkeypatch, caplog):
     caplog.clear()
     # xformers present but unloadable (built for another torch/CUDA): auto falls back, and says so.
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
-    with caplog.at_level(logging.WARNING, logger="model_parallel.attention"):
+    with caplog.at_level(logging.WARNING, logger="rayllm.attention.backends"):
         assert make_attention_backend("auto", cuda).name == "sdpa"
     assert "xformers attention unavailable" in caplog.text
     with pytest.raises(ImportError):
         make_attention_backend("xformers", cuda)
     assert "triton attention unavailable" in caplog.text
     # With triton: its probe (real kernels on the GPU, none here) stood in for; auto takes it first.
-    triton_kernels = pytest.importorskip("model_parallel.triton_kernels")
+    triton_kernels = pytest.importorskip("rayllm.attention.triton")
     monkeypatch.undo()
     install_fake_xformers(monkeypatch)
     monkeypatch.setattr(XformersAttention, "probe", lambda self, device: None)

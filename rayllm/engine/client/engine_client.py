@@ -1,0 +1,298 @@
+"""One async client interface to the engine, wherever it steps (as vLLM v1's EngineCoreClient):
+
+- `InprocClient`: an `LLMEngine` stepping on a thread of this process (torch releases the GIL).
+- `ProcessClient`: an engine stepping in a child process (engine_process.EngineProcess), so the serving
+  process's Python never shares the engine's GIL.
+
+`make_engine_client` picks one. Each request is an async iterator of `RequestOutput`; a request that
+fails alone (`RequestOutput.error`) raises `SequenceError` from its iterator only, and an engine that
+dies fails every open request with `EngineDeadError`.
+
+Commands (add, abort, and the calls behind stats, health and LoRA loads) reach the engine between two
+steps in the order they were made: an adapter unload made after its requests' aborts finds their
+sequences gone. The calls block until the engine answers: make them from a thread, not an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from rayllm.engine.outputs import EngineDeadError, RequestOutput, SequenceError
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.sample.sampling_inputs import describe
+
+if TYPE_CHECKING:
+    from rayllm.engine.client.engine_process import EngineProcess
+    from rayllm.engine.config import EngineConfig, LlamaArch
+    from rayllm.engine.engine import EngineStats, LLMEngine
+
+log = logging.getLogger("rayllm.engine.engine")
+
+# The engine thread re-takes the GIL between hundreds of small torch ops per step; with the default
+# 5 ms switch interval, every hand-off from the asyncio thread stalls it that long.
+GIL_SWITCH_INTERVAL_S = 0.0002
+CALL_TIMEOUT_S = 300.0  # LoRA loads read files; stats and health are answered within a step
+HEALTH_TIMEOUT_S = 60.0
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Coalesce outputs that queued up while the consumer was busy: fewer hops per token."""
+    a.new_token_ids = a.new_token_ids + b.new_token_ids
+    if b.logprobs:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    a.prompt_logprobs = a.prompt_logprobs or b.prompt_logprobs
+    if b.hidden_states:
+        a.hidden_states = (a.hidden_states or []) + b.hidden_states
+    a.embedding = a.embedding or b.embedding
+    a.finished, a.finish_reason, a.stop_token_id = b.finished, b.finish_reason, b.stop_token_id
+    a.num_cached_tokens = b.num_cached_tokens
+    a.error = b.error
+    return a
+
+
+class EngineClient(ABC):
+    """The engine as the serving layer sees it: requests, aborts, stats, health, LoRA slots, shape."""
+
+    # True when the engine steps in a child process: this process's Python never holds the engine's GIL.
+    in_child_process = False
+
+    def __init__(self, arch: LlamaArch, max_model_len: int, capacity_tokens: int) -> None:
+        self.arch = arch
+        self.max_model_len = max_model_len
+        self.capacity_tokens = capacity_tokens  # KV cache size in tokens
+        self.error: BaseException | None = None  # set once the engine is dead
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    # ---- what each implementation provides ----
+
+    @abstractmethod
+    def _submit(self, command: tuple) -> None:
+        """Queue ("add", request_id, prompt, params, lora_slot, grammar) or ("abort", request_id)."""
+
+    @abstractmethod
+    def _call(self, method: str, *args: Any, timeout: float) -> Any:
+        """Run `method` (a dotted name on the LLMEngine, e.g. 'executor.load_lora') between two steps."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine and free what it holds; open requests are not answered."""
+
+    # ---- the interface ----
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       lora_slot: int = 0, grammar: Any = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, one or more steps' worth each; the last has `finished`. Leaving the
+        iterator early (close, cancellation) aborts the request. grammar: an xgrammar CompiledGrammar."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error}")
+        self._loop = asyncio.get_running_loop()  # outputs go to the loop of the latest caller
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self._submit(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                while not q.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    nxt = q.get_nowait()
+                    item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
+                if isinstance(item, BaseException):
+                    finished = True  # refused, or the engine is dead: nothing of it is left to abort
+                    raise item
+                finished = item.finished
+                if item.error is not None:
+                    raise SequenceError(request_id, item.error)
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.error is None:  # consumer went away (client disconnect): free its blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """End a request: its iterator gets a last output with finish_reason 'abort'; a no-op once finished."""
+        self._submit(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._call("stats", timeout=30.0)
+
+    def check_health(self) -> None:
+        """Raises if the engine is dead or does not answer (a hung step, a tensor-parallel rank gone)."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error}")
+        self._call("executor.check_health", timeout=HEALTH_TIMEOUT_S)
+
+    def load_lora(self, slot: int, lora_id: int, path: str) -> int:
+        """Every rank reads its shard of the PEFT adapter at `path` into `slot`; sequences name it by `lora_id`."""
+        return self._call("executor.load_lora", slot, lora_id, path, timeout=CALL_TIMEOUT_S)
+
+    def unload_lora(self, slot: int) -> None:
+        self._call("executor.unload_lora", slot, timeout=CALL_TIMEOUT_S)
+
+    # ---- outputs back to the requests' queues (from the engine thread or the pipe's reader) ----
+
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list[tuple[str, object]]) -> None:
+        for rid, item in items:
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    def _on_death(self, exc: BaseException) -> None:
+        """The engine's step failed or its process exited: fail every open request, report unhealthy."""
+        self.error = exc
+        self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in list(self._queues)])
+
+
+def _resolve(engine: LLMEngine, method: str) -> Any:
+    target: Any = engine
+    for part in method.split("."):
+        target = getattr(target, part)
+    return target
+
+
+class InprocClient(EngineClient):
+    """Steps an LLMEngine on a thread of this process; commands wait in a queue for the next step boundary."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine.arch, engine.max_model_len, engine.capacity_tokens)
+        self.engine = engine
+        self._commands: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # a command is either queued before the loop ends, or refused
+        self._closed = False
+        self._stopped = False
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def _submit(self, command: tuple) -> None:
+        with self._lock:
+            if not self._closed:
+                self._commands.append(command)
+                self._wake.set()
+                return
+        self._refuse(command)
+
+    def _refuse(self, command: tuple) -> None:
+        error = EngineDeadError(f"engine failed: {self.error}" if self.error is not None else "engine stopped")
+        if command[0] == "call":
+            command[1].set_exception(error)
+        elif command[0] == "add":
+            self._deliver([(command[1], error)])
+
+    def _call(self, method: str, *args: Any, timeout: float) -> Any:
+        fut: Future = Future()
+        self._submit(("call", fut, method, args))
+        return fut.result(timeout=timeout)
+
+    def _handle(self, command: tuple) -> None:
+        kind, *args = command
+        if kind == "call":
+            fut, method, call_args = args
+            try:
+                fut.set_result(_resolve(self.engine, method)(*call_args))
+            except Exception as exc:
+                fut.set_exception(exc)
+            return
+        rid = args[0]
+        try:
+            if kind == "add":
+                self.engine.add_request(*args)
+            else:
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver([(rid, out)])
+        except Exception as exc:  # refused (ValueError) or failed: that request alone
+            self._deliver([(rid, exc if isinstance(exc, ValueError) else SequenceError(rid, describe(exc)))])
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                while self._commands and not self._stopped:
+                    self._handle(self._commands.popleft())
+                if not engine.has_work():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self._deliver([(o.request_id, o) for o in outputs])
+        except BaseException as exc:  # the engine is unusable: fail every request, report unhealthy
+            log.exception("engine step failed")
+            self._on_death(exc)
+        finally:
+            with self._lock:
+                self._closed = True
+            while self._commands:
+                self._refuse(self._commands.popleft())
+
+    def stop(self) -> None:
+        """Stop stepping (the engine itself stays usable by its owner)."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def shutdown(self) -> None:
+        self.stop()
+        self.engine.shutdown()
+
+
+class ProcessClient(EngineClient):
+    """Drives an EngineProcess: commands and calls go down its pipe, outputs come back on its reader thread."""
+
+    in_child_process = True
+
+    def __init__(self, process: EngineProcess) -> None:
+        super().__init__(process.arch, process.max_model_len, process.capacity_tokens)
+        self.process = process
+        process.attach(self._deliver, self._on_death)
+
+    def _submit(self, command: tuple) -> None:
+        kind, *args = command
+        try:
+            (self.process.add_request if kind == "add" else self.process.abort)(*args)
+        except EngineDeadError as exc:  # the child died between two sends (its reader reports it too)
+            self._deliver([(args[0], exc)])
+
+    def _call(self, method: str, *args: Any, timeout: float) -> Any:
+        return self.process.call(method, *args, timeout=timeout)
+
+    def shutdown(self) -> None:
+        self.process.shutdown()
+
+
+def steps_in_child(config: EngineConfig, own_process: bool) -> bool:
+    """own_process asks for a child process; only a single-rank engine with the default executor gets
+    one. Tensor-parallel engines (and executor 'ray') step here: their ranks already run in actors."""
+    parallel = config.parallel
+    return own_process and parallel.tensor_parallel_size == 1 and parallel.executor == "auto"
+
+
+def make_engine_client(config: EngineConfig, eos_token_ids: list[int] | None = None, *,
+                       own_process: bool = False) -> EngineClient:
+    """The one place that decides where the engine steps (see steps_in_child)."""
+    if steps_in_child(config, own_process):
+        from rayllm.engine.client.engine_process import EngineProcess
+
+        return ProcessClient(EngineProcess(config, eos_token_ids))
+    from rayllm.engine.engine import LLMEngine
+
+    return InprocClient(LLMEngine(config, eos_token_ids))

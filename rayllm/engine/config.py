@@ -1,0 +1,237 @@
+"""Engine configuration: a few frozen dataclasses, validated on creation and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # a .gguf file, a Hugging Face directory, or None for the default model
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    dtype: str = "auto"  # auto: bfloat16 (measured faster than fp32 on CPU and GPU alike)
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    # On CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 copies for steps of
+    # few tokens (decode), where they are faster than bf16. auto: 4-bit layers multiply int8-quantized
+    # activations (groups of 32, as llama.cpp) with AVX-512 VNNI where the CPU has it, up to
+    # parallel.VNNI_TOKENS tokens; weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens;
+    # closer to bf16, slower); none: bf16 weights only. Quality of each: docs/benchmarks.md.
+    small_batch_quant: str = "auto"  # auto | weight_only | none
+    # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see parallel.OneDNNWeight).
+    # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
+    cpu_weight_prepack: bool = True
+    # auto: weights are dense in `dtype`. quantized: a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 linear
+    # weights stay quantized in memory and run quantized kernels at every batch size (rayllm/quant/
+    # methods.py; CPU; 4-bit layers with int8 activations as small_batch_quant says); the embedding and
+    # other tensors stay dense.
+    weights: str = "auto"
+    # Embeddings (/v1/embeddings): pool the final-norm hidden state of the last token (decoder LLMs) or
+    # the mean over all tokens.
+    pooling: str = "last"  # last | mean
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError("pooling must be last or mean")
+        if self.weights not in ("auto", "quantized"):
+            raise ValueError("weights must be auto or quantized")
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
+        if self.small_batch_quant not in ("auto", "weight_only", "none"):
+            raise ValueError("small_batch_quant must be auto, weight_only or none")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: bytes of KV cache per rank. GPU: ignored in favour of gpu_memory_utilization.
+    kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = None  # tests use a tiny cache to force preemption
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError("num_blocks_override must be >= 2")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024  # the per-step token budget that chunks long prefills
+    # A sequence's logits do not depend on what shares its step (batch size, chunking, prefix cache):
+    # one weight format per layer at every step size (no small-batch int4 copies) and oneDNN weights
+    # laid out so that a row's GEMM result does not depend on the row count. Costs measured in
+    # docs/benchmarks.md (CPU; bf16 or fp32 with prepacked weights).
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    # auto: on CUDA triton (triton_kernels.py) if it runs, else xformers, else SDPA; on CPU the C
+    # paged-attention kernel (cpu_kernels.py) runs every sequence of a step, decode rows and prefill
+    # chunks alike, and torch (SDPA per prefill chunk) runs only when the kernel does not build or the
+    # model has sliding-window or soft-capped layers. sdpa: torch only. xformers, triton: CUDA only.
+    attention_backend: str = "auto"
+    # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
+    cpu_threads_per_rank: int = 0
+    # Threads for a step that runs a single sequence (one stream decoding alone) or at least
+    # cpu_wide_step_tokens tokens (long prompts' prefill chunks), 0 = the same as cpu_threads_per_rank:
+    # such steps gain from more threads, while a decode batch shares the cores with the serving processes
+    # and waits for its slowest thread (docs/benchmarks.md).
+    cpu_threads_single_sequence: int = 0
+    # 0 = only single-sequence steps get cpu_threads_single_sequence; ignored with scheduler.batch_invariant.
+    cpu_wide_step_tokens: int = 0
+    # One rank on one torch thread: a step of at least this many tokens (a large decode batch) runs in
+    # two halves of its sequences on two threads, each its own GEMMs, meeting once at the step's end
+    # (split_step.py). 0 = off; ignored with scheduler.batch_invariant and tensor_parallel_size > 1.
+    cpu_half_step_tokens: int = 0
+    # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
+    # keeps the model off the serving replica's GIL and event loop.
+    executor: str = "auto"
+    # CUDA: capture decode steps as CUDA graphs for a ladder of batch sizes (cuda_graphs.py). Ignored on CPU.
+    cuda_graphs: bool = True
+    # Graphs per captured batch size, each a run of layers: launching a graph costs the host time per
+    # kernel while the GPU waits; in pieces the GPU starts on the first while the rest launch.
+    cuda_graph_pieces: int = 8
+    # CPU, tensor_parallel_size > 1: the all-reduce of row-parallel outputs (rayllm/distributed/allreduce.py).
+    # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
+    # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
+    cpu_allreduce: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cpu_allreduce not in ("auto", "gloo", "deepspeed"):
+            raise ValueError("cpu_allreduce must be auto, gloo or deepspeed")
+        if self.executor not in ("auto", "ray"):
+            raise ValueError("executor must be auto or ray")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError("device must be auto, cpu or cuda")
+        if self.cpu_threads_per_rank < 0 or self.cpu_threads_single_sequence < 0:
+            raise ValueError("cpu thread counts must be >= 0")
+        if self.cpu_wide_step_tokens < 0:
+            raise ValueError("cpu_wide_step_tokens must be >= 0")
+        if self.cpu_half_step_tokens < 0:
+            raise ValueError("cpu_half_step_tokens must be >= 0")
+        if self.attention_backend not in ("auto", "sdpa", "xformers", "triton"):
+            raise ValueError("attention_backend must be auto, sdpa, xformers or triton")
+        if not 1 <= self.cuda_graph_pieces <= 64:
+            raise ValueError("cuda_graph_pieces must be between 1 and 64")
+
+
+MAX_LORA_RANK = 64  # stacked adapter buffers are padded to max_lora_rank; the issue caps ranks at 64
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapter slots per replica; max_loras 0 keeps LoRA off (no buffers, no per-step work)."""
+
+    max_loras: int = 0  # adapters resident at once (slot 0, the base model, is extra)
+    max_lora_rank: int = 16  # every slot is padded to this rank: memory grows with it
+    # name -> PEFT adapter directory, loaded when a replica starts (kept as sorted pairs: frozen + hashable).
+    adapters: tuple[tuple[str, str], ...] = ()
+    # Directories under which clients may name adapters (a request's lora_path, the load route); empty =
+    # clients may name none (rayllm/serve/lora/adapter_paths.py). `adapters` above load whatever this says.
+    allowed_roots: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.adapters, dict):
+            object.__setattr__(self, "adapters", tuple(sorted(self.adapters.items())))
+        if isinstance(self.allowed_roots, (list, str)):
+            roots = [self.allowed_roots] if isinstance(self.allowed_roots, str) else self.allowed_roots
+            object.__setattr__(self, "allowed_roots", tuple(roots))
+        if self.max_loras < 0:
+            raise ValueError("lora.max_loras must be >= 0")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"lora.max_lora_rank must be in [1, {MAX_LORA_RANK}]")
+        if self.adapters and len(self.adapters) > self.max_loras:
+            raise ValueError(f"{len(self.adapters)} adapters configured but lora.max_loras is {self.max_loras}")
+        for name, _ in self.adapters:
+            if not name or ":" in name or "/" in name:
+                raise ValueError(f"adapter name {name!r} must be non-empty, without ':' or '/'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        """Build from the nested mapping found in cluster.yaml (unknown keys are an error)."""
+        known = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                 "lora": LoRAConfig}
+        unknown = set(d) - set(known)
+        if unknown:
+            raise ValueError(f"unknown engine config sections: {sorted(unknown)}")
+        return cls(**{k: known[k](**(d.get(k) or {})) for k in known})
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """Shape of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    rope_scaling: tuple[tuple[str, Any], ...] = ()  # Llama-3 style, as sorted items
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # Which family builds the model (rayllm.models.registry), and the checkpoint's whole config as
+    # sorted items (config.json, or its GGUF equivalent): family-specific fields are read from it with
+    # `cfg()` in the family's own file, so this class stays the fields every family shares.
+    model_type: str = "llama"
+    hf_config: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    def cfg(self, key: str, default: Any = None) -> Any:
+        """A field of the checkpoint's config (None-valued fields count as missing)."""
+        value = dict(self.hf_config).get(key)
+        return default if value is None else value

@@ -1,0 +1,278 @@
+"""One tensor-parallel rank: process group, model shard, weights, KV cache, model runner.
+
+Used in-process when tensor_parallel_size is 1 and as a Ray actor per rank otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rayllm.attention.backends import make_attention_backend
+from rayllm.distributed.allreduce import make_all_reduce
+from rayllm.engine.config import EngineConfig, LlamaArch
+from rayllm.layers.linear import (
+    TPGroup,
+    onednn_available,
+    pack_small_batch_weights,
+    prepack_onednn_weights,
+)
+from rayllm.loader.loader import load_weights
+from rayllm.lora.layers import LoRAManager
+from rayllm.models.registry import model_class
+from rayllm.runner import kv_cache
+from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def cuda_index(visible: str | None, assigned: Sequence[str | int]) -> int:
+    """Index, among the devices this process can see, of the GPU Ray assigned it.
+
+    Ray normally sets CUDA_VISIBLE_DEVICES to exactly the assigned ids, so this is 0; with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES the assigned id is found in the visible list (or is the
+    physical index when every device is visible). Without a Ray assignment (a local engine, or the
+    engine's child process, which inherits its replica's CUDA_VISIBLE_DEVICES): the first visible one.
+    """
+    if not assigned:
+        return 0
+    gpu = str(assigned[0])
+    if not visible:
+        return int(gpu)
+    ids = [v.strip() for v in visible.split(",")]
+    if gpu not in ids:
+        raise RuntimeError(f"Ray assigned GPU {gpu} but CUDA_VISIBLE_DEVICES is {visible!r}")
+    return ids.index(gpu)
+
+
+def ray_gpu_ids() -> list[str]:
+    """GPU ids Ray assigned this process ([] outside a Ray worker; Ray is not imported for this)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return []
+    return [str(g) for g in ray.get_gpu_ids()]
+
+
+def select_device(choice: str) -> torch.device:
+    """The device of this process for a resolved `parallel.device` (the builder or make_executor
+    resolves `auto` once, before any worker starts)."""
+    if choice == "auto":
+        raise ValueError("parallel.device must be resolved before a worker starts")
+    if choice == "cuda":
+        return torch.device("cuda", cuda_index(os.environ.get("CUDA_VISIBLE_DEVICES"), ray_gpu_ids()))
+    return torch.device(choice)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch, rank: int, dist_init: str | None):
+        self.config = config
+        self.rank = rank
+        world = config.parallel.tensor_parallel_size
+        device = select_device(config.parallel.device)
+        self.step_threads = self.single_sequence_threads = self.wide_step_tokens = 0
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            threads = config.parallel.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+            torch.set_num_threads(threads)
+            self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
+            self.single_sequence_threads = config.parallel.cpu_threads_single_sequence
+            # Batch-invariant mode keeps a step's thread count a function of the lone sequence only
+            # (what its tests cover), so a prefill chunk's thread count never depends on its neighbours.
+            self.wide_step_tokens = 0 if config.scheduler.batch_invariant else config.parallel.cpu_wide_step_tokens
+        self.device = device
+        self.dtype = getattr(torch, config.model.torch_dtype_name)
+        self.tp = TPGroup()
+        self.allreduce_backend = ""  # the TP all-reduce in use: nccl, gloo or deepspeed (none at TP=1)
+        if world > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=dist_init, rank=rank, world_size=world, timeout=timedelta(minutes=10)
+            )
+            group = dist.group.WORLD
+            self.allreduce_backend, reduce = make_all_reduce(
+                config.parallel.cpu_allreduce, device, self.dtype, rank, world, dist_init, group)
+            self.tp = TPGroup(rank, world, group, reduce)
+        self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
+        torch.manual_seed(config.model.seed)
+        # Parameters are created in the target dtype on the target device: no fp32 copy of the model
+        # ever exists. Rotary tables are built in float64 and stored fp32 explicitly, so they stay fp32.
+        with torch.device(device), default_dtype(self.dtype):
+            self.model = model_class(arch)(arch, self.tp, self.attn_backend)
+        if config.model.weights == "quantized":
+            from rayllm.quant.methods import load_quantized_weights
+
+            source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
+            int8_activations = config.model.small_batch_quant == "auto" and device.type == "cpu"
+            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations))
+        else:
+            source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+        invariant = config.scheduler.batch_invariant
+        if (config.model.small_batch_quant != "none" and not invariant and device.type == "cpu"
+                and self.dtype == torch.bfloat16):
+            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.model.small_batch_quant == "auto")
+            log.info("packed %d layers for small-batch weight-only kernels", packed)
+        # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
+        if (config.model.cpu_weight_prepack or invariant) and onednn_available(device, self.dtype):
+            log.info("reordered %d weights into oneDNN's layout",
+                     prepack_onednn_weights(self.model, batch_invariant=invariant))
+        self.model.eval()
+        self.arch = arch
+        self.runner: ModelRunner | None = None
+        self.lora = (LoRAManager(self.model, config.lora, self.dtype, device,
+                                 batch_invariant=invariant and onednn_available(device, self.dtype))
+                     if config.lora.enabled else None)
+
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.layers[0].self_attn.qkv_proj
+        return kv_cache.bytes_per_block(
+            self.arch.num_layers, attn.num_kv_heads, self.arch.head_dim, self.config.cache.block_size, self.dtype
+        )
+
+    def available_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks_override:
+            return cache.num_blocks_override
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            activations = self.profile_activation_bytes()
+            budget = kv_cache.cuda_budget(cache.gpu_memory_utilization, self.device, activations)
+            return kv_cache.blocks_for_budget(budget, per_block)
+        return kv_cache.blocks_for_budget(cache.kv_cache_bytes, per_block)
+
+    def _allocate(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        attn = self.model.layers[0].self_attn.qkv_proj
+        return kv_cache.allocate(self.arch.num_layers, num_blocks, self.config.cache.block_size, attn.num_kv_heads,
+                                 self.arch.head_dim, self.dtype, self.device, self.attn_backend.cache_layout)
+
+    def _runner(self, caches) -> ModelRunner:
+        return ModelRunner(self.model, caches, self.config.cache.block_size, self.arch.vocab_size, self.device,
+                           self.rank == 0, lora=self.lora)
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self) -> int:
+        """CUDA: peak bytes that a forward of the largest step (max_num_batched_tokens tokens over
+        max_num_seqs sequences, logits for each) adds on top of what is resident, measured by running it.
+        Every rank runs it at once (the executor asks them together), so the collectives match."""
+        sched, bs = self.config.scheduler, self.config.cache.block_size
+        step, num_blocks = kv_cache.profile_step(sched.max_num_batched_tokens, sched.max_num_seqs, bs)
+        caches = self._allocate(num_blocks)
+        runner = self._runner(caches)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
+        hidden = runner.forward(step)
+        self.model.compute_logits(hidden[: len(step.seqs)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - resident
+        del caches, runner, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def init_cache(self, num_blocks: int) -> None:
+        # Windowed or soft-capped layers need host-built metadata per step (context slots, true lengths
+        # for window masks) that a graph's fixed-shape metadata lacks: those models run eagerly.
+        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs and self.lora is None
+                  and not getattr(self.model, "torch_attention_only", False))
+        # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
+        self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
+        par = self.config.parallel
+        if self.step_threads == 1 and par.tensor_parallel_size == 1 and not self.config.scheduler.batch_invariant:
+            self.runner.enable_halves(par.cpu_half_step_tokens)
+        if graphs:
+            self._capture_graphs(scratch_block=num_blocks)
+
+    @torch.inference_mode()
+    def _capture_graphs(self, scratch_block: int) -> None:
+        from rayllm.runner.cuda_graphs import DecodeGraphs
+
+        assert self.runner is not None
+        bs = self.config.cache.block_size
+        max_len = self.config.model.max_model_len or self.arch.max_position_embeddings
+        # Families with their own forward (no forward_pieces) are captured whole.
+        pieces = min(self.config.parallel.cuda_graph_pieces, self.arch.num_layers) if hasattr(
+            self.model, "forward_pieces") else 1
+        graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
+                              self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
+        # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
+        # step, which a graph cannot replay.
+        try:
+            captured = graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True),
+                                      self.runner.model_forward_pieces)
+        except Exception as exc:  # an op that cannot be captured here: serve eagerly rather than not at all
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
+            torch.cuda.synchronize(self.device)
+            return
+        if captured:
+            self.runner.graphs = graphs
+        else:
+            log.warning("no paged decode kernel in xformers here: CUDA graphs off")
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        assert self.runner is not None, "init_cache first"
+        if self.single_sequence_threads:
+            wide = len(step.seqs) == 1 or (
+                self.wide_step_tokens > 0 and sum(len(s.token_ids) for s in step.seqs) >= self.wide_step_tokens)
+            want = self.single_sequence_threads if wide else self.step_threads
+            if torch.get_num_threads() != want:  # ~1 us; only when the batch crosses one sequence
+                torch.set_num_threads(want)
+        return self.runner.execute(step)
+
+    def load_lora(self, slot: int, lora_id: int, path: str) -> int:
+        """Put a PEFT adapter into `slot` for sequences tagged `lora_id`; returns its rank."""
+        if self.lora is None:
+            raise ValueError("LoRA is disabled (lora.max_loras is 0)")
+        with torch.inference_mode():
+            return self.lora.load(slot, lora_id, path)
+
+    def unload_lora(self, slot: int) -> None:
+        if self.lora is not None:
+            with torch.inference_mode():
+                self.lora.unload(slot)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], lora_id: int = 0) -> torch.Tensor | None:
+        """Full-vocabulary logits at every position of one prompt (rank 0; None elsewhere).
+
+        For reference checks on an idle worker: it writes the prompt's KV into the first blocks.
+        """
+        assert self.runner is not None, "init_cache first"
+        bs = self.config.cache.block_size
+        blocks = list(range(-(-len(token_ids) // bs)))
+        step = StepInput([SeqStep("score", list(token_ids), 0, blocks, sample=False, lora_slot=lora_id)])
+        ids, positions, meta = self.runner.prepare(step)
+        hidden = self.model(ids, positions, self.runner.kv_caches, meta)
+        logits = self.model.compute_logits(hidden).float()
+        return logits if self.rank == 0 else None
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Drop the weights and the KV cache now (the runner and its graphs reference each other, so they
+        # would wait for a garbage collection): a process that builds another engine gets the memory back.
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = self.model = self.lora = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,20 @@
+"""Qwen3: the Llama decoder with a per-head RMSNorm on q and k before rotary, no qkv bias, and an
+explicit head_dim (read by the loader)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from rayllm.engine.config import LlamaArch
+from rayllm.layers.basic import RotaryEmbedding
+from rayllm.layers.linear import TPGroup
+from rayllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+QK_NORM_GGUF_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    gguf_tensor_names = QK_NORM_GGUF_NAMES
+
+    def make_layer(self, index: int, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend) -> nn.Module:
+        return LlamaDecoderLayer(arch, tp, rotary, attn_backend, qk_norm=True)

@@ -1,0 +1,3 @@
+"""CPU: the C kernels (csrc/, built with the system compiler on first use), the int4 x int8 VNNI GEMM, half steps
+on two threads, and process priority for the serving processes.
+"""

@@ -1,0 +1,87 @@
+"""4-bit weights x 8-bit activations on CPUs with AVX-512 VNNI (csrc/qgemm.c), for steps of few rows.
+
+A linear layer whose checkpoint was 4-bit keeps its weight in groups of 32 inputs (w = d * q + m, as
+GGUF's Q4_1); each call quantizes the step's rows to int8 in groups of 32 (as llama.cpp's Q8_1) and
+sums int8 products, which this CPU does at twice bf16's rate and from a quarter of bf16's bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from rayllm.platforms.cpu import kernels as cpu_kernels
+
+GROUP = 32
+TILE = 16  # output columns per tile
+
+
+class _Lib:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i], ctypes.c_int)
+
+
+@cache
+def _lib() -> _Lib | None:
+    if cpu_kernels.load() is None:  # no compiler, or turned off: logged there
+        return None
+    lib = ctypes.CDLL(str(cpu_kernels.build()))
+    lib.qgemm_available.restype = ctypes.c_int
+    return _Lib(lib) if lib.qgemm_available() else None
+
+
+def available() -> bool:
+    """Whether the kernels were built with AVX-512 VNNI (else the caller keeps torch's int4 kernel)."""
+    return _lib() is not None
+
+
+def supports(n: int, k: int) -> bool:
+    return n % TILE == 0 and k % GROUP == 0 and k > 0
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q: 4-bit values [N, K] (any integer dtype, 0..15); d, m: [N, K/32] with w = d * q + m.
+    Returns the kernel's layout: uint8 [N/16, K/32, 320] (per tile and group: 256 bytes of nibbles,
+    then d and m as 16 fp16 each)."""
+    n, k = q.shape
+    tiles, groups = n // TILE, k // GROUP
+    # [tile, group, word i (inputs 4i..4i+3), column, j]: word i in the low nibbles, word i + 4 in the high.
+    t = q.to(torch.uint8).view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    nibbles = (t[:, :, :4] | (t[:, :, 4:] << 4)).reshape(tiles, groups, 256)
+    scales = torch.stack([d.float(), m.float()]).to(torch.float16)  # [2, N, G]
+    scales = scales.view(2, tiles, TILE, groups).permute(1, 3, 0, 2).reshape(tiles, groups, 2 * TILE)
+    return torch.cat([nibbles, scales.view(torch.uint8)], -1).contiguous()
+
+
+class Int4VnniWeight:
+    """A layer's weight packed for qgemm_int4_bf16; called with bf16 rows [M, K] -> bf16 [M, N]."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("the CPU kernels have no AVX-512 VNNI build on this machine")
+        self._gemm = lib.gemm
+        self.n, self.k = q.shape
+        self.packed = pack(q, d, m)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"int4 VNNI GEMM: x must be bf16 [M, {self.k}]")
+        out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16)
+        if x.shape[0] == 0:
+            return out
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        code = self._gemm(x.data_ptr(), x.stride(0), self.packed.data_ptr(), out.data_ptr(), x.shape[0], self.n,
+                          self.k, torch.get_num_threads())
+        if code == 1:
+            raise MemoryError("int4 VNNI GEMM: out of memory for the quantized rows")
+        if code:
+            raise ValueError(f"int4 VNNI GEMM: unsupported shape [{x.shape[0]}, {self.k}] x [{self.k}, {self.n}]")
+        return out
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes

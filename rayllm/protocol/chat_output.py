@@ -1,0 +1,244 @@
+"""A chat choice's generated text -> OpenAI message parts: content, reasoning_content and tool calls.
+
+One streaming parser per choice serves both the SSE stream (each `feed` returns delta dicts) and the
+whole response (the same deltas merged), so the two can never disagree. Text that may be the start of
+a tag (`<think>`, `</think>`, `<tool_call>`) is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from rayllm.protocol.holdback import HeldSuffix
+from rayllm.protocol.tools import ParsedCall, ToolPlan, new_call_id
+
+log = logging.getLogger(__name__)
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+_HOLD_THINK_CLOSE = HeldSuffix((THINK_CLOSE,))
+
+
+class ThinkSplitter:
+    """Splits `<think>...</think>` (at the start of the output, or opened by the prompt) from the answer."""
+
+    def __init__(self, starts_inside: bool) -> None:
+        self.state = "inside" if starts_inside else "start"
+        self.buf = ""
+        self.strip_newlines = False  # right after </think>: the answer's leading newlines are layout
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """Returns (reasoning, content) decided so far."""
+        self.buf += text
+        reasoning = content = ""
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(THINK_OPEN):
+                self.state, self.buf = "inside", head[len(THINK_OPEN):]
+            elif THINK_OPEN.startswith(head) and not final:
+                return "", ""  # could still become <think>
+            else:
+                self.state = "after"
+        if self.state == "inside":
+            end = self.buf.find(THINK_CLOSE)
+            if end >= 0:
+                reasoning, self.buf = self.buf[:end], self.buf[end + len(THINK_CLOSE):]
+                self.state, self.strip_newlines = "after", True
+            else:
+                keep = 0 if final else _HOLD_THINK_CLOSE(self.buf)
+                reasoning, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return reasoning, ""
+        if self.state == "after":
+            if self.strip_newlines:
+                self.buf = self.buf.lstrip("\n")
+                self.strip_newlines = not self.buf
+            content, self.buf = self.buf, ""
+        return reasoning, content
+
+
+class ToolExtractor:
+    """Turns content text into tool calls as the plan says: ("content", text) / ("call", ParsedCall) events."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._hold_open = HeldSuffix((plan.format.open,))
+        self.buf = ""
+        self.inside = False
+        self.started = False
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, Any]]:
+        mode = self.plan.mode
+        if mode == "named":
+            assert self.plan.named is not None
+            events: list[tuple[str, Any]] = []
+            if not self.started:
+                self.started = True
+                events.append(("open", self.plan.named))
+            if text:
+                events.append(("args", text))
+            return events
+        if mode == "required":
+            self.buf += text
+            if not final:
+                return []
+            try:
+                calls = json.loads(self.buf)
+            except json.JSONDecodeError:
+                return [("content", self.buf)]  # cut by max_tokens: hand back what there is
+            return [("call", ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))) for c in calls]
+        return self._tagged(text, final)
+
+    def _tagged(self, text: str, final: bool) -> list[tuple[str, Any]]:
+        """The model's own format: text, then calls between the format's open (and close) tags."""
+        fmt = self.plan.format
+        self.buf += text
+        events: list[tuple[str, Any]] = []
+        while self.buf:
+            if not self.inside:
+                start = self.buf.find(fmt.open)
+                if start < 0:
+                    keep = 0 if final else self._hold_open(self.buf)
+                    if len(self.buf) > keep:
+                        events.append(("content", self.buf[: len(self.buf) - keep]))
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                if start:
+                    events.append(("content", self.buf[:start]))
+                self.buf, self.inside = self.buf[start + len(fmt.open):], True
+            end = self.buf.find(fmt.close) if fmt.close is not None else -1
+            if end < 0 and not final:
+                break
+            body = self.buf if end < 0 else self.buf[:end]
+            calls = fmt.parse(body)
+            if calls is None:  # not a call after all: keep the text as the model wrote it
+                events.append(("content", fmt.open + body + ("" if end < 0 else fmt.close or "")))
+            else:
+                events.extend(("call", c) for c in calls)
+            self.buf, self.inside = ("" if end < 0 else self.buf[end + len(fmt.close or ""):]), False
+        return events
+
+
+class ChatOutputParser:
+    """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning_content} / {tool_calls})."""
+
+    def __init__(self, *, reasoning: bool = False, starts_in_reasoning: bool = False, stream_reasoning: bool = True,
+                 tools: ToolPlan | None = None) -> None:
+        self.think = ThinkSplitter(starts_in_reasoning) if reasoning else None
+        self.stream_reasoning = stream_reasoning
+        self.held_reasoning = ""
+        self.tools = ToolExtractor(tools) if tools is not None and tools.mode != "none" else None
+        self.legacy = bool(tools and tools.legacy)
+        self.num_calls = 0
+        self._call_id: str | None = None
+
+    @property
+    def called(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        if self.think is not None:
+            reasoning, text = self.think.feed(text, final)
+            if reasoning:
+                if self.stream_reasoning:
+                    deltas.append({"reasoning_content": reasoning})
+                else:
+                    self.held_reasoning += reasoning
+            if self.held_reasoning and (self.think.state == "after" or final):
+                deltas.append({"reasoning_content": self.held_reasoning})
+                self.held_reasoning = ""
+        if self.tools is None:
+            if text:
+                deltas.append({"content": text})
+            return deltas
+        for kind, value in self.tools.feed(text, final):
+            if kind == "content":
+                if value.strip() or not self.called:  # whitespace between calls is not content
+                    deltas.append({"content": value})
+            elif kind == "open":
+                deltas.append(self._open(value))
+            elif kind == "args":
+                deltas.append(self._args(value))
+            else:
+                deltas.append(self._open(value.name))
+                deltas.append(self._args(value.arguments))
+        return deltas
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.feed("", final=True)
+
+    def _open(self, name: str) -> dict[str, Any]:
+        self.num_calls += 1
+        if self.legacy:
+            return {"function_call": {"name": name, "arguments": ""}}
+        self._call_id = new_call_id()
+        return {"tool_calls": [{"index": self.num_calls - 1, "id": self._call_id, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def _args(self, text: str) -> dict[str, Any]:
+        if self.legacy:
+            return {"function_call": {"arguments": text}}
+        return {"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": text}}]}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if self.called and reason == "stop":
+            return "function_call" if self.legacy else "tool_calls"
+        return reason
+
+
+def output_parser_factory(req: Any, plan: ToolPlan | None, prompt_text: str,
+                          model_reasons: bool) -> Callable[[], ChatOutputParser] | None:
+    """How each choice's text of a chat request becomes content / reasoning_content / tool_calls: a
+    parser per choice, or None when all of it is content. `model_reasons`: the model writes <think>
+    (from its chat template, or the server's reasoning_parser setting)."""
+    template_reasons = bool(req.chat_template and "<think>" in req.chat_template)
+    reasoning = req.separate_reasoning is True or (
+        req.separate_reasoning is None and (model_reasons or template_reasons))
+    if not model_reasons and (req.reasoning_effort is not None or req.enable_thinking is not None):
+        log.info("reasoning_effort / enable_thinking passed to the chat template; this model does not reason")
+    tools_active = plan is not None and plan.mode != "none"
+    if not reasoning and not tools_active:
+        return None
+    return functools.partial(ChatOutputParser, reasoning=reasoning,
+                             starts_in_reasoning=reasoning and prompt_text.rstrip().endswith("<think>"),
+                             stream_reasoning=req.stream_reasoning is not False,
+                             tools=plan if tools_active else None)
+
+
+def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas of one choice -> the message fields of the whole response."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    function_call: dict[str, Any] | None = None
+    for d in deltas:
+        if "content" in d:
+            content.append(d["content"])
+        if "reasoning_content" in d:
+            reasoning.append(d["reasoning_content"])
+        for c in d.get("tool_calls") or []:
+            call = calls.setdefault(c["index"], {"id": None, "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+            call["id"] = c.get("id") or call["id"]
+            fn = c.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+        if "function_call" in d:
+            fc = d["function_call"]
+            function_call = function_call or {"name": "", "arguments": ""}
+            function_call["name"] += fc.get("name") or ""
+            function_call["arguments"] += fc.get("arguments") or ""
+    text = "".join(content)
+    out: dict[str, Any] = {"content": text if text or not (calls or function_call) else None}
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    if calls:
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    if function_call:
+        out["function_call"] = function_call
+    return out

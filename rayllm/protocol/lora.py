@@ -1,0 +1,17 @@
+"""vLLM's LoRA admin bodies: POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rayllm.protocol.messages import Strict
+
+
+class LoadLoRAAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)  # a PEFT adapter directory on the server's filesystem
+
+
+class UnloadLoRAAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's optional field; accepted and ignored

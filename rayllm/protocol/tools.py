@@ -1,0 +1,246 @@
+"""Tool calling: request fields -> a ToolPlan (what to render, how to constrain, how to parse).
+
+Modes, as OpenAI defines them: `none` (tools are not offered), `auto` (the model may call; its native
+format is parsed, and once it opens a call the arguments are grammar-constrained to the function's
+schema), `required` (one call, or a list with parallel_tool_calls, guaranteed by a JSON-schema
+grammar) and a named function (the output is that function's arguments, guaranteed likewise).
+The deprecated `functions` / `function_call` map onto the same plan and answer with `function_call`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rayllm.engine.sampling_params import GuidedSpec
+from rayllm.protocol.errors import bad_request
+from rayllm.protocol.request_models import ChatCompletionRequest
+from rayllm.protocol.structured import check_json_schema
+
+ToolMode = Literal["none", "auto", "required", "named"]
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+# Hermes-style calls (SmolLM2, Qwen2.5, Hermes): <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# Mistral-style calls: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] to the end of the output.
+MISTRAL_OPEN = "[TOOL_CALLS]"
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model family writes tool calls: the text that opens a call, what closes it (None: the rest
+    of the output), and a grammar that keeps a call's arguments valid once the model opens one."""
+
+    name: str
+    open: str
+    close: str | None
+
+    def parse(self, body: str) -> list[ParsedCall] | None:
+        """The calls in a body (one JSON object, or a list of them); None if it is not a call."""
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError:
+            return None
+        items = obj if isinstance(obj, list) else [obj]
+        calls = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return None
+            args = item.get("arguments", item.get("parameters", {}))
+            calls.append(ParsedCall(item["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+    def structural_tag(self, functions: tuple[Function, ...]) -> str:
+        """Free text, but once the model opens a call it must name a function and give valid arguments."""
+        if self.close is None:  # one list of calls to the end
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(f) for f in functions]}}
+            tags = [{"begin": self.open, "content": {"type": "json_schema", "json_schema": schema}, "end": ""}]
+        else:
+            tags = [{"begin": f'{self.open}\n{{"name": "{f.name}", "arguments": ',
+                     "content": {"type": "json_schema", "json_schema": f.parameters},
+                     "end": f"}}\n{self.close}"} for f in functions]
+        return json.dumps({"type": "structural_tag",
+                           "format": {"type": "triggered_tags", "triggers": [self.open], "tags": tags}})
+
+
+TOOL_FORMATS = {"hermes": ToolFormat("hermes", HERMES_OPEN, HERMES_CLOSE),
+                "mistral": ToolFormat("mistral", MISTRAL_OPEN, None)}
+
+
+def detect_tool_format(chat_template: str | None) -> str:
+    """The format family a chat template writes; Hermes when it names none (and for templates without tools)."""
+    return "mistral" if chat_template and MISTRAL_OPEN in chat_template else "hermes"
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def to_tool(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: ToolMode
+    functions: tuple[Function, ...] = ()
+    named: str | None = None  # the forced function (mode "named")
+    parallel: bool = True
+    legacy: bool = False  # functions / function_call: answer with message.function_call
+    guided: GuidedSpec | None = None
+    template_tools: list[dict[str, Any]] = field(default_factory=list)  # what the chat template is given
+    format: ToolFormat = TOOL_FORMATS["hermes"]  # how `auto` output is parsed
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _function(spec: Any, where: str) -> Function:
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object", param=where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise bad_request(f"{where}.name must be 1-64 letters, digits, '_' or '-', got {name!r}", param=where)
+    params = spec.get("parameters", EMPTY_PARAMETERS)
+    parameters = json.loads(check_json_schema(params, f"{where}.parameters"))
+    desc = spec.get("description")
+    return Function(name, desc if isinstance(desc, str) else None, parameters)
+
+
+def _functions(req: ChatCompletionRequest) -> tuple[tuple[Function, ...], bool]:
+    if req.tools and req.functions:
+        raise bad_request("send either tools or the deprecated functions, not both", param="functions")
+    if req.functions:
+        return tuple(_function(f, f"functions.{i}") for i, f in enumerate(req.functions)), True
+    out = []
+    for i, tool in enumerate(req.tools or []):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"tools.{i}.type must be 'function'", param=f"tools.{i}.type")
+        out.append(_function(tool.get("function"), f"tools.{i}.function"))
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
+    return tuple(out), False
+
+
+def _choice(req: ChatCompletionRequest, legacy: bool) -> tuple[ToolMode, str | None]:
+    choice = req.function_call if legacy else req.tool_choice
+    param = "function_call" if legacy else "tool_choice"
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        return choice, None  # type: ignore[return-value]
+    name = choice.get("name") if legacy else (choice.get("function") or {}).get("name")
+    if not legacy and choice.get("type", "function") != "function":
+        raise bad_request("tool_choice.type must be 'function'", param=param)
+    if not isinstance(name, str):
+        raise bad_request(f"{param} must be 'none', 'auto', 'required' or name a function", param=param)
+    return "named", name
+
+
+def _call_schema(f: Function) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool, tool_format: str = "hermes") -> ToolPlan | None:
+    """None when the request offers no tools. other_constraint: response_format & co. are set too.
+
+    tool_format: the model's call format family (TOOL_FORMATS), for parsing `auto` output.
+    """
+    fmt = TOOL_FORMATS[tool_format]
+    functions, legacy = _functions(req)
+    mode, named = _choice(req, legacy)
+    if not functions:
+        if mode in ("required", "named"):
+            param = "function_call" if legacy else "tool_choice"
+            raise bad_request(f"{param} '{named or mode}' needs {'functions' if legacy else 'tools'}", param=param)
+        return None
+    if mode == "none":
+        return ToolPlan("none", functions, legacy=legacy)
+    by_name = {f.name: f for f in functions}
+    if named is not None and named not in by_name:
+        raise bad_request(f"tool_choice names '{named}', which is not among the tools", param="tool_choice")
+    if mode in ("required", "named") and other_constraint:
+        raise bad_request(f"tool_choice '{named or mode}' cannot be combined with response_format or a guided "
+                          f"constraint", param="tool_choice")
+    parallel = req.parallel_tool_calls is not False and not legacy
+    template_tools = [f.to_tool() for f in functions]
+    if mode == "named":
+        spec = GuidedSpec("json_schema", json.dumps(by_name[named].parameters), "tool_choice")  # type: ignore[index]
+        return ToolPlan("named", functions, named, parallel, legacy, spec, template_tools)
+    if mode == "required":
+        items = {"anyOf": [_call_schema(f) for f in functions]}
+        schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan("required", functions, None, parallel, legacy,
+                        GuidedSpec("json_schema", json.dumps(schema), "tool_choice"), template_tools)
+    spec = None if other_constraint else GuidedSpec("structural_tag", fmt.structural_tag(functions), "tools")
+    return ToolPlan("auto", functions, None, parallel, legacy, spec, template_tools, fmt)
+
+
+# ---- prompting a template that does not know tools --------------------------------------------------
+
+
+def hermes_system_prompt(tools: list[dict[str, Any]]) -> str:
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return ("You are a function calling AI model. You may call one or more functions to assist with the user "
+            "query. Here are the available functions:\n<tools>\n" + listing + "\n</tools>\n"
+            "For each function call, return a JSON object with the function name and arguments within "
+            f'{HERMES_OPEN}{HERMES_CLOSE} tags:\n{HERMES_OPEN}\n{{"name": <function-name>, "arguments": '
+            f"<args-json-object>}}\n{HERMES_CLOSE}")
+
+
+def hermes_call_text(name: str, arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
+
+
+def inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Messages for a template without tool support: tools in the system prompt, calls and results as text."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None) or []
+        fc = m.pop("function_call", None)
+        if fc:
+            calls = [*calls, {"function": fc}]
+        if calls:
+            texts = [hermes_call_text(c["function"]["name"], c["function"].get("arguments", {})) for c in calls]
+            m["content"] = "\n".join(filter(None, [m.get("content") or "", *texts]))
+        if m.get("role") in ("tool", "function"):
+            m = {"role": "tool", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if tools:
+        prompt = hermes_system_prompt(tools)
+        if out and out[0].get("role") in ("system", "developer"):
+            out[0] = {**out[0], "role": "system", "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def template_knows_tools(template: str) -> bool:
+    return "tools" in template and ("tool_calls" in template or "tool_call" in template)

@@ -1,0 +1,280 @@
+"""GGUF weights kept quantized (`model.weights: quantized`): decoded once from their blocks into
+integer values with per-group scale and zero, and run by quantized kernels at every batch size.
+
+Every supported type is `w = q * scale + zero` over groups along the input dimension:
+- Q4_0 (d * (q - 8)), Q4_1 (d * q + m), Q4_K (super-block scales/mins give each 32 a scale and min):
+  4-bit values in groups of 32 (`Int4GroupWeight`), run by cpu_qgemm's int4 x int8 kernel (activations
+  quantized in groups of 32) where the CPU has AVX-512 VNNI and `small_batch_quant` is auto, else by
+  torch's int4 weight-only kernel;
+- Q8_0 (groups of 32), Q5_K (5-bit, groups of 32), Q6_K (6-bit, groups of 16): int8 values with
+  per-group scales (`Int8GroupWeight`), expanded to the activation dtype one layer at a time.
+A fused layer (q/k/v, gate/up) whose parts differ in type (Q4_K_M mixes Q4_K and Q6_K) takes the
+int8 form. Scales are kept in the activation dtype (bf16 rounds GGUF's fp16 scales to 8 bits).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayllm.layers.linear import ParallelLMHead, RowParallelLinear
+from rayllm.loader.loader import RawBlocks, _unpermute_rotary, iter_gguf
+from rayllm.platforms.cpu import qgemm as cpu_qgemm
+from rayllm.platforms.cpu.qgemm import Int4VnniWeight
+
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+QUANT_TYPES = INT4_TYPES | {"Q5_K", "Q6_K", "Q8_0"}
+QK_K = 256
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins for eight sub-blocks (as gguf.quants unpacks them)."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """Low nibbles of each `width`-byte run, then its high nibbles (ggml's order)."""
+    q = qs.reshape(qs.shape[0], -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(qs.shape[0], -1)
+
+
+def decode_blocks(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(q int8 [n, k], scale fp32 [n, k/g], zero fp32 [n, k/g], g) with w = q * scale + zero."""
+    name = raw.qtype.name  # type: ignore[attr-defined]
+    n, k = raw.shape
+    b = raw.data.reshape(-1, raw.data.shape[1] // (k // (QK_K if name.endswith("_K") else 32)))
+    if name in ("Q4_0", "Q4_1", "Q8_0"):
+        d = _f16(b[:, :2])
+        if name == "Q8_0":
+            q, zero = b[:, 2:].view(np.int8), np.zeros_like(d)
+        else:
+            head = 2 if name == "Q4_0" else 4
+            q = _nibbles(b[:, head:], 16)
+            zero = -8 * d if name == "Q4_0" else _f16(b[:, 2:4])
+        g, scale = 32, d
+    elif name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, mn = _k_scale_min(b[:, 4:16])
+        scale, zero = d * sc, -dmin * mn
+        if name == "Q4_K":
+            q = _nibbles(b[:, 16:], 32)
+        else:
+            qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            q = _nibbles(b[:, 48:], 32) | ((qh & 1).reshape(b.shape[0], -1) << 4)
+        g = 32
+    elif name == "Q6_K":
+        ql = _nibbles(b[:, :128], 64).reshape(-1, 2, 128)  # two halves of 128 values
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = (ql | ((qh & 3).reshape(-1, 2, 128) << 4)).reshape(b.shape[0], -1).astype(np.int16) - 32
+        scale = b[:, 192:208].view(np.int8).astype(np.float32) * _f16(b[:, 208:210])
+        zero, g = np.zeros_like(scale), 16
+    else:
+        raise ValueError(f"GGUF type {name} cannot be kept quantized (supported: {sorted(QUANT_TYPES)})")
+    q_t = torch.from_numpy(np.ascontiguousarray(q).astype(np.int8).reshape(n, k))
+    rows = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(n, k // g)) for a in (scale, zero)]
+    if raw.unpermute_heads:
+        q_t, *rows = (_unpermute_rotary(a, raw.unpermute_heads) for a in (q_t, *rows))
+        q_t, rows = q_t.contiguous(), [r.contiguous() for r in rows]
+    return q_t, rows[0], rows[1], g
+
+
+class Int4GroupWeight:
+    """4-bit values (0..15), groups of 32: cpu_qgemm's int4 x int8 kernel (`int8_activations`, bf16, a
+    CPU with VNNI) or torch's int4 weight-only kernel. Either's per-row result does not depend on the
+    batch's row count (so the layer is batch-invariant too)."""
+
+    all_batches = True  # parallel.linear uses it at every step size; no dense weight is kept
+    max_tokens = 1 << 62
+    GROUP = 32
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
+                 int8_activations: bool = False):
+        self.dtype = dtype
+        self.vnni: Int4VnniWeight | None = None
+        if int8_activations and dtype == torch.bfloat16 and cpu_qgemm.supports(*q.shape) and cpu_qgemm.available():
+            self.vnni = Int4VnniWeight(q, scale, zero)
+            return
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # The kernel computes (q - 8) * scale + zero'; zero' = zero + 8 * scale. [k/32, n, 2].
+        self.scales = torch.stack([scale, zero + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None:
+            return self.vnni(x)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.GROUP, self.scales)
+        return out.to(x.dtype)
+
+    def nbytes(self) -> int:
+        if self.vnni is not None:
+            return self.vnni.nbytes()
+        return self.packed.nbytes + self.scales.nbytes
+
+
+class Int8GroupWeight:
+    """int8 values with a scale and zero per group: the layer's weight is expanded into the activation
+    dtype for each call (transient, one layer at a time), then one GEMM."""
+
+    all_batches = True
+    max_tokens = 1 << 62
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
+        self.q = q
+        self.group = q.shape[1] // scale.shape[1]
+        self.scale = scale.to(dtype).unsqueeze(-1)
+        self.zero = None if not zero.any() else zero.to(dtype).unsqueeze(-1)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // self.group, self.group).to(dtype) * self.scale.to(dtype)
+        if self.zero is not None:
+            w += self.zero.to(dtype)
+        return w.view(n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense(x.dtype))
+
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
+
+
+class _Slot:
+    """Stand-in parameter for a layer's own weight_loader: it slices rows/columns as for the dense weight."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data, self.shape = data, data.shape
+
+
+@dataclass
+class _Pending:
+    q: torch.Tensor
+    scale: torch.Tensor  # per 16 columns: the finest group of any supported type
+    zero: torch.Tensor
+    int4: bool = True
+    parts: int = 0
+    groups: set[int] = field(default_factory=set)
+
+
+def _fill(module: nn.Module, loader, pend: _Pending, raw: RawBlocks, shard) -> None:
+    """loader: the dense parameter's weight_loader, applied to the values and to the group tensors."""
+    q, scale, zero, g = decode_blocks(raw)
+    pend.int4 &= raw.qtype.name in INT4_TYPES  # type: ignore[attr-defined]
+    pend.groups.add(g)
+    scale, zero = (t.repeat_interleave(g // 16, 1) for t in (scale, zero))
+    loader(_Slot(pend.q), q, shard)
+    for dst, src in ((pend.scale, scale), (pend.zero, zero)):
+        if isinstance(module, RowParallelLinear):  # its loader cuts input columns: cut groups here
+            if module.in_start % 32:
+                raise ValueError("weights: quantized needs tensor-parallel input splits at multiples of 32")
+            dst.copy_(src.narrow(1, module.in_start // 16, dst.shape[1]))
+        else:
+            loader(_Slot(dst), src, shard)
+    pend.parts += 1
+
+
+def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool) -> None:
+    if pend.int4 and pend.groups == {32}:
+        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations)
+    else:
+        step = 1 if 16 in pend.groups else 2
+        module.packed = Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype)
+    # No dense copy: a shape-only weight keeps what reads shapes (LoRA) working.
+    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False) -> int:
+    """Load a GGUF keeping its supported quantized linear weights quantized; everything else (norms,
+    the embedding, a tied LM head, other types) dense as `loader.load_weights` does. Returns the
+    number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
+    if not path.endswith(".gguf"):
+        raise ValueError("model.weights: quantized needs a GGUF checkpoint")
+    from gguf.quants import dequantize
+
+    arch = model.arch  # type: ignore[attr-defined]
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: dict[str, int] = {}
+    pending: dict[str, _Pending] = {}
+    dtype = next(iter(params.values())).dtype
+    extra = getattr(model, "gguf_tensor_names", None)
+    for name, tensor in iter_gguf(path, arch, None, extra, raw_types=QUANT_TYPES):
+        target = model.checkpoint_to_param(name)  # type: ignore[operator]
+        if target is None:
+            continue
+        param_name, shard = target
+        if param_name not in params:
+            raise ValueError(f"unexpected tensor in checkpoint: {name}")
+        mod_name = param_name.rpartition(".")[0]
+        module = modules[mod_name]
+        quantizable = (isinstance(tensor, RawBlocks) and param_name.endswith(".weight") and hasattr(module, "packed")
+                       and not (isinstance(module, ParallelLMHead) and arch.tie_word_embeddings))
+        if quantizable and tensor.shape[1] % QK_K and tensor.qtype.name.endswith("_K"):  # type: ignore[union-attr]
+            quantizable = False
+        if quantizable:
+            pend = pending.get(mod_name)
+            if pend is None:
+                n, k = module.weight.shape
+                pend = pending[mod_name] = _Pending(torch.empty(n, k, dtype=torch.int8),
+                                                    torch.zeros(n, k // 16), torch.zeros(n, k // 16))
+            _fill(module, params[param_name].weight_loader, pend, tensor, shard)  # type: ignore[arg-type]
+            if pend.parts == getattr(params[param_name], "num_shards", 1):
+                _finish(module, pending.pop(mod_name), dtype, int8_activations)
+        else:
+            if isinstance(tensor, RawBlocks):
+                if mod_name in pending:
+                    raise ValueError(f"{name}: a fused layer mixes quantized and dense parts")
+                w = dequantize(tensor.data, tensor.qtype).reshape(tensor.shape)
+                t = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+                tensor = _unpermute_rotary(t, tensor.unpermute_heads) if tensor.unpermute_heads else t
+            params[param_name].weight_loader(params[param_name], tensor.to(dtype), shard)  # type: ignore[attr-defined]
+        loaded[param_name] = loaded.get(param_name, 0) + 1
+    missing = [n for n, p in params.items() if loaded.get(n, 0) != getattr(p, "num_shards", 1)]
+    missing = [n for n in missing if not (isinstance(getattr(modules.get(n.rpartition(".")[0]), "packed", None),
+                                                     (Int4GroupWeight, Int8GroupWeight)))]
+    if missing or pending:
+        raise ValueError(f"parameters missing from checkpoint (or loaded partially): {(missing + list(pending))[:10]}")
+    return sum(isinstance(getattr(m, "packed", None), (Int4GroupWeight, Int8GroupWeight)) for m in model.modules())
+
+
+FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
+
+
+def iter_fp8_dequantized(model_dir: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A `quant_method: fp8` safetensors checkpoint (e4m3/e5m2 weights with `weight_scale`: per tensor
+    or per output channel, or `weight_scale_inv` per 128 x 128 block), as fp32 tensors: weight times
+    scale; the scales and activation scales (`input_scale`) themselves are not yielded."""
+    from safetensors import safe_open
+
+    handles = [safe_open(os.path.join(model_dir, f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+    for name, h in where.items():
+        if name.endswith(FP8_SCALE_SUFFIXES) or name.endswith(".input_scale"):
+            continue
+        t = h.get_tensor(name)
+        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            yield name, t
+            continue
+        base = name.removesuffix(".weight")
+        scale_name = next((base + s for s in FP8_SCALE_SUFFIXES if base + s in where), None)
+        if scale_name is None:
+            raise ValueError(f"{name}: an FP8 weight without {base}.weight_scale")
+        w, scale = t.float(), where[scale_name].get_tensor(scale_name).float()
+        if scale.dim() == 2 and scale.shape[1] > 1:  # block-wise: [ceil(n / bn), ceil(k / bk)]
+            bn, bk = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
+            scale = scale.repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bk, 1)[:, : w.shape[1]]
+        elif scale.numel() == w.shape[0]:
+            scale = scale.reshape(-1, 1)
+        yield name, w * scale

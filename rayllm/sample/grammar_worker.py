@@ -1,0 +1,97 @@
+"""Grammar compilation in a child process, so that a compile that runs too long can be stopped.
+
+xgrammar compiles in C++ without a way to interrupt it, and some small specs take minutes (a few
+thousand `[a-z]*` in a row). A compile in a thread would hold a core until it ended; here the child
+is killed at the time limit (and started again for the next compile), and the parent never waits on
+it from the event loop. Compiled grammars come back as xgrammar's JSON serialization.
+"""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rayllm.common import child
+
+START_TIMEOUT_S = 60.0
+
+
+class CompileTimeout(Exception):
+    pass
+
+
+class CompilerBusy(Exception):
+    pass
+
+
+def _child(conn: Connection) -> None:
+    import xgrammar as xgr
+
+    from rayllm.sample.guided import compile_spec
+
+    tokenizer_info_json = conn.recv()
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send("ready")
+    while True:
+        try:
+            spec = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            conn.send((True, compile_spec(compiler, spec).serialize_json()))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            conn.send((False, exc))
+        except MemoryError:
+            conn.send((False, ValueError("the grammar is too large to compile")))
+
+
+class CompileWorker:
+    """One child process; one compile at a time (a caller waits its turn within its own time limit)."""
+
+    def __init__(self, tokenizer_info: Any, timeout_s: float):
+        self._info = tokenizer_info
+        self._info_json = tokenizer_info.serialize_json()
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._conn: Connection | None = None
+
+    def _start(self) -> Connection:
+        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
+            return self._conn
+        self.close()
+        self._proc, self._conn = child.start("rayllm.sample.grammar_worker", self._info_json, START_TIMEOUT_S)
+        return self._conn
+
+    def close(self) -> None:
+        child.stop(self._proc, self._conn)
+        self._proc = self._conn = None
+
+    def compile(self, spec: Any) -> Any:
+        """The CompiledGrammar; CompileTimeout past the limit, CompilerBusy if others held it that long."""
+        import xgrammar as xgr
+
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise CompilerBusy()
+        try:
+            conn = self._start()
+            conn.send(spec)
+            if not conn.poll(self.timeout_s):
+                self.close()  # the only way to stop xgrammar mid-compile
+                raise CompileTimeout()
+            try:
+                ok, value = conn.recv()
+            except (EOFError, OSError):  # the child died under it
+                self.close()
+                raise ValueError("the grammar could not be compiled") from None
+        finally:
+            self._lock.release()
+        if not ok:
+            raise value
+        return xgr.CompiledGrammar.deserialize_json(value, self._info)
+
+
+if __name__ == "__main__":
+    _child(child.connect())

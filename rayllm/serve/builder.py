@@ -1,0 +1,170 @@
+"""build_app(args) -> the Serve application: ingress -> tokenizer, ingress -> llm (TP actors per replica).
+
+Used as `import_path: rayllm.serve.builder:build_app` in cluster.yaml, so `serve run cluster.yaml`
+and `serve run rayllm.serve.builder:build_app engine='{...}'` both work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve import Application
+
+from rayllm.loader.model_files import resolve_model_path
+from rayllm.serve.config import ModelEntry, ServerConfig
+from rayllm.serve.ingress import Ingress
+from rayllm.serve.llm_server import LLMDeployment
+from rayllm.serve.tokenizer import TokenizerDeployment
+
+log = logging.getLogger("ray.serve")
+
+
+def cluster_resources() -> dict[str, float]:
+    """The Ray cluster's total resources; outside a Ray session, this machine's GPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return dict(ray.cluster_resources())
+    import torch
+
+    return {"GPU": float(torch.cuda.device_count())}
+
+
+def resolve_device(choice: str, resources: Mapping[str, float] | None = None) -> str:
+    """`device: auto` decided once, here, from the cluster's resources: cuda when it has GPUs.
+
+    A cluster that adds GPU nodes only on demand (an autoscaler with no GPU worker up yet) reports
+    none; name `device: cuda` there, which makes every replica ask for a GPU and so scales them up.
+    """
+    if choice != "auto":
+        return choice
+    resources = cluster_resources() if resources is None else resources
+    return "cuda" if resources.get("GPU", 0) > 0 else "cpu"
+
+
+def with_resolved_device(config: ServerConfig, resources: Mapping[str, float] | None = None) -> ServerConfig:
+    """The config with every model's `parallel.device` resolved, so replicas and workers never re-decide."""
+    def resolved(entry: ModelEntry) -> ModelEntry:
+        parallel = entry.engine.parallel
+        device = resolve_device(parallel.device, resources)
+        if device == parallel.device:
+            return entry
+        engine = dataclasses.replace(entry.engine, parallel=dataclasses.replace(parallel, device=device))
+        return dataclasses.replace(entry, engine=engine)
+
+    models = tuple(resolved(m) for m in config.models)
+    return config if models == config.models else dataclasses.replace(config, engine=models[0].engine, models=models)
+
+
+def model_config(config: ServerConfig, entry: ModelEntry) -> ServerConfig:
+    """The server config as one model's deployment sees it (its engine; the server-wide rest)."""
+    return dataclasses.replace(config, engine=entry.engine, models=(entry,))
+
+
+def deployment_name(index: int, entry: ModelEntry) -> str:
+    """`llm` for the first (default) model, `llm-<name>` for the others."""
+    return "llm" if index == 0 else "llm-" + re.sub(r"[^A-Za-z0-9_.-]", "-", entry.name)
+
+
+def largest_node(nodes: list[dict[str, Any]]) -> dict[str, float]:
+    """The alive node of `ray.nodes()` with the most CPUs (its resources)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
+    return max(alive, key=lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0)), default={})
+
+
+def check_fits_one_node(config: ServerConfig, nodes: list[dict[str, Any]]) -> None:
+    """A replica's bundles are packed on one node (no pipeline parallelism yet): refuse a tensor-parallel
+    size that no node of the cluster can hold, rather than leave the replica pending forever."""
+    bundles = placement_bundles(config)
+    if not bundles or not nodes:
+        return
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            need[key] = need.get(key, 0.0) + value
+    fits = [n for n in nodes if n.get("Alive", True)
+            and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in need.items())]
+    if not fits:
+        big = largest_node(nodes)
+        tp = config.engine.parallel.tensor_parallel_size
+        raise ValueError(
+            f"model {config.served_model_name!r}: tensor_parallel_size {tp} needs "
+            + ", ".join(f"{v:g} {k}" for k, v in sorted(need.items()))
+            + " on one node (a replica's ranks share a node), but the largest node has "
+            + (", ".join(f"{big.get(k, 0.0):g} {k}" for k in sorted(need)) or "nothing")
+            + "; lower tensor_parallel_size or add a bigger node")
+
+
+def _on_gpu(config: ServerConfig) -> bool:
+    return resolve_device(config.engine.parallel.device) == "cuda"
+
+
+def engine_in_replica(config: ServerConfig) -> bool:
+    """TP=1 with the default executor runs the model in the replica (or its child process)."""
+    parallel = config.engine.parallel
+    return parallel.tensor_parallel_size == 1 and parallel.executor == "auto"
+
+
+def replica_actor_options(config: ServerConfig) -> dict[str, float]:
+    """The model replica's own reservation. When it runs the model itself on CUDA it reserves the GPU,
+    so Ray sets its CUDA_VISIBLE_DEVICES (inherited by the engine's child process) and no two replicas
+    share a GPU."""
+    options = {"num_cpus": config.replica_num_cpus}
+    if engine_in_replica(config) and _on_gpu(config):
+        options["num_gpus"] = 1
+    return options
+
+
+def placement_bundles(config: ServerConfig) -> list[dict[str, float]] | None:
+    """Bundle 0 holds the replica itself; one more bundle per tensor-parallel rank, each with its GPU."""
+    if engine_in_replica(config):
+        return None  # the replica runs the model in-process; replica_actor_options reserves its GPU
+    rank = {"CPU": 1.0, "GPU": 1.0} if _on_gpu(config) else {"CPU": 1.0}
+    return [{"CPU": config.replica_num_cpus}] + [rank] * config.engine.parallel.tensor_parallel_size
+
+
+def serving_nice(config: ServerConfig) -> int:
+    """Only a CPU engine competes with the serving processes for cores."""
+    return 0 if _on_gpu(config) else config.serving_nice
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve's application-builder entry: exactly one parameter, the `args` mapping from cluster.yaml."""
+    return build_app_with(ServerConfig.from_args(args))
+
+
+def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Serve options of the (first) model's deployment for a config whose device is resolved: placement,
+    then `extra`, the server-wide llm_deployment_options, and the model's own `deployment` options."""
+    options: dict[str, Any] = {"ray_actor_options": replica_actor_options(config)} | (extra or {})
+    bundles = placement_bundles(config)
+    if bundles:
+        options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+    # queue bounds, autoscaling, drain (cluster.yaml's `deployments` section overrides all of these)
+    return options | config.llm_deployment_options | config.models[0].deployment
+
+
+def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = None) -> Application:
+    """The same, from a config object; `llm_options` adds Serve options to every model deployment (tests:
+    num_replicas)."""
+    import ray
+
+    config = with_resolved_device(config)
+    nodes = ray.nodes() if ray.is_initialized() else []
+    nice = serving_nice(config)
+    llms: dict[str, Any] = {}
+    paths: dict[str, str] = {}
+    for index, entry in enumerate(config.models):
+        one = model_config(config, entry)
+        check_fits_one_node(one, nodes)
+        paths[entry.name] = resolve_model_path(entry.engine.model.model)
+        options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
+        llms[entry.name] = LLMDeployment.options(**options).bind(
+            entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
+            serving_nice(one))
+    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, nice)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms, nice)

@@ -1,0 +1,174 @@
+"""Server configuration read from cluster.yaml's application `args` (or passed to build_app)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from rayllm.engine.config import EngineConfig
+from rayllm.serve.auth import parse_key
+
+
+def default_storage_url() -> str:
+    """SQLite under the user's state dir: survives restarts, shared by every ingress replica on the node."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return "sqlite:///" + os.path.join(state, "rayllm-tp", "conversations.db")
+
+
+# A model's deployment options that cluster.yaml may set per model (the rest are the server's).
+MODEL_ENTRY_KEYS = frozenset({"engine", "served_model_name", "aliases", "deployment"})
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One base model of the app: its engine, the other names `model` may use, and the Serve options of its
+    own deployment (num_replicas, autoscaling_config, ray_actor_options, ...)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    aliases: tuple[str, ...] = ()
+    deployment: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.engine.model.served_model_name
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelEntry:
+        unknown = set(d) - MODEL_ENTRY_KEYS
+        if unknown:
+            raise ValueError(f"unknown keys in a models entry: {sorted(unknown)} (known: {sorted(MODEL_ENTRY_KEYS)})")
+        engine = {k: dict(v or {}) for k, v in (d.get("engine") or {}).items()}
+        if d.get("served_model_name"):
+            engine["model"] = engine.get("model", {}) | {"served_model_name": d["served_model_name"]}
+        aliases = d.get("aliases") or ()
+        if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
+            raise ValueError(f"aliases must be a list of names, got {aliases!r}")
+        return cls(EngineConfig.from_dict(engine), tuple(aliases), dict(d.get("deployment") or {}))
+
+
+def check_model_names(models: tuple[ModelEntry, ...]) -> None:
+    """Every name and alias addresses one model; `:` is kept for `model:adapter`."""
+    seen: dict[str, str] = {}
+    for entry in models:
+        for name in (entry.name, *entry.aliases):
+            if not name or ":" in name:
+                raise ValueError(f"model name or alias {name!r} must be non-empty and contain no ':'")
+            if name in seen:
+                raise ValueError(f"model name or alias {name!r} is used twice (by {seen[name]!r} and {entry.name!r})")
+            seen[name] = entry.name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # The first (default) model's engine; with `models` empty, the app serves this one model.
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # Bearer keys accepted on /v1 routes; empty = no auth (local use). Also read from API_KEYS (comma-separated).
+    # Entries are plain keys or `sha256:<hex>` digests of them (so the config need not hold the secret).
+    api_keys: tuple[str, ...] = ()
+    # Conversations and stored completions: `sqlite:///<path>` (one node) or `postgresql://...` (several).
+    # Also read from STORAGE_URL when cluster.yaml leaves it unset.
+    storage_url: str = field(default_factory=default_storage_url)
+    # Logical CPUs the model replica's own actor reserves (its TP ranks reserve one bundle each).
+    replica_num_cpus: float = 1.0
+    # Minimum seconds between streamed messages of one request (0 = one message per engine step).
+    stream_interval_s: float = 0.0
+    # Run a single-rank engine in its own process (the replica's asyncio loop and Ray's threads then never
+    # share its GIL); False = a thread of the replica. Tensor-parallel engines drive their rank actors
+    # from a thread either way.
+    engine_process: bool = True
+    # CPU engines: the nice value added to the serving processes (ingress, tokenizer, the model replica
+    # when its engine runs in its own process), so that they yield a shared core to the engine. 0 = off.
+    serving_nice: int = 10
+    # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
+    reasoning_parser: str = "auto"
+    # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".
+    tool_parser: str = "auto"
+    # ---- production limits (issue 8); 0 / None = no limit beyond the model's own ------------------------
+    # Seconds from dispatch to the model (after tokenizing) to the last token; beyond it a 504, or an
+    # error event and [DONE] once a stream has begun (the generation is aborted).
+    request_timeout_s: float | None = None
+    max_prompt_tokens: int = 0  # prompt tokens per prompt (400 beyond)
+    max_total_tokens: int = 0  # prompt + max_tokens per prompt (400 beyond; also caps the default max_tokens)
+    max_n: int = 0  # n and best_of (400 beyond)
+    max_request_bytes: int = 8 << 20  # HTTP body size (413 beyond, counted while reading)
+    # Seconds a client is told to wait (Retry-After) when the model deployment's queue is full (503).
+    retry_after_s: float = 1.0
+    # ---- files, keys and tenants (issue 17) --------------------------------------------------------------
+    # Keys that may also load and unload LoRA adapters (same forms as api_keys; also ADMIN_API_KEYS). With
+    # api_keys set and none here, those routes answer 403. Admin keys are accepted API keys too.
+    admin_api_keys: tuple[str, ...] = ()
+    # /metrics needs an API key (it names adapters and shows load); default open, for Prometheus scrapers.
+    metrics_require_key: bool = False
+    # Seconds a storage call waits for a locked SQLite database / a PostgreSQL connection or statement
+    # before the request answers 503 storage_unavailable.
+    storage_timeout_s: float = 5.0
+    # PostgreSQL connections per ingress replica (a pool; SQLite opens one per call).
+    storage_pool_size: int = 4
+    # Extra Ray Serve options for every model deployment (max_ongoing_requests, max_queued_requests,
+    # autoscaling_config, graceful_shutdown_timeout_s, ...), for apps built in code; in a Serve config
+    # file the `deployments` section is the place for them (it overrides these).
+    llm_deployment_options: dict[str, Any] = field(default_factory=dict)
+    # ---- abuse bounds (issue 17) ---------------------------------------------------------------------
+    # Engine sequences one request may start: prompts x max(n, best_of) (400 beyond; 0 = no limit).
+    max_sequences_per_request: int = 64
+    # Output tokens one request may ask for: sequences x max_tokens, the default max_tokens (what the
+    # context leaves) included (400 beyond; 0 = no limit).
+    max_requested_tokens: int = 262144
+    # A request's own `chat_template` (vLLM's switch): off = 400. On, it renders in a child process of
+    # the tokenizer replica with a time, memory and output-size bound (rayllm.serve.template_sandbox).
+    allow_request_chat_template: bool = False
+    # The base models (cluster.yaml `models:`); the first answers requests that name no model. Empty: the
+    # single model of `engine` (its deployment options are llm_deployment_options).
+    models: tuple[ModelEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            object.__setattr__(self, "models", (ModelEntry(self.engine),))
+        elif self.engine not in (self.models[0].engine, EngineConfig()):  # replace(cfg, engine=...): the first
+            object.__setattr__(self, "models", (replace(self.models[0], engine=self.engine),) + self.models[1:])
+        object.__setattr__(self, "engine", self.models[0].engine)
+        check_model_names(self.models)
+        for key in self.api_keys + self.admin_api_keys:  # fail at start-up, not on the first request
+            parse_key(key)
+        if self.storage_timeout_s <= 0 or self.storage_pool_size < 1:
+            raise ValueError("storage_timeout_s must be > 0 and storage_pool_size >= 1")
+        for name in ("max_prompt_tokens", "max_total_tokens", "max_n", "max_request_bytes",
+                     "max_sequences_per_request", "max_requested_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
+        if not 0 <= self.serving_nice <= 19:
+            raise ValueError(f"serving_nice must be in 0..19, got {self.serving_nice}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.model.served_model_name
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> ServerConfig:
+        args = dict(args or {})
+        models = args.pop("models", None)
+        if models is not None and "engine" in args:
+            raise ValueError("give either `engine` (one model) or `models` (several), not both")
+        if models is not None and (not isinstance(models, list) or not models):
+            raise ValueError("models must be a non-empty list of model entries")
+        if models:
+            args["models"] = tuple(ModelEntry.from_dict(dict(m)) for m in models)
+        engine = EngineConfig.from_dict(args.pop("engine", {}) or {})
+        keys = tuple(args.pop("api_keys", None) or ())
+        env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())
+        admin = tuple(args.pop("admin_api_keys", None) or ())
+        admin += tuple(k.strip() for k in os.environ.get("ADMIN_API_KEYS", "").split(",") if k.strip())
+        if admin:
+            args["admin_api_keys"] = admin
+        url = args.pop("storage_url", None) or os.environ.get("STORAGE_URL")
+        if url:
+            args["storage_url"] = url
+        cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
+        if cfg.reasoning_parser not in ("auto", "think", "none"):
+            raise ValueError(f"reasoning_parser must be auto, think or none, got {cfg.reasoning_parser!r}")
+        if cfg.tool_parser not in ("auto", "hermes", "mistral"):
+            raise ValueError(f"tool_parser must be auto, hermes or mistral, got {cfg.tool_parser!r}")
+        return cfg

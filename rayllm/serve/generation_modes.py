@@ -1,0 +1,74 @@
+"""Request shapes the model deployment answers from several engine requests: `best_of` (candidates ranked
+by cumulative logprob) and literal choices (each scored by its canonical tokens, then picked)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from rayllm.engine.sampling_params import SamplingParams
+from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, StopOptions
+from rayllm.protocol.structured import pick_choice
+
+if TYPE_CHECKING:
+    from rayllm.serve.llm_server import LLMServer
+
+
+async def best_of(server: LLMServer, req: GenerateRequest) -> list[GenerationDelta]:
+    """best_of candidates per prompt, ranked by cumulative logprob; the top n come back as choices 0..n-1.
+
+    Usage counts every candidate (they were all generated): the dropped ones' tokens are added to
+    each prompt's first kept choice.
+    """
+    logprobs = req.params.logprobs
+    wide = replace(req, n=req.best_of, best_of=None,
+                   params=replace(req.params, logprobs=0 if logprobs is None else logprobs))
+    per_choice: dict[int, list[GenerationDelta]] = {}
+    async for batch in server.generate(wide):
+        for d in batch:
+            per_choice.setdefault(d.index, []).append(d)
+    assert req.best_of is not None
+    out: list[GenerationDelta] = []
+    for p in range(len(req.prompts)):
+        candidates = [per_choice.get(p * req.best_of + j, []) for j in range(req.best_of)]
+        scores = [sum(e["logprob"] for d in c for e in d.logprobs or []) for c in candidates]
+        order = sorted(range(req.best_of), key=lambda j: scores[j], reverse=True)
+        dropped = sum(candidates[j][-1].completion_tokens for j in order[req.n:] if candidates[j])
+        for rank, j in enumerate(order[: req.n]):
+            for d in candidates[j]:
+                d.index = p * req.n + rank
+                d.completion_tokens += dropped if rank == 0 else 0
+                if logprobs is None:
+                    d.logprobs = None
+                out.append(d)
+    return out
+
+
+async def choose(server: LLMServer, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
+    """Literals: each scored by the raw model's logprob of its canonical tokens after the prompt (one prefill
+    each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization."""
+    canon = [server.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+    top = req.params.logprobs
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=top or 0,
+                             cache_salt=req.params.cache_salt)
+    wide = replace(req, prompts=[p + c for p in req.prompts for c in canon], n=1, guided=None, best_of=None,
+                   params=scoring, stop=StopOptions(), echo_texts=None)
+    first: dict[int, GenerationDelta] = {}
+    async for batch in server.generate(wide):
+        for d in batch:
+            first.setdefault(d.index, d)
+    out: list[GenerationDelta] = []
+    for p, prompt in enumerate(req.prompts):
+        entries = [(first[p * len(canon) + k].prompt_logprobs or [])[len(prompt):] for k in range(len(canon))]
+        scores = [sum(e["logprob"] for e in lps if e) for lps in entries]
+        for j in range(req.n):
+            k = pick_choice(scores, req.params.temperature, None if req.params.seed is None else req.params.seed + j)
+            ids = canon[k][: req.params.max_tokens]
+            full = len(ids) == len(canon[k])
+            out.append(GenerationDelta(
+                index=p * req.n + j, text=choices[k] if full else server.tokenizer.decode(ids), token_ids=ids,
+                logprobs=entries[k][: len(ids)] if top is not None else None,
+                finish_reason="stop" if full else "length", matched_stop=None,
+                prompt_tokens=len(prompt), cached_tokens=0, completion_tokens=len(ids),
+                prompt_text=req.echo_texts[p] if req.echo_texts is not None else None))
+    return out

@@ -1,0 +1,357 @@
+"""HTTP ingress: OpenAI routes on FastAPI through serve.ingress. Thin: validate -> tokenize -> generate -> stream."""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from rayllm.platforms.cpu.priority import lower_process_priority
+from rayllm.protocol import conversations as C
+from rayllm.protocol import protocol as P
+from rayllm.protocol.chat_output import output_parser_factory
+from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.errors import APIError, not_found
+from rayllm.protocol.io_struct import GenerateRequest
+from rayllm.protocol.sse import ChatFormat, CompletionFormat, OpenAIFormat, WireFormat
+from rayllm.protocol.structured import guided_spec
+from rayllm.protocol.tools import ToolPlan, plan_tools
+from rayllm.serve.auth import Access, cache_salt
+from rayllm.serve.config import ServerConfig
+from rayllm.serve.generation_stream import Generation, OnComplete
+from rayllm.serve.metrics import server_metrics
+from rayllm.serve.request_guards import (
+    call_model,
+    check_request,
+    check_sampling,
+    check_tokens,
+    conversation_not_found,
+)
+from rayllm.serve.routes import ops_routes as ops
+from rayllm.serve.routes.embeddings_routes import EmbeddingsRoutes
+from rayllm.serve.routes.http_app import app, parse, parse_query, read_body, request_id_of
+from rayllm.serve.routes.model_routes import ModelRoutes
+from rayllm.serve.routes.playground import PlaygroundRoutes
+from rayllm.serve.routes.responses_routes import ResponsesRoutes
+from rayllm.serve.stores.completion_store import completion_store
+from rayllm.serve.stores.conversation_store import ConversationStore
+
+log = logging.getLogger("ray.serve")
+
+# graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
+@serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
+@serve.ingress(app)
+class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
+    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llms: dict[str, DeploymentHandle],
+                 serving_nice: int = 0):
+        lower_process_priority(serving_nice)
+        self.config = config
+        self.created = int(time.time())
+        self.routes = ModelRoutes(config.models, llms, tokenizer, self.created)
+        self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
+        self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
+        self.metrics = server_metrics()
+        app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
+
+    # The model this request selected (check_model; rayllm.serve.routes.model_routes): its deployment, tokenizer...
+    llm = property(lambda self: self.routes.current.llm)
+    tokenizer = property(lambda self: self.routes.current.tokenizer)
+    model_name = property(lambda self: self.routes.current.name)
+    adapters = property(lambda self: self.routes.current.adapters)
+
+    async def info(self) -> dict:
+        return await call_model(self.routes.current.info(), self.config.retry_after_s)
+
+    def check_auth(self, request: Request) -> str:
+        """The caller's owner id (a digest of its key; "" with auth off), or a 401."""
+        return self.keys.owner(request.headers.get("authorization"))
+
+    def check_model(self, model: str | None) -> None:
+        """Selects the model `model` names for the rest of this request (404 for an unknown one)."""
+        self.routes.select(model)
+
+    async def render(self, messages: list[dict], chat_template: str | None = None, **kw) -> tuple[str, list[int]]:
+        try:
+            if chat_template is None:  # the model's own template: coalesced with other requests' renders
+                return await self.routes.current.renderer.render(messages, **kw)
+            return await self.tokenizer.render_chat.remote(messages, chat_template=chat_template, **kw)
+        except ValueError as exc:  # template or message-shape problems are the client's
+            raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
+                           param="messages") from None
+
+    def openai_format(self, cls: type[OpenAIFormat], greq: GenerateRequest, req: P.SamplingFields,
+                      state: GenerationState) -> OpenAIFormat:
+        opts = req.stream_options if req.stream else None
+        return cls(state, request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()),
+                   include_usage=bool(opts and opts.include_usage),
+                   continuous_usage_stats=bool(opts and opts.continuous_usage_stats), trace_id=greq.trace_id or None)
+
+    async def run(self, greq: GenerateRequest, fmt: WireFormat, req: P.SamplingFields,
+                  on_complete: OnComplete | None = None):
+        """One generation, streamed or whole (rayllm.serve.generation_stream); `on_complete` (storage) runs
+        after the last delta, before the response ends."""
+        t0 = time.monotonic()
+        call = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
+        gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
+                         self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
+                         retry_after_s=self.config.retry_after_s, on_complete=on_complete)
+        if not req.stream:
+            body = await gen.body()
+            return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)
+        await gen.start()  # early refusals stay plain HTTP errors
+        return StreamingResponse(gen.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | gen.headers)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        return await ops.health([r.llm for r in self.routes])
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        return ops.openapi(self.keys)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        return await ops.metrics(request, self.keys, {r.name: r.llm for r in self.routes}, self.metrics)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        return JSONResponse({"object": "list", "data": await self.routes.cards()})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        route = self.routes.find(model_id)
+        name = route.adapters.name_of(model_id)
+        if name is not None and name in route.adapters:
+            return JSONResponse(route.adapters.card(name))
+        if name is not None:
+            raise self.routes.unknown(model_id)
+        return JSONResponse(await route.card(model_id if model_id in route.aliases else None))
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+
+    def llm_for(self, adapter: str | None) -> DeploymentHandle:
+        """Adapter requests carry Serve's multiplexed model id, so they go to replicas holding the
+        adapter; base-model requests carry none and spread over every replica."""
+        return self.llm if adapter is None else self.llm.options(multiplexed_model_id=adapter)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await ops.load_adapter(request, self.keys, self.adapters, self.llm_for)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await ops.unload_adapter(request, self.keys, self.adapters, self.llm_for)
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        owner = self.check_auth(request)
+        req = await parse(request, P.ChatCompletionRequest)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        last_input = messages[-1]  # what `store` keeps (before any history is merged in)
+        cid = C.conversation_id(req.conversation)
+        if cid is not None:
+            messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        greq, parser_factory = await self.prepare_chat(request, owner, req, messages, rid)
+        save = completion_store(self.store, self.model_name, owner, req, cid, rid, last_input) if req.store else None
+        fmt = self.openai_format(ChatFormat, greq, req, GenerationState(greq.n, parser_factory))
+        return await self.run(greq, fmt, req, on_complete=save)
+
+    async def prepare_chat(self, request: Request, owner: str, req: P.ChatCompletionRequest, messages: list[dict],
+                           rid: str, param: str = "messages") -> tuple[GenerateRequest, Any]:
+        """What /v1/chat/completions and /v1/responses share: adapter, bounds, constraint, tools, template,
+        sampling. Returns the engine request and the output parser factory (rayllm.protocol.chat_output)."""
+        self.check_model(req.model)
+        lora = self.adapters.resolve(req.model, req.lora_path)
+        seqs = check_request(self.config, req, 1)
+        P.check_supported(req)
+        guided = guided_spec(req)
+        tool_format = self.config.tool_parser
+        if tool_format == "auto":
+            tool_format = (await self.tokenizer_info())["tool_format"]
+        plan = plan_tools(req, other_constraint=guided is not None, tool_format=tool_format)
+        if plan is not None and plan.guided is not None:
+            guided = plan.guided
+        text, ids = await self.render(
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=P.template_kwargs(req),
+            tools=plan.template_tools if plan is not None and plan.mode != "none" else None,
+        )
+        info = await self.info()
+        context = check_tokens(self.config, req, len(ids), param, info["max_model_len"])
+        params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
+                         cache_salt=cache_salt(owner, req.cache_salt))
+        check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
+        greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
+                               lora=lora[0], lora_path=lora[1], trace_id=request_id_of(request))
+        return greq, await self.output_parser(req, plan, text)
+
+    async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
+        """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""
+        model_reasons = (await self.tokenizer_info())["reasoning"] or self.config.reasoning_parser == "think"
+        return output_parser_factory(req, plan, prompt_text, model_reasons and self.config.reasoning_parser != "none")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        owner = self.check_auth(request)
+        req = await parse(request, P.CompletionRequest)
+        self.check_model(req.model)
+        lora = self.adapters.resolve(req.model, req.lora_path)
+        raw_prompts = P.completion_prompts(req)
+        seqs = check_request(self.config, req, len(raw_prompts))
+        P.check_supported(req)
+        info = await self.info()
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        if req.suffix is not None and not (await self.tokenizer_info())["has_fim_tokens"]:
+            raise APIError(400, "this model has no fill-in-the-middle tokens, so `suffix` cannot be used",
+                           param="suffix")
+        # Every text prompt in one round trip to the tokenizer (a handle call costs far more than encoding).
+        strs = [p for p in raw_prompts if isinstance(p, str)] if req.suffix is None else []
+        encoded = iter(await self.tokenizer.encode_batch.remote(strs) if strs else [])
+        for p in raw_prompts:
+            if req.suffix is not None:
+                if not isinstance(p, str):
+                    raise APIError(400, "suffix needs text prompts, not token ids", param="suffix")
+                prompts.append(await self.tokenizer.encode_fim.remote(p, req.suffix))
+                texts.append(p)
+            elif isinstance(p, str):
+                prompts.append(next(encoded))
+                texts.append(p)
+            else:
+                prompts.append(list(p))
+                texts.append(await self.tokenizer.decode.remote(list(p), False) if req.echo else "")
+        vocab = (await self.tokenizer_info())["vocab_size"]
+        # Each prompt is validated against the context on its own; the strictest sets max_tokens.
+        params = min(
+            (P.to_sampling_params(req, prompt_len=len(p),
+                                  max_model_len=check_tokens(self.config, req, len(p), "prompt", info["max_model_len"]))
+             for p in prompts),
+            key=lambda s: s.max_tokens,
+        )
+        check_sampling(self.config, req, seqs, params.max_tokens, vocab, prompts)
+        params = replace(params, cache_salt=cache_salt(owner, req.cache_salt))  # per tenant (block_manager)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
+        if best_of is not None and req.stream:
+            raise APIError(400, "best_of > n cannot be streamed (the best choices are known only at the end)",
+                           param="best_of")
+        greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
+                               echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of,
+                               lora=lora[0], lora_path=lora[1],
+                               trace_id=request_id_of(request))
+        fmt = self.openai_format(CompletionFormat, greq, req, GenerationState(greq.n, legacy_logprobs=True))
+        return await self.run(greq, fmt, req)
+
+    async def tokenizer_info(self) -> dict:
+        return await self.routes.current.tokenizer_info()
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        req = await parse(request, P.TokenizeRequest)
+        self.check_model(req.model)
+        if req.messages is not None:
+            _, ids = await self.render(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=None,
+                chat_template_kwargs=req.chat_template_kwargs,
+                tools=None,
+            )
+        else:
+            ids = await self.tokenizer.encode.remote(req.prompt or "", req.add_special_tokens)
+        info = await self.info()
+        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        req = await parse(request, P.DetokenizeRequest)
+        self.check_model(req.model)
+        return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
+
+    # ---- conversations and stored completions (storage: rayllm.serve.stores.conversation_store) ----------------
+
+    async def conversation_history(self, owner: str, cid: str) -> list[dict]:
+        items = await asyncio.to_thread(self.store.history, owner, cid)
+        if items is None:  # missing, or another key's: the same answer, so nothing leaks
+            raise conversation_not_found(cid)
+        return items
+
+    @app.post("/v1/conversations")
+    async def create_conversation(self, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        body = await read_body(request)
+        req = await parse(request, C.ConversationCreate) if body.strip() else C.ConversationCreate()
+        items = [C.client_item(it, i) for i, it in enumerate(req.items or [])]
+        return JSONResponse(await asyncio.to_thread(self.store.create, owner, req.metadata, items))
+
+    @app.get("/v1/conversations/{cid}")
+    async def get_conversation(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        conv = await asyncio.to_thread(self.store.get, owner, cid)
+        if conv is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(conv)
+
+    @app.post("/v1/conversations/{cid}")
+    async def update_conversation(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        req = await parse(request, C.ConversationUpdate)
+        conv = await asyncio.to_thread(self.store.update, owner, cid, req.metadata)
+        if conv is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(conv)
+
+    @app.delete("/v1/conversations/{cid}")
+    async def delete_conversation(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        if not await asyncio.to_thread(self.store.delete, owner, cid):
+            raise conversation_not_found(cid)
+        return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
+
+    @app.get("/v1/conversations/{cid}/items")
+    async def list_items(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        q = parse_query(request, C.ItemsQuery)
+        page = await asyncio.to_thread(self.store.items, owner, cid, limit=q.limit, order=q.order, after=q.after)
+        if page is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(C.items_page(*page))
+
+    @app.post("/v1/conversations/{cid}/items")
+    async def add_items(self, cid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        req = await parse(request, C.ItemsCreate)
+        items = [C.client_item(it, i) for i, it in enumerate(req.items)]
+        added = await asyncio.to_thread(self.store.add_items, owner, cid, items)
+        if added is None:
+            raise conversation_not_found(cid)
+        return JSONResponse(C.items_page(added, False))
+
+    @app.get("/v1/chat/completions/{completion_id}")
+    async def get_stored_completion(self, completion_id: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        body = await asyncio.to_thread(self.store.get_completion, owner, completion_id)
+        if body is None:
+            raise not_found(f"No stored completion found with id '{completion_id}'.", param="completion_id",
+                            code="completion_not_found")
+        return JSONResponse(body)
+

@@ -1,0 +1,347 @@
+"""The model deployment: one engine per replica, driving its tensor-parallel actors.
+
+Detokenization and stop strings run here, beside the engine, rather than in the tokenizer
+deployment: a stop string then aborts the sequence in the same process, and each engine step costs
+one streamed hop (a batch of text deltas for all of a request's choices) to the ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from ray import serve
+
+from rayllm.engine.config import EngineConfig
+from rayllm.engine.engine import EngineDeadError
+from rayllm.engine.outputs import RequestOutput, SequenceError, TokenLogprob
+from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
+from rayllm.platforms.cpu.priority import lower_process_priority
+from rayllm.protocol.errors import APIError, replica_failed
+from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
+from rayllm.protocol.structured import literal_choices
+from rayllm.sample.guided import CompilerBusyError, GrammarCompiler
+from rayllm.serve.detokenizer import IncrementalDetokenizer
+from rayllm.serve.generation_modes import best_of, choose
+from rayllm.serve.lora.lora_registry import AdapterEntry, LoRARegistry
+from rayllm.serve.metrics import publish_engine_stats
+from rayllm.serve.tokenizer import TokenizerService
+
+log = logging.getLogger("ray.serve")
+
+# A constraint's compile (in a child process) past this is a 400; the compiled-grammar cache holds this much.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+GRAMMAR_CACHE_BYTES = 256 << 20
+
+
+def replica_id() -> str | None:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside a Serve replica
+        return None
+
+
+def tag_replica(batch: list) -> None:
+    """Debug: the first delta of a request carries the serving replica's id (the ingress returns it as
+    the `x-replica-id` response header), so tests can see where Serve routed a request."""
+    rid = replica_id()
+    if rid is not None and batch and isinstance(batch[0], GenerationDelta):
+        batch[0].replica_id = rid
+
+
+def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
+    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
+    strings = dict(zip(ids, tok.token_strings(ids), strict=True))
+    raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
+    return [
+        {
+            "token": strings[lp.token_id],
+            "logprob": lp.logprob,
+            "bytes": raw[lp.token_id],
+            "top_logprobs": [{"token": strings[t], "logprob": v, "bytes": raw[t]} for t, v in lp.top],
+        }
+        for lp in lps
+    ]
+
+
+def engine_failure(exc: Exception) -> Exception:
+    """A dead engine (a TP actor died, a step raised) is a clear, retryable 503; anything else passes as is."""
+    if isinstance(exc, EngineDeadError):
+        return replica_failed((str(exc).splitlines() or [""])[0][:300])  # Ray's actor errors run to many lines
+    return exc
+
+
+class LLMServer:
+    def __init__(self, engine_config: EngineConfig, model_path: str, stream_interval_s: float = 0.0,
+                 engine_process: bool = False, serving_nice: int = 0):
+        from rayllm.engine.client.engine_client import make_engine_client
+
+        self.stream_interval_s = stream_interval_s
+        self.tokenizer = TokenizerService(model_path)
+        self.engine = make_engine_client(engine_config, list(self.tokenizer.eos_token_ids), own_process=engine_process)
+        if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
+            lower_process_priority(serving_nice)
+        self.config = engine_config
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._compile_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
+        # stop_regex searches run here, off the event loop (RE2 releases the GIL) and out of the default
+        # pool that health checks use; each is bounded by the detokenizer's window.
+        self._regex_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stop-regex")
+        self.loras = self._start_loras(engine_config)
+        publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
+
+    def _compile(self, spec: GuidedSpec):
+        with self._grammars_lock:  # concurrent first compiles must not start two compiler children
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.vocab_size,
+                                                 self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
+                                                 timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
+        return self._grammars.compile(spec)
+
+    async def compile_grammar(self, spec: GuidedSpec):
+        """Compile in a child process (cached), waited on from a pool of its own: a new schema never
+        stalls the engine or other streams, and a slow one never holds the threads check_health uses."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._compile_pool, self._compile, spec)
+        except ValueError as exc:
+            raise APIError(400, f"invalid {spec.param}: {exc}", param=spec.param, code="invalid_grammar") from None
+        except CompilerBusyError as exc:
+            raise APIError(503, str(exc), type="server_error", code="grammar_compiler_busy") from None
+
+    def model_info(self) -> dict:
+        return {"max_model_len": self.engine.max_model_len, "capacity_tokens": self.engine.capacity_tokens,
+                "hidden_size": self.engine.arch.hidden_size}
+
+    def stats(self) -> dict:
+        grammars = self._grammars.num_compiled if self._grammars is not None else 0
+        return vars(self.engine.stats()) | {"grammars_compiled": grammars}
+
+    async def check_health(self) -> None:
+        """Ray Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+        await asyncio.to_thread(self.engine.check_health)
+
+    async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue,
+                      grammar=None, lora_id: int = 0) -> None:
+        """Run one choice to its end, pushing GenerationDelta objects into the shared queue."""
+        params = req.params
+        choice = index % req.n
+        if params.seed is not None and choice:
+            params = replace(params, seed=params.seed + choice)  # n seeded choices must differ
+        stop = req.stop
+        detok = IncrementalDetokenizer(
+            self.tokenizer.tokenizer,
+            prompt,
+            stop=stop.stop,
+            stop_regex=stop.stop_regex,
+            include_stop_str_in_output=stop.include_stop_str_in_output,
+            skip_special_tokens=stop.skip_special_tokens,
+            spaces_between_special_tokens=stop.spaces_between_special_tokens,
+        )
+        completion_tokens = 0
+        first = True
+        rid = f"{req.trace_id}:{req.request_id}-{index}" if req.trace_id else f"{req.request_id}-{index}"
+        try:
+            async for o in self.engine.generate(rid, prompt, params, lora_id, grammar=grammar):
+                completion_tokens += len(o.new_token_ids)
+                text, matched = "", None
+                if o.new_token_ids and stop.stop_regex:
+                    text, matched = await asyncio.get_running_loop().run_in_executor(
+                        self._regex_pool, detok.add, o.new_token_ids)
+                elif o.new_token_ids:
+                    text, matched = detok.add(o.new_token_ids)
+                finish, matched_stop = o.finish_reason, None
+                if matched is not None:
+                    finish, matched_stop = "stop", matched
+                elif o.finished:
+                    text += detok.flush()
+                    if o.finish_reason == "stop" and o.stop_token_id is not None:
+                        matched_stop = o.stop_token_id
+                delta = GenerationDelta(
+                    index=index,
+                    text=text,
+                    token_ids=o.new_token_ids,
+                    logprobs=_token_logprobs(self.tokenizer, o.logprobs) if o.logprobs else None,
+                    finish_reason=finish if (o.finished or matched is not None) else None,
+                    matched_stop=matched_stop,
+                    prompt_tokens=o.num_prompt_tokens,
+                    cached_tokens=o.num_cached_tokens,
+                    completion_tokens=completion_tokens,
+                    hidden_states=o.hidden_states,
+                )
+                if first:
+                    first = False
+                    if req.echo_texts is not None:
+                        delta.prompt_text = req.echo_texts[index // req.n]
+                    if o.prompt_logprobs is not None:
+                        delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0])
+                out.put_nowait(delta)
+                if matched is not None:  # abort now, not when the generator is collected: an adapter's
+                    self.engine.abort(rid)  # slot may be reused once this task has ended
+                    break
+        except asyncio.CancelledError:  # client gone: leaving the generator aborted it in the engine
+            log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
+            raise
+        except SequenceError as exc:  # this sequence's own fault inside a step; the others went on
+            out.put_nowait(APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
+                                    code="sequence_failed"))
+        except ValueError as exc:  # the engine refused the request (length, capacity)
+            out.put_nowait(APIError(400, str(exc), param="max_tokens"))
+        except Exception as exc:
+            out.put_nowait(engine_failure(exc))
+
+    def _prompt_logprobs(self, o: RequestOutput, first_token: int) -> list[dict | None]:
+        """The first prompt token has no logprob: it is reported with its text and a null value."""
+        assert o.prompt_logprobs is not None
+        rest = [lp for lp in o.prompt_logprobs if lp is not None]
+        (first,) = self.tokenizer.token_strings([first_token])
+        head = {"token": first, "logprob": None, "bytes": self.tokenizer.token_bytes([first_token])[0],
+                "top_logprobs": []}
+        return [head] + _token_logprobs(self.tokenizer, rest)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]:
+        """Yields batches of deltas (whatever all choices produced since the last yield)."""
+        if req.best_of is not None and req.best_of > req.n:
+            yield await best_of(self, req)
+            return
+        choices = literal_choices(req.guided)
+        if choices is not None:
+            yield await choose(self, req, choices)
+            return
+        grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
+        queue: asyncio.Queue = asyncio.Queue()
+        adapter = await self._acquire_lora(req, queue)
+        lora_id = adapter.lora_id if adapter is not None else 0
+        total = len(req.prompts) * req.n
+        tasks = [
+            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar, lora_id))
+            for i in range(total)
+        ]
+        finished = 0
+        loop = asyncio.get_running_loop()
+        last_yield: float | None = None
+        try:
+            while finished < total:
+                batch = [await queue.get()]
+                if last_yield is not None and self.stream_interval_s > 0:
+                    # Coalesce tokens into fewer, larger stream messages: each hop costs CPU on every
+                    # process it crosses. The first delta (time to first token) is never delayed.
+                    delay = last_yield + self.stream_interval_s - loop.time()
+                    if delay > 0 and not any(d.finish_reason for d in batch if isinstance(d, GenerationDelta)):
+                        await asyncio.sleep(delay)
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise item
+                finished += sum(1 for d in batch if d.finish_reason is not None)
+                if last_yield is None:
+                    tag_replica(batch)
+                last_yield = loop.time()
+                yield batch
+        finally:
+            for t in tasks:  # client gone or error: cancel every choice, which aborts it in the engine
+                t.cancel()
+            if adapter is not None:  # the adapter's slot may be freed once every choice's abort is submitted
+                done = asyncio.gather(*tasks, return_exceptions=True)
+                done.add_done_callback(lambda _: self.loras.release(adapter, queue))  # type: ignore[union-attr]
+
+    async def embed(self, request_id: str, prompts: list[list[int]], cache_salt: str | None = None) -> list[list[float]]:
+        """One /v1/embeddings request: every input as a pooling sequence in the engine, batched with the
+        rest of its work; unit-length vectors in input order."""
+        params = SamplingParams(embed=True, cache_salt=cache_salt)
+
+        async def one(i: int, prompt: list[int]) -> list[float]:
+            async for o in self.engine.generate(f"{request_id}-{i}", prompt, params):
+                if o.embedding is not None:
+                    return o.embedding
+            raise APIError(500, "The engine finished an embedding without a vector.", type="server_error")
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except SequenceError as exc:
+            raise APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
+                           code="sequence_failed") from exc
+        except ValueError as exc:  # the engine refused an input (length, capacity)
+            raise APIError(400, str(exc), param="input") from exc
+        except APIError:
+            raise
+        except Exception as exc:
+            raise engine_failure(exc) from exc
+        finally:
+            for t in tasks:  # an input failed or the client left: abort the others in the engine
+                t.cancel()
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+
+    def _start_loras(self, config: EngineConfig) -> LoRARegistry | None:
+        if not config.lora.enabled:
+            return None
+        registry = LoRARegistry(config.lora, self.engine, on_evict=self._forget_multiplexed)
+        for name, path in config.lora.adapters:  # cluster.yaml's adapters: loaded (and checked) at start
+            registry.load_now(name, path)
+        return registry
+
+    def _registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise APIError(400, "LoRA adapters are disabled on this server (set engine.lora.max_loras)",
+                           param="model", code="lora_disabled")
+        return self.loras
+
+    @serve.multiplexed(max_num_models_per_replica=-1)
+    async def _multiplexed_adapter(self, model_id: str) -> str:
+        """Serve's multiplexing cache: it reports which adapters this replica holds, so the router
+        sends requests for an adapter here. Capacity and LRU eviction are the registry's (its size
+        comes from the config, which a class-level decorator cannot read); evictions are mirrored
+        back with _forget_multiplexed."""
+        return model_id
+
+    def _forget_multiplexed(self, name: str) -> None:
+        # Best effort through Serve's private cache object; if its layout changes, routing hints for
+        # an evicted adapter merely go stale (the replica then loads it again on request).
+        wrapper = getattr(self, "__serve_multiplex_wrapper", None)
+        models = getattr(wrapper, "models", None)
+        if isinstance(models, dict) and models.pop(name, None) is not None:
+            wrapper._push_multiplexed_replica_info = True  # type: ignore[union-attr]
+
+    async def _acquire_lora(self, req: GenerateRequest, queue: asyncio.Queue) -> AdapterEntry | None:
+        if req.lora is None:
+            return None
+        assert req.lora_path is not None
+        entry = await self._registry().acquire(req.lora, req.lora_path, queue)
+        if serve.get_multiplexed_model_id() == req.lora:  # only once it loaded: Serve's table never forgets
+            await self._multiplexed_adapter(req.lora)
+        return entry
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Load on this replica (the ingress routes the call with multiplexed_model_id=name)."""
+        entry = await self._registry().load(name, path)
+        if serve.get_multiplexed_model_id() == name:
+            await self._multiplexed_adapter(name)
+        return entry.card() | {"replica_id": replica_id()}
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """Aborts the requests using it; returns once the engine has dropped them and the slot is free."""
+        self._forget_multiplexed(name)
+        return await self._registry().unload(name)
+
+    def lora_adapters(self) -> dict:
+        """This replica's resident adapters (debugging, tests)."""
+        entries = list(self.loras.entries.values()) if self.loras is not None else []
+        return {"replica_id": replica_id(), "adapters": [e.card() for e in entries]}
+
+    def __del__(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass
+
+
+# Defaults as in cluster.yaml: a bounded caller-side queue (503 beyond it), and a drain period for open streams.
+LLMDeployment = serve.deployment(name="llm", max_ongoing_requests=256, max_queued_requests=512,
+                                 health_check_period_s=10, graceful_shutdown_timeout_s=60)(LLMServer)

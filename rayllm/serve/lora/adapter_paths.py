@@ -1,0 +1,36 @@
+"""Which adapter directories a client may name (`lora_path`, the load route): only those under `lora.allowed_roots`.
+
+Every refusal is the same error, whatever the reason (outside the roots, a symlink or `..` leading out,
+missing, not a directory), so a client learns nothing about the server's filesystem. With no roots
+configured, paths from clients are refused outright; the adapters the operator lists in
+`lora.adapters` are loaded whatever the roots.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rayllm.protocol.errors import APIError
+
+REFUSED = "lora_path is not an adapter directory this server may load"
+DISABLED = ("loading LoRA adapters by path is off on this server (the operator lists the directories "
+            "clients may name in lora.allowed_roots)")
+
+
+def refused(param: str = "lora_path") -> APIError:
+    return APIError(400, REFUSED, param=param, code="invalid_lora_adapter")
+
+
+def resolve_allowed(path: str, roots: tuple[str, ...] | list[str], param: str = "lora_path") -> str:
+    """The canonical path (symlinks and `..` resolved) of an existing directory under one of `roots`,
+    or the uniform 400."""
+    if not roots:
+        raise APIError(400, DISABLED, param=param, code="lora_path_disabled")
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise refused(param)
+    real = os.path.realpath(path)
+    for root in roots:
+        base = os.path.realpath(root)
+        if os.path.commonpath([base, real]) == base and os.path.isdir(real):
+            return real
+    raise refused(param)

@@ -1,0 +1,124 @@
+"""The ingress's FastAPI app: OpenAI-shaped error handlers and request-body parsing."""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
+
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from rayllm.protocol import protocol as P
+from rayllm.protocol.errors import APIError, from_validation_error
+from rayllm.serve.request_guards import body_limit, too_large
+
+log = logging.getLogger("ray.serve")
+
+# /openapi.json is the ingress's own route (rayllm/serve/routes/ops_routes.py: off with API keys on);
+# `app.openapi()` builds the schema in-process either way.
+app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+# Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
+# the OpenAPI schema gets them from the same models here (clients, docs, and the schemathesis fuzz).
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": P.ChatCompletionRequest,
+    "/v1/completions": P.CompletionRequest,
+    "/tokenize": P.TokenizeRequest,
+    "/detokenize": P.DetokenizeRequest,
+}
+
+
+def openapi_with_bodies() -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in REQUEST_BODIES.items():
+            op = schema.get("paths", {}).get(path, {}).get("post")
+            if op is None:
+                continue
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+app.openapi = openapi_with_bodies  # type: ignore[method-assign]
+
+
+def request_id_of(request: Request) -> str:
+    """Serve's proxy forwards the client's X-Request-Id, or one it generated, and echoes it on the response."""
+    return request.headers.get("x-request-id") or uuid.uuid4().hex
+
+
+def error_response(err: APIError, request: Request | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = err.to_dict()
+    if request is not None:  # beside OpenAI's `error` object, as hosted platforms do (seed 002)
+        body["request_id"] = request_id_of(request)
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc, request, getattr(exc, "headers", None))
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    # Unknown routes and methods: OpenAI's body rather than Starlette's {"detail": ...}.
+    return error_response(APIError(exc.status_code, str(exc.detail)), request)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, APIError):  # Ray wraps remote exceptions in a subclass of the original
+        return error_response(exc, request)
+    log.exception("unhandled error (request %s)", request_id_of(request))
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"), request)
+
+
+def parse_query(request: Request, model: type[BaseModel]) -> BaseModel:
+    """A route's query parameters as `model`; a 400 in OpenAI's shape if they do not fit."""
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, counted while it arrives: a chunked (or lying) body past the limit is a 413 as soon as
+    the limit passes, without buffering the rest."""
+    limit = body_limit(request)
+    declared = request.headers.get("content-length")
+    if limit and declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)  # before reading it
+    if getattr(request, "_body", None) is not None:  # already read (and counted) by an earlier call
+        return request._body
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if limit and size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    request._body = body = b"".join(chunks)  # as Request.body() caches it, for later readers
+    return body
+
+
+async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    body = await read_body(request)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
+        raise from_validation_error(errors) from None
+

@@ -1,0 +1,134 @@
+"""The ingress's model table: which base model a request's `model` names (its name, an alias, or
+`name:adapter`), that model's deployment handle, tokenizer, adapters and model cards.
+
+The ingress handles each request in its own asyncio task; `ModelRoutes.select` records the chosen model in
+a context variable of that task, so the handler's helpers (`Ingress.llm`, `.tokenizer`, `.info()`, ...)
+reach that model without every call passing it along. Requests that name no model get the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from rayllm.protocol.errors import APIError, model_not_found
+from rayllm.protocol.io_struct import ModelInfo
+from rayllm.protocol.responses import ModelCard
+from rayllm.serve.config import ModelEntry
+from rayllm.serve.lora.adapter_table import AdapterTable
+from rayllm.serve.render_batcher import RenderBatcher
+
+
+class _TokenizerCall:
+    def __init__(self, handle: DeploymentHandle, method: str, model: str):
+        self.handle, self.method, self.model = handle, method, model
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.handle, self.method).remote(self.model, *args, **kwargs)
+
+
+class ModelTokenizer:
+    """The shared tokenizer deployment bound to one model: `.encode.remote(text)` names the model for you."""
+
+    def __init__(self, handle: DeploymentHandle, model: str):
+        self.handle, self.model = handle, model
+
+    def __getattr__(self, method: str) -> _TokenizerCall:
+        return _TokenizerCall(self.handle, method, self.model)
+
+
+class RouteAdapters(AdapterTable):
+    """One model's adapters; `alias:adapter` addresses them as `name:adapter` does."""
+
+    def __init__(self, base_model: str, aliases: tuple[str, ...], adapters: dict[str, str], created: int,
+                 allowed_roots: tuple[str, ...] = ()):
+        super().__init__(base_model, adapters, created, allowed_roots)
+        self.aliases = aliases
+
+    def name_of(self, model: str) -> str | None:
+        for base in (self.base_model, *self.aliases):
+            if model == base:
+                return None
+            if model.startswith(f"{base}:"):
+                return model[len(base) + 1:]
+        return model
+
+
+class ModelRoute:
+    """One base model as the ingress sees it."""
+
+    def __init__(self, entry: ModelEntry, llm: DeploymentHandle, tokenizer: DeploymentHandle, created: int):
+        self.name = entry.name
+        self.aliases = entry.aliases
+        self.llm = llm
+        self.tokenizer = ModelTokenizer(tokenizer, entry.name)
+        self.renderer = RenderBatcher(self.tokenizer)
+        self.created = created
+        lora = entry.engine.lora
+        self.adapters = RouteAdapters(entry.name, entry.aliases, dict(lora.adapters), created, lora.allowed_roots)
+        self._info: ModelInfo | None = None
+        self._tok_info: dict | None = None
+
+    async def info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self.llm.model_info.remote()
+        return self._info
+
+    async def tokenizer_info(self) -> dict:
+        if self._tok_info is None:
+            self._tok_info = await self.tokenizer.info.remote()
+        return self._tok_info
+
+    async def card(self, model_id: str | None = None) -> dict:
+        """The model's card; an alias's card has the alias as id and the model as root."""
+        info = await self.info()
+        return ModelCard(id=model_id or self.name, created=self.created, root=self.name,
+                         max_model_len=info["max_model_len"]).model_dump()
+
+
+_current: ContextVar[ModelRoute | None] = ContextVar("rayllm_model_route", default=None)
+
+
+class ModelRoutes:
+    def __init__(self, models: tuple[ModelEntry, ...], llms: dict[str, DeploymentHandle],
+                 tokenizer: DeploymentHandle, created: int):
+        self.routes = [ModelRoute(m, llms[m.name], tokenizer, created) for m in models]
+        self.by_name = {n: r for r in self.routes for n in (r.name, *r.aliases)}
+
+    def __iter__(self) -> Iterator[ModelRoute]:
+        return iter(self.routes)
+
+    @property
+    def current(self) -> ModelRoute:
+        """The model this request selected; the first model before (or without) a selection."""
+        return _current.get() or self.routes[0]
+
+    def find(self, model: str | None) -> ModelRoute:
+        """The base model `model` addresses (name, alias, `name:adapter`, or an adapter's own name), or a 404
+        naming the models there are."""
+        if model is None:
+            return self.routes[0]
+        route = self.by_name.get(model) or self.by_name.get(model.split(":", 1)[0])
+        if route is None:
+            route = next((r for r in self.routes if model in r.adapters), None)
+        if route is None:
+            raise self.unknown(model)
+        return route
+
+    def unknown(self, model: str) -> APIError:
+        return model_not_found(model, sorted(self.by_name))
+
+    def select(self, model: str | None) -> ModelRoute:
+        """Find the model and make it this request's (see the module docstring)."""
+        route = self.find(model)
+        _current.set(route)
+        return route
+
+    async def cards(self) -> list[dict]:
+        """Every model, then every alias, then every adapter (its parent is its base model)."""
+        cards = [await r.card() for r in self.routes]
+        cards += [await r.card(alias) for r in self.routes for alias in r.aliases]
+        return cards + [r.adapters.card(n) for r in self.routes for n in r.adapters]

@@ -1,0 +1,79 @@
+"""The ingress's operational routes: /health, /metrics, and loading and unloading LoRA adapters.
+
+Kept apart from the OpenAI routes (rayllm/serve/ingress.py), which call these with their own state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from ray.serve.handle import DeploymentHandle
+
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from rayllm.serve.auth import Access
+from rayllm.serve.lora.adapter_table import AdapterTable
+from rayllm.serve.metrics import CONTENT_TYPE, ServerMetrics
+from rayllm.serve.routes.http_app import app, error_response, parse
+
+log = logging.getLogger("ray.serve")
+
+# /health's only failure body: the cause (a Ray error names actors, pids and hosts) goes to the log.
+UNHEALTHY = "model unavailable: no healthy model replica answered; retry later"
+
+
+async def health(llms: list[DeploymentHandle]) -> Response:
+    """200 when every model of the app has a replica that answers."""
+    try:  # bounded: while the only replica is being replaced, the call would otherwise queue
+        await asyncio.wait_for(asyncio.gather(*(llm.check_health.remote() for llm in llms)), timeout=10)
+    except Exception as exc:
+        log.warning("/health: model unavailable: %s", (str(exc).splitlines() or [type(exc).__name__])[0][:500])
+        return error_response(APIError(503, UNHEALTHY, type="server_error", code="model_unavailable"))
+    return Response(status_code=200)
+
+
+def openapi(access: Access) -> JSONResponse:
+    """The API schema, for local use; with API keys on it maps every route and field for a prober: 404."""
+    if access.enabled:
+        raise APIError(404, "Not Found")
+    return JSONResponse(app.openapi())
+
+
+async def metrics(request: Request, access: Access, llms: dict[str, DeploymentHandle],
+                  server_metrics: ServerMetrics) -> Response:
+    """Prometheus text format (vLLM's names); engine gauges from one replica of each model per scrape,
+    labelled with the model's name."""
+    access.metrics(request.headers.get("authorization"))
+    for model_name, llm in llms.items():
+        try:
+            stats = await asyncio.wait_for(llm.stats.remote(), timeout=5)
+            server_metrics.set_engine_stats(stats, model_name)
+        except Exception:  # no replica right now: the request metrics are still worth serving
+            log.info("engine stats unavailable for /metrics (%s)", model_name, exc_info=True)
+    return Response(server_metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def load_adapter(request: Request, access: Access, adapters: AdapterTable, llm_for) -> Response:
+    """vLLM's route and body: {"lora_name", "lora_path"}; the adapter is loaded (and checked) on one
+    replica now, and on other replicas when requests reach them. Admin key; path under lora.allowed_roots."""
+    access.admin(request.headers.get("authorization"))
+    req = await parse(request, LoadLoRAAdapterRequest)
+    name = adapters.check_new(req.lora_name)
+    path = adapters.allowed(req.lora_path)
+    card = await llm_for(name).load_lora_adapter.remote(name, path)
+    adapters.paths[name] = path
+    headers = {"x-replica-id": card["replica_id"]} if card.get("replica_id") else None
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain", headers=headers)
+
+
+async def unload_adapter(request: Request, access: Access, adapters: AdapterTable, llm_for) -> Response:
+    """Requests for it get 404 from here on; the replica holding it aborts its running requests and
+    frees the slot once the engine has dropped them (other replicas free theirs by LRU)."""
+    access.admin(request.headers.get("authorization"))
+    req = await parse(request, UnloadLoRAAdapterRequest)
+    name = adapters.remove(req.lora_name)
+    await llm_for(name).unload_lora_adapter.remote(name)
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")

@@ -1,0 +1,158 @@
+"""/v1/responses routes, mixed into the ingress (Serve binds FastAPI routes declared on any class of the
+ingress's MRO). A Responses request becomes a chat request and runs through the ingress's own render /
+run machinery; rayllm.protocol.responses_events turns its deltas into the Response and its semantic events."""
+
+# No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from ray import cloudpickle
+
+from rayllm.protocol import conversations as C
+from rayllm.protocol import protocol as P
+from rayllm.protocol import responses_api as R
+from rayllm.protocol.choice_state import ChoiceState, GenerationState
+from rayllm.protocol.errors import APIError, bad_request, not_found
+from rayllm.protocol.io_struct import GenerationDelta
+from rayllm.protocol.responses_events import ResponseAssembler, skeleton, sse
+from rayllm.protocol.sse import Pieces, WireFormat
+from rayllm.serve.request_guards import conversation_not_found
+from rayllm.serve.routes.http_app import app, parse, parse_query
+from rayllm.serve.stores.conversation_store import StorageUnavailable
+from rayllm.serve.stores.response_store import ResponseStore
+
+log = logging.getLogger("ray.serve")
+# Serve ships the ingress class to its replica by value, with the route signatures it rewrote (`self`
+# injected); routes on this mixin must travel the same way, or the replica's copies lack the rewrite.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def response_not_found(rid: str, param: str = "response_id") -> APIError:
+    return not_found(f"Response with id '{rid}' not found.", param=param, code="response_not_found")
+
+
+class ResponsesFormat(WireFormat):
+    """A Response and its semantic events (rayllm.protocol.responses_events), written as the stream loop feeds it."""
+
+    def __init__(self, state: GenerationState, frame: dict[str, Any], rid: str) -> None:
+        super().__init__(state)
+        self.asm = ResponseAssembler(frame)
+        self.rid = rid
+
+    def head(self) -> str:
+        return "".join(sse(ev) for ev in self.asm.start())
+
+    def feed(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> None:
+        self.asm.feed(d, pieces)
+
+    def delta(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> str:
+        return "".join(sse(ev) for ev in self.asm.feed(d, pieces))
+
+    def finish(self) -> str:
+        return "".join(sse(ev) for ev in self.asm.finish())
+
+    def tail(self) -> str:
+        return sse(self.asm.done_event())
+
+    def error(self, exc: BaseException) -> str:
+        if not isinstance(exc, APIError):
+            log.error("response stream failed (%s)", self.rid, exc_info=exc)
+        return "".join(sse(ev) for ev in self.asm.error_events(R.renamed(exc) if isinstance(exc, APIError) else exc))
+
+    def body(self) -> dict[str, Any]:
+        return self.asm.final()
+
+
+class ResponsesRoutes:
+    """Mixed into rayllm.serve.ingress.Ingress, whose attributes and methods these routes use."""
+
+    def response_store(self) -> ResponseStore:
+        if getattr(self, "_response_store", None) is None:
+            self._response_store = ResponseStore(self.store)
+        return self._response_store
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request):
+        owner = self.check_auth(request)
+        req = await parse(request, R.ResponseCreate)
+        R.check_supported(req)
+        items = R.input_items(req)
+        cid = C.conversation_id(req.conversation)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            store = self.response_store()
+            history = await asyncio.to_thread(store.context, owner, req.previous_response_id)
+            if history is None:  # missing, or another key's: the same answer
+                raise response_not_found(req.previous_response_id, "previous_response_id")
+        elif cid is not None:
+            history = await self.conversation_history(owner, cid)
+        if len(history) + len(items) > R.MAX_CONTEXT_ITEMS:
+            raise bad_request(f"the context would hold {len(history) + len(items)} items; at most "
+                              f"{R.MAX_CONTEXT_ITEMS} are allowed", param="input")
+        messages = R.items_to_messages(history + items)
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
+        if not messages:
+            raise bad_request("input has no message to answer", param="input")
+        try:
+            return await self.generate_response(request, owner, req, R.chat_request(req, messages), history,
+                                                items, cid)
+        except APIError as exc:
+            raise R.renamed(exc) from None
+
+    async def generate_response(self, request: Request, owner: str, req: R.ResponseCreate,
+                                chat: P.ChatCompletionRequest, history: list[dict], items: list[dict],
+                                cid: str | None):
+        """A response runs the chat handler's steps (Ingress.prepare_chat) on the chat request it became."""
+        rid = R.new_item_id("resp")
+        messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+        greq, factory = await self.prepare_chat(request, owner, chat, messages, rid, param="input")
+        fmt = ResponsesFormat(GenerationState(greq.n, factory), skeleton(req, rid, req.model or self.model_name, cid),
+                              rid)
+
+        async def keep(_: GenerationState) -> None:
+            """Stores the response (and the turn in its conversation) before the client sees it end."""
+            body = fmt.asm.final()
+            if body["status"] == "cancelled" or (req.store is False and cid is None):
+                return
+            try:
+                await asyncio.to_thread(self.response_store().save, owner, body if req.store is not False else None,
+                                        history + items, cid, items + body["output"])
+            except KeyError:
+                raise conversation_not_found(cid or "") from None
+            except StorageUnavailable:  # the 503 carries the response (a stream has sent its deltas already)
+                raise StorageUnavailable("the response was generated but could not be stored (storage is "
+                                         "unavailable); it is in error.response", completion=body,
+                                         key="response") from None
+
+        return await self.run(greq, fmt, chat, on_complete=keep)
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(self, rid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        body = await asyncio.to_thread(self.response_store().get, owner, rid)
+        if body is None:
+            raise response_not_found(rid)
+        return JSONResponse(body)
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(self, rid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        if not await asyncio.to_thread(self.response_store().delete, owner, rid):
+            raise response_not_found(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def list_input_items(self, rid: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        q = parse_query(request, C.ItemsQuery)
+        page = await asyncio.to_thread(self.response_store().input_items, owner, rid, limit=q.limit, order=q.order,
+                                       after=q.after)
+        if page is None:
+            raise response_not_found(rid)
+        return JSONResponse(C.items_page(*page))

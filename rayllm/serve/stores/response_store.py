@@ -1,0 +1,79 @@
+"""Stored responses (/v1/responses with `store`) and their input items, beside the conversations.
+
+Composition over rayllm.serve.stores.conversation_store: the same database, connections and transactions (its
+`_tx`), one more table. A response row keeps its whole context (the chain's earlier items, then this
+request's input), so a `previous_response_id` chain survives the deletion of an earlier link, and each
+row is bounded by rayllm.protocol.responses_api.MAX_CONTEXT_ITEMS. Rows are scoped by `owner` like conversations:
+another owner's response reads exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rayllm.serve.stores.conversation_store import ConversationStore
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at BIGINT NOT NULL, body TEXT NOT NULL,
+    input_items TEXT NOT NULL)"""
+
+
+class ResponseStore:
+    def __init__(self, store: ConversationStore) -> None:
+        self.store = store
+        with store._tx() as cur:
+            cur.execute(_SCHEMA)
+
+    def save(self, owner: str, body: dict[str, Any] | None, input_items: list[dict[str, Any]],
+             conversation_id: str | None = None, turn_items: list[dict[str, Any]] | None = None) -> None:
+        """The response (None: `store` false) and the turn's items in its conversation, in one transaction.
+
+        KeyError: the conversation was deleted while the response was generated.
+        """
+        with self.store._tx() as cur:
+            if conversation_id is not None:
+                if self.store._get(cur, owner, conversation_id) is None:
+                    raise KeyError(conversation_id)
+                self.store._add_items(cur, conversation_id, turn_items or [])
+            if body is not None:
+                cur.execute("INSERT INTO responses (id, owner, created_at, body, input_items) VALUES (?, ?, ?, ?, ?)",
+                            (body["id"], owner, int(body["created_at"]), json.dumps(body), json.dumps(input_items)))
+
+    def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
+        row = self._row(owner, response_id)
+        return None if row is None else json.loads(row[0])
+
+    def context(self, owner: str, response_id: str) -> list[dict[str, Any]] | None:
+        """What a response continuing this one starts from: its input items, then its output items."""
+        row = self._row(owner, response_id)
+        if row is None:
+            return None
+        return json.loads(row[1]) + json.loads(row[0])["output"]
+
+    def input_items(self, owner: str, response_id: str, *, limit: int = 20, order: str = "desc",
+                    after: str | None = None) -> tuple[list[dict[str, Any]], bool] | None:
+        """A page of the response's input items (OpenAI's cursor paging: `after` is an item id)."""
+        row = self._row(owner, response_id)
+        if row is None:
+            return None
+        items = json.loads(row[1])
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [it.get("id") for it in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        return items[:limit], len(items) > limit
+
+    def delete(self, owner: str, response_id: str) -> bool:
+        with self.store._tx() as cur:
+            cur.execute("SELECT id FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            if cur.fetchone() is None:
+                return False
+            cur.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            return True
+
+    def _row(self, owner: str, response_id: str) -> tuple[str, str] | None:
+        with self.store._tx(write=False) as cur:
+            cur.execute("SELECT body, input_items FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            return cur.fetchone()

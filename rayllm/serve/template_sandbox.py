@@ -1,0 +1,118 @@
+"""Request-supplied chat templates, rendered in a child process with a time, memory and output bound.
+
+Jinja's sandbox blocks code, not resources: `{{ "x" * 10**9 }}` or nested `range` loops run as long
+and grow as large as they like, and a thread cannot be stopped. So a client's template renders in a
+child process of the tokenizer replica (the same ChatRenderer, on its own copy of the tokenizer),
+under an address-space limit; a render that outlives its time limit is answered with a 400 and the
+child is killed and replaced. The model's own template never goes through here.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rayllm.common import child
+from rayllm.protocol.errors import APIError
+
+RENDER_TIMEOUT_S = 2.0
+MAX_OUTPUT_CHARS = 1 << 20  # a rendered prompt longer than this is refused (the context is far shorter)
+MEMORY_BYTES = 1 << 30  # address space the child may add beyond what the loaded tokenizer takes
+START_TIMEOUT_S = 120.0  # loading the tokenizer in the child
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(conn: Connection) -> None:
+    from rayllm.serve.tokenizer import ChatRenderer, load_tokenizer
+
+    model_path, max_output_chars, memory_bytes = conn.recv()
+    renderer = ChatRenderer(load_tokenizer(model_path))
+    if memory_bytes and _vm_bytes():
+        limit = _vm_bytes() + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    conn.send("ready")
+    while True:
+        try:
+            messages, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            text = renderer.render(messages, **kwargs)
+            if len(text) > max_output_chars:
+                conn.send((False, f"the rendered prompt has {len(text)} characters; at most {max_output_chars} "
+                                  "are allowed"))
+            else:
+                conn.send((True, text))
+        except MemoryError:
+            conn.send((False, "rendering the template ran out of memory"))
+        except ValueError as exc:
+            conn.send((False, str(exc)))
+
+
+def _refused(message: str, code: str = "invalid_chat_template") -> APIError:
+    return APIError(400, f"chat_template: {message}", param="chat_template", code=code)
+
+
+class TemplateSandbox:
+    """One child process per tokenizer replica; renders one template at a time (others wait their turn,
+    within the same time limit)."""
+
+    def __init__(self, model_path: str, *, timeout_s: float = RENDER_TIMEOUT_S,
+                 max_output_chars: int = MAX_OUTPUT_CHARS, memory_bytes: int = MEMORY_BYTES):
+        self.model_path = model_path
+        self.timeout_s = timeout_s
+        self.max_output_chars = max_output_chars
+        self.memory_bytes = memory_bytes
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._conn: Connection | None = None
+
+    def _start(self) -> Connection:
+        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
+            return self._conn
+        self.close()
+        try:
+            self._proc, self._conn = child.start("rayllm.serve.template_sandbox",
+                                                 (self.model_path, self.max_output_chars, self.memory_bytes),
+                                                 START_TIMEOUT_S)
+        except RuntimeError:
+            raise APIError(503, "the chat template renderer did not start", type="server_error") from None
+        return self._conn
+
+    def close(self) -> None:
+        child.stop(self._proc, self._conn)
+        self._proc = self._conn = None
+
+    def render(self, messages: list[dict], **kwargs: Any) -> str:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise APIError(503, "the chat template renderer is busy; retry the request", type="server_error",
+                           code="chat_template_busy")
+        try:
+            conn = self._start()
+            conn.send((messages, kwargs))
+            if not conn.poll(self.timeout_s):
+                self.close()  # the only way to stop a render: its process goes
+                raise _refused(f"rendering took longer than {self.timeout_s:g} s", "chat_template_timeout")
+            try:
+                ok, value = conn.recv()
+            except (EOFError, OSError):  # the child died (killed by the memory limit)
+                self.close()
+                raise _refused("rendering the template failed (out of memory)") from None
+        finally:
+            self._lock.release()
+        if not ok:
+            raise _refused(value)
+        return value
+
+
+if __name__ == "__main__":
+    _child(child.connect())
