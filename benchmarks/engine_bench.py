@@ -37,17 +37,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine_bench_shape import SHAPES, bench_shape  # noqa: E402
 
-from rayllm.engine.config import (  # noqa: E402
+from rayllm.engine.engine import LLMEngine  # noqa: E402
+from rayllm.layers.linear import OneDNNWeight, onednn_available  # noqa: E402
+from rayllm.loader.model_files import default_model_path  # noqa: E402
+from rayllm.schema.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.engine.sampling_params import SamplingParams  # noqa: E402
-from rayllm.layers.linear import OneDNNWeight, onednn_available  # noqa: E402
-from rayllm.loader.model_files import default_model_path  # noqa: E402
+from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three primary colors.",

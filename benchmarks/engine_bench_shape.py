@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 SHAPES = {
     # Llama-3.1-8B's config.json, minus the weights.

@@ -19,11 +19,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rayllm.engine.config import EngineConfig  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.engine.sampling_params import GuidedSpec, SamplingParams  # noqa: E402
 from rayllm.loader.model_files import default_model_path  # noqa: E402
 from rayllm.sample.guided import GrammarCompiler  # noqa: E402
+from rayllm.schema.config import EngineConfig  # noqa: E402
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams  # noqa: E402
 from rayllm.serve.tokenizer import TokenizerService  # noqa: E402
 
 # A long required string keeps every constrained request generating until max_tokens, so constrained and

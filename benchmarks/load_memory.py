@@ -24,10 +24,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
-    from rayllm.engine.config import EngineConfig, ModelConfig, ParallelConfig
     from rayllm.executor.worker import Worker
     from rayllm.loader.loader import read_arch
     from rayllm.loader.model_files import default_model_path
+    from rayllm.schema.config import EngineConfig, ModelConfig, ParallelConfig
 
     path = args.model or default_model_path()
     arch = read_arch(path)

@@ -22,7 +22,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.engine_bench import prompts  # noqa: E402
-from rayllm.engine.config import (  # noqa: E402
+from rayllm.engine.engine import LLMEngine  # noqa: E402
+from rayllm.loader.loader import read_arch  # noqa: E402
+from rayllm.loader.model_files import default_model_path  # noqa: E402
+from rayllm.lora.files import random_peft_adapter  # noqa: E402
+from rayllm.schema.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -30,11 +34,7 @@ from rayllm.engine.config import (  # noqa: E402
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.engine.sampling_params import SamplingParams  # noqa: E402
-from rayllm.loader.loader import read_arch  # noqa: E402
-from rayllm.loader.model_files import default_model_path  # noqa: E402
-from rayllm.lora.files import random_peft_adapter  # noqa: E402
+from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
 
 def run(engine: LLMEngine, batch: list[list[int]], lora_ids: list[int], new_tokens: int) -> float:

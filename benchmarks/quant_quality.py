@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_bench import prompts  # noqa: E402
 
 import rayllm.layers.linear as parallel  # noqa: E402
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.engine.sampling_params import SamplingParams  # noqa: E402
 from rayllm.loader.model_files import default_model_path  # noqa: E402
 from rayllm.platforms.cpu import qgemm as cpu_qgemm  # noqa: E402
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
 PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer runs, model.weights)
     "fp32": ("float32", "none", "default", "auto"),

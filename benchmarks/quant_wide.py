@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine_bench import _rss_mb, bench_ours, weight_mb  # noqa: E402
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 
 
 def write_gguf(path: str, hidden: int, inter: int, layers: int, vocab: int, qtype: str = "Q4_0") -> None:

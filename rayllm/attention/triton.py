@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rayllm.attention.backends import SDPAAttention
+from rayllm.attention.sdpa import SDPAAttention
 
 
 @triton.jit

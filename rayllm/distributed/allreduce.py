@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from rayllm.common.errors import describe
+
 log = logging.getLogger(__name__)
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -121,7 +123,7 @@ def make_all_reduce(choice: str, device: torch.device, dtype: torch.dtype, rank:
             try:
                 module, dtypes = _load_shm_op(dtype)
             except Exception as e:  # not installed, no compiler, no ISA: auto falls back, deepspeed fails below
-                reason = f"{type(e).__name__}: {e}".splitlines()[0]
+                reason = describe(e)
         if module is not None and init_method is None:
             module, reason = None, "no TCP init address to name the shared-memory segments after"
         if module is not None and _shm_group not in (None, (init_method, rank, world)):

@@ -14,19 +14,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rayllm.common.errors import describe
 from rayllm.engine.block_manager import BlockManager
-from rayllm.engine.config import EngineConfig
-from rayllm.engine.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.engine.scheduler import ScheduledSeq, Scheduler
 from rayllm.engine.sequence import Sequence
 from rayllm.executor.executor import make_executor
 from rayllm.loader.loader import read_arch
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.models.registry import kv_window
-from rayllm.runner.model_runner import SeqStep, StepInput
 from rayllm.sample.guided import new_matcher, next_token_bitmask
-from rayllm.sample.sampling_inputs import describe
+from rayllm.schema.config import EngineConfig
+from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.schema.step import SeqStep, StepInput
 
 log = logging.getLogger(__name__)
 

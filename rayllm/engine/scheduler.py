@@ -12,8 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from rayllm.engine.block_manager import BlockManager
-from rayllm.engine.config import SchedulerConfig
 from rayllm.engine.sequence import Sequence, SequenceStatus
+from rayllm.schema.config import SchedulerConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.schema.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -13,11 +13,11 @@ import uuid
 
 import torch
 
-from rayllm.engine.config import EngineConfig, LlamaArch
 from rayllm.executor.worker import Worker
 from rayllm.platforms.cpu.kernels import onednn_cache_env
 from rayllm.runner import kv_cache
-from rayllm.runner.model_runner import StepInput, StepOutput
+from rayllm.schema.config import EngineConfig, LlamaArch
+from rayllm.schema.step import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rayllm.attention.backends import make_attention_backend
+from rayllm.attention.selector import make_attention_backend
 from rayllm.distributed.allreduce import make_all_reduce
-from rayllm.engine.config import EngineConfig, LlamaArch
 from rayllm.layers.linear import (
     TPGroup,
     onednn_available,
@@ -28,7 +27,9 @@ from rayllm.loader.loader import load_weights
 from rayllm.lora.layers import LoRAManager
 from rayllm.models.registry import model_class
 from rayllm.runner import kv_cache
-from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput, StepOutput
+from rayllm.runner.model_runner import ModelRunner
+from rayllm.schema.config import EngineConfig, LlamaArch
+from rayllm.schema.step import SeqStep, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class Worker:
         with torch.device(device), default_dtype(self.dtype):
             self.model = model_class(arch)(arch, self.tp, self.attn_backend)
         if config.model.weights == "quantized":
-            from rayllm.quant.methods import load_quantized_weights
+            from rayllm.loader.quantized import load_quantized_weights
 
             source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
             int8_activations = config.model.small_batch_quant == "auto" and device.type == "cpu"
@@ -215,7 +216,7 @@ class Worker:
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
         try:
-            captured = graphs.capture(self.runner.model_forward, lambda: getattr(self.attn_backend, "paged_decode", True),
+            captured = graphs.capture(self.runner.model_forward, lambda: self.attn_backend.paged_decode,
                                       self.runner.model_forward_pieces)
         except Exception as exc:  # an op that cannot be captured here: serve eagerly rather than not at all
             log.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)

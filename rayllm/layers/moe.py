@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.basic import silu_and_mul
 from rayllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -32,6 +31,7 @@ from rayllm.layers.linear import (
     default_weight_loader,
     piece,
 )
+from rayllm.schema.config import LlamaArch
 
 # Per-family model_type -> whether the top-k weights are renormalised to sum to 1 when the config does
 # not say (GGUF carries no norm_topk_prob; llama.cpp hard-codes it per architecture).

@@ -10,15 +10,16 @@ import functools
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from rayllm.engine.config import LlamaArch
+from rayllm.loader.fp8 import iter_fp8_dequantized
 from rayllm.models.registry import check_supported
+from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
+from rayllm.schema.config import LlamaArch
 
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens",
@@ -146,12 +147,6 @@ def gguf_hf_config(reader, arch: str) -> dict:
 GGUF_PERMUTED_QK = {"llama", "mistral", "mixtral"}
 
 
-def _unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-    """GGUF stores q/k rows interleaved for llama.cpp's rotary; undo it to Hugging Face's layout."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_bits(tensor_type) -> int:
     """Bits per weight of a GGUF tensor type's quantised values (16 for unquantised)."""
     name = tensor_type.name
@@ -160,17 +155,6 @@ def _gguf_bits(tensor_type) -> int:
     if name.startswith(("Q5", "Q6", "Q8")):
         return 8
     return 16
-
-
-@dataclass(frozen=True)
-class RawBlocks:
-    """A GGUF tensor left in its quantized blocks (`raw_types` of iter_gguf): rows are output features.
-    unpermute_heads: q/k rows are in llama.cpp's rotary order; undo with `_unpermute_rotary(rows, n)`."""
-
-    data: np.ndarray  # uint8 [rows, bytes per row]
-    qtype: object  # gguf.GGMLQuantizationType
-    shape: tuple[int, int]  # (rows, columns) of the dequantized tensor
-    unpermute_heads: int | None
 
 
 def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
@@ -199,7 +183,7 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
         w = dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         if parts[0] == "blk" and parts[2] in ("attn_q", "attn_k") and arch.model_type in GGUF_PERMUTED_QK:
-            w = _unpermute_rotary(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
+            w = unpermute_rotary(w, arch.num_heads if parts[2] == "attn_q" else arch.num_kv_heads)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are read-only memmaps
 
 
@@ -209,9 +193,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    if _quant_method(model_dir) == "fp8":  # FP8 weights with scales: dequantized on CPU (rayllm.quant.methods)
-        from rayllm.quant.methods import iter_fp8_dequantized
-
+    if _quant_method(model_dir) == "fp8":  # FP8 weights with scales: dequantized on CPU (rayllm.loader.fp8)
         yield from iter_fp8_dequantized(model_dir, files)
         return
     for fname in files:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.moe import sparse_layer_ids
+from rayllm.schema.config import LlamaArch
 
 # PEFT module name -> (attribute path of our parallel layer, index of the sub-projection in it).
 TARGETS: dict[str, tuple[str, str, int]] = {

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rayllm.engine.config import LlamaArch, LoRAConfig
 from rayllm.layers.linear import OneDNNWeight
 from rayllm.lora.files import TARGETS, LoRAError, UnknownAdapterError, read_peft_adapter
+from rayllm.schema.config import LlamaArch, LoRAConfig
 
 
 @dataclass

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.basic import RotaryEmbedding
 from rayllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -29,6 +28,7 @@ from rayllm.layers.linear import (
     piece,
 )
 from rayllm.models.llama import LlamaForCausalLM
+from rayllm.schema.config import LlamaArch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from rayllm.attention.backends import AttentionMetadata
-from rayllm.engine.config import LlamaArch
+from rayllm.attention.base import AttentionMetadata
 from rayllm.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
 from rayllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -19,6 +18,7 @@ from rayllm.layers.linear import (
     VocabParallelEmbedding,
     piece,
 )
+from rayllm.schema.config import LlamaArch
 
 
 class LlamaAttention(nn.Module):

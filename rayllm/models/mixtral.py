@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.basic import RotaryEmbedding
 from rayllm.layers.linear import TPGroup
 from rayllm.layers.moe import FusedMoE, MoEConfig, expert_param
 from rayllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from rayllm.schema.config import LlamaArch
 
 _PROJECTIONS = {"w1": 0, "w3": 1, "w2": 2}  # gate, up, down
 

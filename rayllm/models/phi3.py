@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.basic import RotaryEmbedding
 from rayllm.layers.linear import TPGroup
 from rayllm.models.llama import LlamaForCausalLM
+from rayllm.schema.config import LlamaArch
 
 
 def _split_rows(param: nn.Parameter, pieces: list[tuple[str | int, int]]) -> None:

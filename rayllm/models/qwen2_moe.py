@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.basic import RotaryEmbedding
 from rayllm.layers.linear import TPGroup
 from rayllm.layers.moe import FusedMoE, MoEConfig, expert_param, sparse_layer_ids
 from rayllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from rayllm.schema.config import LlamaArch
 
 _PROJECTIONS = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
 

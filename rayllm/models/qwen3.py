@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.basic import RotaryEmbedding
 from rayllm.layers.linear import TPGroup
 from rayllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from rayllm.schema.config import LlamaArch
 
 QK_NORM_GGUF_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from rayllm.engine.config import LlamaArch
+from rayllm.schema.config import LlamaArch
 
 # model_type / GGUF architecture -> "module:Class"
 MODEL_CLASSES: dict[str, str] = {

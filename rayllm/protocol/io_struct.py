@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
 
 @dataclass(frozen=True)

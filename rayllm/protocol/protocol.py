@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.protocol.errors import APIError, bad_request, unsupported
 from rayllm.protocol.io_struct import StopOptions
 from rayllm.protocol.messages import ChatMessage, ContentPart, ResponseFormat, StreamOptions  # noqa: F401  (re-exported)
@@ -46,6 +45,7 @@ from rayllm.protocol.responses import (  # noqa: F401  (re-exported: the protoco
     TopLogprob,
     Usage,
 )
+from rayllm.schema.sampling_params import SamplingParams
 
 # ---- what works, what is refused -------------------------------------------------------------
 

@@ -14,10 +14,10 @@ import math
 import random
 from typing import Any
 
-from rayllm.engine.sampling_params import GuidedSpec
 from rayllm.protocol import limits as L
 from rayllm.protocol.errors import bad_request
 from rayllm.protocol.request_models import SamplingFields, json_size
+from rayllm.schema.sampling_params import GuidedSpec
 
 # Any JSON object (OpenAI's json_object mode promises an object, not any JSON value).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}

@@ -15,10 +15,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rayllm.engine.sampling_params import GuidedSpec
 from rayllm.protocol.errors import bad_request
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.structured import check_json_schema
+from rayllm.schema.sampling_params import GuidedSpec
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

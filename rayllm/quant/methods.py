@@ -14,19 +14,13 @@ int8 form. Scales are kept in the activation dtype (bf16 rounds GGUF's fp16 scal
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from rayllm.layers.linear import ParallelLMHead, RowParallelLinear
-from rayllm.loader.loader import RawBlocks, _unpermute_rotary, iter_gguf
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.platforms.cpu.qgemm import Int4VnniWeight
+from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 QUANT_TYPES = INT4_TYPES | {"Q5_K", "Q6_K", "Q8_0"}
@@ -87,7 +81,7 @@ def decode_blocks(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     q_t = torch.from_numpy(np.ascontiguousarray(q).astype(np.int8).reshape(n, k))
     rows = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(n, k // g)) for a in (scale, zero)]
     if raw.unpermute_heads:
-        q_t, *rows = (_unpermute_rotary(a, raw.unpermute_heads) for a in (q_t, *rows))
+        q_t, *rows = (unpermute_rotary(a, raw.unpermute_heads) for a in (q_t, *rows))
         q_t, rows = q_t.contiguous(), [r.contiguous() for r in rows]
     return q_t, rows[0], rows[1], g
 
@@ -151,130 +145,3 @@ class Int8GroupWeight:
         return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)
 
 
-class _Slot:
-    """Stand-in parameter for a layer's own weight_loader: it slices rows/columns as for the dense weight."""
-
-    def __init__(self, data: torch.Tensor):
-        self.data, self.shape = data, data.shape
-
-
-@dataclass
-class _Pending:
-    q: torch.Tensor
-    scale: torch.Tensor  # per 16 columns: the finest group of any supported type
-    zero: torch.Tensor
-    int4: bool = True
-    parts: int = 0
-    groups: set[int] = field(default_factory=set)
-
-
-def _fill(module: nn.Module, loader, pend: _Pending, raw: RawBlocks, shard) -> None:
-    """loader: the dense parameter's weight_loader, applied to the values and to the group tensors."""
-    q, scale, zero, g = decode_blocks(raw)
-    pend.int4 &= raw.qtype.name in INT4_TYPES  # type: ignore[attr-defined]
-    pend.groups.add(g)
-    scale, zero = (t.repeat_interleave(g // 16, 1) for t in (scale, zero))
-    loader(_Slot(pend.q), q, shard)
-    for dst, src in ((pend.scale, scale), (pend.zero, zero)):
-        if isinstance(module, RowParallelLinear):  # its loader cuts input columns: cut groups here
-            if module.in_start % 32:
-                raise ValueError("weights: quantized needs tensor-parallel input splits at multiples of 32")
-            dst.copy_(src.narrow(1, module.in_start // 16, dst.shape[1]))
-        else:
-            loader(_Slot(dst), src, shard)
-    pend.parts += 1
-
-
-def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool) -> None:
-    if pend.int4 and pend.groups == {32}:
-        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations)
-    else:
-        step = 1 if 16 in pend.groups else 2
-        module.packed = Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype)
-    # No dense copy: a shape-only weight keeps what reads shapes (LoRA) working.
-    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
-
-
-def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False) -> int:
-    """Load a GGUF keeping its supported quantized linear weights quantized; everything else (norms,
-    the embedding, a tied LM head, other types) dense as `loader.load_weights` does. Returns the
-    number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
-    if not path.endswith(".gguf"):
-        raise ValueError("model.weights: quantized needs a GGUF checkpoint")
-    from gguf.quants import dequantize
-
-    arch = model.arch  # type: ignore[attr-defined]
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
-    loaded: dict[str, int] = {}
-    pending: dict[str, _Pending] = {}
-    dtype = next(iter(params.values())).dtype
-    extra = getattr(model, "gguf_tensor_names", None)
-    for name, tensor in iter_gguf(path, arch, None, extra, raw_types=QUANT_TYPES):
-        target = model.checkpoint_to_param(name)  # type: ignore[operator]
-        if target is None:
-            continue
-        param_name, shard = target
-        if param_name not in params:
-            raise ValueError(f"unexpected tensor in checkpoint: {name}")
-        mod_name = param_name.rpartition(".")[0]
-        module = modules[mod_name]
-        quantizable = (isinstance(tensor, RawBlocks) and param_name.endswith(".weight") and hasattr(module, "packed")
-                       and not (isinstance(module, ParallelLMHead) and arch.tie_word_embeddings))
-        if quantizable and tensor.shape[1] % QK_K and tensor.qtype.name.endswith("_K"):  # type: ignore[union-attr]
-            quantizable = False
-        if quantizable:
-            pend = pending.get(mod_name)
-            if pend is None:
-                n, k = module.weight.shape
-                pend = pending[mod_name] = _Pending(torch.empty(n, k, dtype=torch.int8),
-                                                    torch.zeros(n, k // 16), torch.zeros(n, k // 16))
-            _fill(module, params[param_name].weight_loader, pend, tensor, shard)  # type: ignore[arg-type]
-            if pend.parts == getattr(params[param_name], "num_shards", 1):
-                _finish(module, pending.pop(mod_name), dtype, int8_activations)
-        else:
-            if isinstance(tensor, RawBlocks):
-                if mod_name in pending:
-                    raise ValueError(f"{name}: a fused layer mixes quantized and dense parts")
-                w = dequantize(tensor.data, tensor.qtype).reshape(tensor.shape)
-                t = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
-                tensor = _unpermute_rotary(t, tensor.unpermute_heads) if tensor.unpermute_heads else t
-            params[param_name].weight_loader(params[param_name], tensor.to(dtype), shard)  # type: ignore[attr-defined]
-        loaded[param_name] = loaded.get(param_name, 0) + 1
-    missing = [n for n, p in params.items() if loaded.get(n, 0) != getattr(p, "num_shards", 1)]
-    missing = [n for n in missing if not (isinstance(getattr(modules.get(n.rpartition(".")[0]), "packed", None),
-                                                     (Int4GroupWeight, Int8GroupWeight)))]
-    if missing or pending:
-        raise ValueError(f"parameters missing from checkpoint (or loaded partially): {(missing + list(pending))[:10]}")
-    return sum(isinstance(getattr(m, "packed", None), (Int4GroupWeight, Int8GroupWeight)) for m in model.modules())
-
-
-FP8_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")
-
-
-def iter_fp8_dequantized(model_dir: str, files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """A `quant_method: fp8` safetensors checkpoint (e4m3/e5m2 weights with `weight_scale`: per tensor
-    or per output channel, or `weight_scale_inv` per 128 x 128 block), as fp32 tensors: weight times
-    scale; the scales and activation scales (`input_scale`) themselves are not yielded."""
-    from safetensors import safe_open
-
-    handles = [safe_open(os.path.join(model_dir, f), framework="pt") for f in files]
-    where = {name: h for h in handles for name in h.keys()}
-    for name, h in where.items():
-        if name.endswith(FP8_SCALE_SUFFIXES) or name.endswith(".input_scale"):
-            continue
-        t = h.get_tensor(name)
-        if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            yield name, t
-            continue
-        base = name.removesuffix(".weight")
-        scale_name = next((base + s for s in FP8_SCALE_SUFFIXES if base + s in where), None)
-        if scale_name is None:
-            raise ValueError(f"{name}: an FP8 weight without {base}.weight_scale")
-        w, scale = t.float(), where[scale_name].get_tensor(scale_name).float()
-        if scale.dim() == 2 and scale.shape[1] > 1:  # block-wise: [ceil(n / bn), ceil(k / bk)]
-            bn, bk = -(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1])
-            scale = scale.repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bk, 1)[:, : w.shape[1]]
-        elif scale.numel() == w.shape[0]:
-            scale = scale.reshape(-1, 1)
-        yield name, w * scale

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from rayllm.attention.backends import AttentionMetadata, decode_gather_index
+from rayllm.attention.base import AttentionMetadata, decode_gather_index
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ def cuda_budget(utilization: float, device: torch.device, activation_bytes: int)
 def profile_step(max_tokens: int, max_seqs: int, block_size: int):
     """The largest step the scheduler can form: max_tokens prompt tokens over max_seqs sequences, each
     sampling (so the LM head runs for every one), on disjoint blocks; returns it and the blocks used."""
-    from rayllm.runner.model_runner import SeqStep, StepInput
+    from rayllm.schema.step import SeqStep, StepInput
 
     seqs, first_block = [], 0
     n = min(max_seqs, max_tokens)

@@ -3,57 +3,15 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 
 import torch
 
-from rayllm.attention.backends import AttentionMetadata, PrefillChunk, decode_gather_index
-from rayllm.engine.outputs import TokenLogprob
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk, decode_gather_index
+from rayllm.common.errors import describe
 from rayllm.platforms.cpu.split_step import HalfThread, VocabHalves, split_point
 from rayllm.runner.input_buffers import InputBuffers
-from rayllm.sample.sampling_inputs import SamplingInputs, describe, prompt_logprobs
-
-
-@dataclass
-class SeqStep:
-    """One sequence's share of a step; the same message goes to every rank."""
-
-    request_id: str
-    token_ids: list[int]  # tokens to compute now
-    start_pos: int  # position of token_ids[0]
-    block_table: list[int]
-    sample: bool  # this chunk reaches the end of the sequence: draw a token
-    params: SamplingParams | None = None  # set when sample or prompt logprobs are needed
-    history: list[int] | None = None  # all tokens so far, only when penalties need them
-    num_prompt_tokens: int = 0
-    mask_token_ids: tuple[int, ...] = ()  # banned now (EOS/stop ids while below min_tokens)
-    # Prompt tokens predicted by this chunk's rows, when prompt logprobs are asked for.
-    prompt_logprob_targets: list[int] = field(default_factory=list)
-    lora_slot: int = 0
-    # Grammar-constrained sequences: the allowed next tokens as 32-bit words (see guided.py).
-    allowed_bitmask: torch.Tensor | None = None
-    # Pooling sequences: "last" on the chunk that ends the prompt (its last row), "mean" on every chunk
-    # (the sum of its rows; the engine divides).
-    pool: str | None = None
-
-
-@dataclass
-class StepInput:
-    seqs: list[SeqStep]  # decode sequences (one token) first, then prefill chunks
-    finished_request_ids: list[str] = field(default_factory=list)
-
-
-@dataclass
-class StepOutput:
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprob]
-    # Logprobs of the prompt tokens that this chunk's rows predict.
-    prompt_logprobs: dict[str, list[TokenLogprob]]
-    hidden_states: dict[str, list[float]] = field(default_factory=dict)
-    # Sequences that failed on their own (their sampling inputs, their adapter): request id -> reason.
-    errors: dict[str, str] = field(default_factory=dict)
-    pooled: dict[str, list[float]] = field(default_factory=dict)  # see SeqStep.pool
+from rayllm.sample.sampling_inputs import SamplingInputs, prompt_logprobs
+from rayllm.schema.step import StepInput, StepOutput
 
 
 class ModelRunner:
@@ -69,14 +27,12 @@ class ModelRunner:
         self.sampling = SamplingInputs(vocab_size)  # per-request generators; sampling on the logits' device
         self.buffers = InputBuffers(device)
         self.graphs = None  # a cuda_graphs.DecodeGraphs, set by the worker once captured
-        backend = getattr(model, "attn_backend", None)
-        # xformers reads the paged cache in place through block tables; when its kernels cannot serve a
-        # step's mix of query lengths it falls back to a varlen batch gathered from these context slots.
-        self.needs_context_slots = getattr(backend, "name", "") == "xformers"
+        backend: AttentionBackend | None = getattr(model, "attn_backend", None)  # None: test stand-ins
+        self.needs_context_slots = backend is not None and backend.needs_context_slots
         # The C and Triton kernels read block tables and lengths directly, for decode and prefill alike;
         # the torch path needs masks, gather indices and context slots built from them. Models with
         # sliding-window or soft-capped layers, which the kernels do not do, keep the torch path.
-        kernels = getattr(backend, "kernels", None)
+        kernels = backend.kernels if backend is not None else None
         self.paged_kernels = (kernels is not None and bool(kv_caches)
                               and kv_caches[0][0].dtype in kernels.attention_dtypes
                               and not getattr(model, "torch_attention_only", False))

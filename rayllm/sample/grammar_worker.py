@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rayllm.common import child
+from rayllm.schema.sampling_params import GuidedSpec
 
 START_TIMEOUT_S = 60.0
 
@@ -25,10 +26,21 @@ class CompilerBusy(Exception):
     pass
 
 
+def compile_spec(compiler: Any, spec: GuidedSpec) -> Any:
+    if spec.kind == "json_schema":
+        # Compact JSON: with free whitespace a small model can loop on newlines until max_tokens.
+        return compiler.compile_json_schema(spec.value, any_whitespace=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.value)
+    if spec.kind == "ebnf":
+        return compiler.compile_grammar(spec.value)
+    if spec.kind == "structural_tag":
+        return compiler.compile_structural_tag(spec.value)
+    raise ValueError(f"unknown constraint kind {spec.kind!r}")
+
+
 def _child(conn: Connection) -> None:
     import xgrammar as xgr
-
-    from rayllm.sample.guided import compile_spec
 
     tokenizer_info_json = conn.recv()
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)

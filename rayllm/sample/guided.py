@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rayllm.engine.sampling_params import GuidedSpec
+from rayllm.sample.grammar_worker import CompilerBusy, CompileTimeout, CompileWorker, compile_spec
+from rayllm.schema.sampling_params import GuidedSpec
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; clients need only the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
@@ -46,8 +47,6 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         self._worker = None
         if timeout_s is not None:
-            from rayllm.sample.grammar_worker import CompileWorker
-
             self._worker = CompileWorker(self._info, timeout_s)
         self.timeout_s = timeout_s
         self._cache: OrderedDict[GuidedSpec, tuple[Any, int]] = OrderedDict()
@@ -80,8 +79,6 @@ class GrammarCompiler:
     def _compile(self, spec: GuidedSpec) -> Any:
         if self._worker is None:
             return compile_spec(self._compiler, spec)
-        from rayllm.sample.grammar_worker import CompilerBusy, CompileTimeout
-
         try:
             return self._worker.compile(spec)
         except CompileTimeout:
@@ -96,19 +93,6 @@ class GrammarCompiler:
 
 class CompilerBusyError(Exception):
     """Other compiles held the compiler past this one's time limit (a 503, not the client's fault)."""
-
-
-def compile_spec(compiler: Any, spec: GuidedSpec) -> Any:
-    if spec.kind == "json_schema":
-        # Compact JSON: with free whitespace a small model can loop on newlines until max_tokens.
-        return compiler.compile_json_schema(spec.value, any_whitespace=False)
-    if spec.kind == "regex":
-        return compiler.compile_regex(spec.value)
-    if spec.kind == "ebnf":
-        return compiler.compile_grammar(spec.value)
-    if spec.kind == "structural_tag":
-        return compiler.compile_structural_tag(spec.value)
-    raise ValueError(f"unknown constraint kind {spec.kind!r}")
 
 
 def new_matcher(compiled: Any) -> Any:

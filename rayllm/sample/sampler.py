@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rayllm.engine.outputs import TokenLogprob
+from rayllm.schema.outputs import TokenLogprob
 
 
 @dataclass

@@ -13,20 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rayllm.engine.outputs import TokenLogprob
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.common.errors import describe
 from rayllm.sample.sampler import Penalties, SamplingTensors, gather_logprobs, greedy, sample
+from rayllm.schema.outputs import TokenLogprob
+from rayllm.schema.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from rayllm.runner.model_runner import SeqStep
-
-
-def describe(exc: BaseException) -> str:
-    """One line for the request's error, without internals beyond the exception's own message."""
-    text = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    from rayllm.schema.step import SeqStep
 
 
 def pin(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rayllm.engine.config import EngineConfig
+from rayllm.schema.config import EngineConfig
 from rayllm.serve.auth import parse_key
 
 

@@ -3,18 +3,25 @@ by cumulative logprob) and literal choices (each scored by its canonical tokens,
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, StopOptions
 from rayllm.protocol.structured import pick_choice
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.serve.tokenizer import TokenizerService
 
-if TYPE_CHECKING:
-    from rayllm.serve.llm_server import LLMServer
+
+class Generator(Protocol):
+    """What these modes need of the model deployment (LLMServer): its tokenizer and its own generate."""
+
+    tokenizer: TokenizerService
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]: ...
 
 
-async def best_of(server: LLMServer, req: GenerateRequest) -> list[GenerationDelta]:
+async def best_of(server: Generator, req: GenerateRequest) -> list[GenerationDelta]:
     """best_of candidates per prompt, ranked by cumulative logprob; the top n come back as choices 0..n-1.
 
     Usage counts every candidate (they were all generated): the dropped ones' tokens are added to
@@ -44,7 +51,7 @@ async def best_of(server: LLMServer, req: GenerateRequest) -> list[GenerationDel
     return out
 
 
-async def choose(server: LLMServer, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
+async def choose(server: Generator, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
     """Literals: each scored by the raw model's logprob of its canonical tokens after the prompt (one prefill
     each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization."""
     canon = [server.tokenizer.encode(c, add_special_tokens=False) for c in choices]

@@ -16,15 +16,16 @@ from dataclasses import replace
 
 from ray import serve
 
-from rayllm.engine.config import EngineConfig
+from rayllm.common.errors import first_line
 from rayllm.engine.engine import EngineDeadError
-from rayllm.engine.outputs import RequestOutput, SequenceError, TokenLogprob
-from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.errors import APIError, replica_failed
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
 from rayllm.protocol.structured import literal_choices
 from rayllm.sample.guided import CompilerBusyError, GrammarCompiler
+from rayllm.schema.config import EngineConfig
+from rayllm.schema.outputs import RequestOutput, SequenceError, TokenLogprob
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 from rayllm.serve.detokenizer import IncrementalDetokenizer
 from rayllm.serve.generation_modes import best_of, choose
 from rayllm.serve.lora.lora_registry import AdapterEntry, LoRARegistry
@@ -71,7 +72,7 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict
 def engine_failure(exc: Exception) -> Exception:
     """A dead engine (a TP actor died, a step raised) is a clear, retryable 503; anything else passes as is."""
     if isinstance(exc, EngineDeadError):
-        return replica_failed((str(exc).splitlines() or [""])[0][:300])  # Ray's actor errors run to many lines
+        return replica_failed(first_line(exc))  # Ray's actor errors run to many lines
     return exc
 
 

@@ -32,7 +32,7 @@ def _vm_bytes() -> int:
 
 
 def _child(conn: Connection) -> None:
-    from rayllm.serve.tokenizer import ChatRenderer, load_tokenizer
+    from rayllm.serve.chat_template import ChatRenderer, load_tokenizer
 
     model_path, max_output_chars, memory_bytes = conn.recv()
     renderer = ChatRenderer(load_tokenizer(model_path))

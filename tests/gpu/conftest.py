@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def xformers_or_skip() -> None:
-    from rayllm.attention.backends import XformersAttention
+    from rayllm.attention.xformers import XformersAttention
 
     try:
         XformersAttention().probe(torch.device("cuda"))

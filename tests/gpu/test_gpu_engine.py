@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
 from rayllm.executor.executor import make_executor
 from rayllm.loader.loader import read_arch
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 # Every sequence runs all its tokens, whatever the weights make of EOS: ~40-token chat prompts cross

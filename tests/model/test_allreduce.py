@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rayllm.distributed.allreduce import make_all_reduce
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (pip install -e '.[deepspeed]')")
 

@@ -20,7 +20,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from rayllm.engine.config import (
+from rayllm.engine.engine import LLMEngine
+from rayllm.lora.files import random_peft_adapter
+from rayllm.schema.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -28,9 +30,7 @@ from rayllm.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.lora.files import random_peft_adapter
+from rayllm.schema.sampling_params import SamplingParams
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)

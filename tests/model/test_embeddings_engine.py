@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.schema.sampling_params import SamplingParams
 from tests.model.test_engine import GREEDY, make_engine
 
 EMBED = SamplingParams(embed=True)

@@ -8,10 +8,10 @@ import pytest
 import ray
 import torch
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.platforms.cpu.kernels import onednn_cache_env
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 

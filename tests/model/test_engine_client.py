@@ -16,10 +16,10 @@ from rayllm.engine.client.engine_client import (
     make_engine_client,
     steps_in_child,
 )
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import EngineStats, LLMEngine
-from rayllm.engine.outputs import EngineDeadError
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.outputs import EngineDeadError
+from rayllm.schema.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)

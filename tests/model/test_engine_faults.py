@@ -15,9 +15,9 @@ import torch
 
 from rayllm.engine.client.engine_client import EngineClient, InprocClient, ProcessClient
 from rayllm.engine.client.engine_process import EngineProcess
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import LLMEngine, SequenceError
-from rayllm.engine.sampling_params import SamplingParams
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12)

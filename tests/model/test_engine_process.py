@@ -11,11 +11,11 @@ import pytest
 
 from rayllm.engine.client.engine_client import ProcessClient
 from rayllm.engine.client.engine_process import EngineProcess, child_env
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from rayllm.engine.outputs import EngineDeadError
-from rayllm.engine.sampling_params import GuidedSpec, SamplingParams
 from rayllm.platforms.cpu.kernels import ONEDNN_CACHE_CAPACITY
 from rayllm.sample.guided import GrammarCompiler
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.outputs import EngineDeadError
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
 
 def config(gguf_path: str) -> EngineConfig:

@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from rayllm.engine.config import (
+from rayllm.engine.engine import LLMEngine
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
+from rayllm.lora.files import TARGETS, random_peft_adapter
+from rayllm.schema.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -24,11 +28,7 @@ from rayllm.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.executor.executor import make_executor
-from rayllm.loader.loader import read_arch
-from rayllm.lora.files import TARGETS, random_peft_adapter
+from rayllm.schema.sampling_params import SamplingParams
 
 VOCAB = 256
 FAMILIES = ["gemma2", "gemma3", "phi3"]

@@ -12,7 +12,10 @@ import pytest
 import torch
 from tiny_families import FAMILIES, make_checkpoint, write_gguf
 
-from rayllm.engine.config import (
+from rayllm.engine.engine import LLMEngine
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
+from rayllm.schema.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -20,10 +23,7 @@ from rayllm.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.executor.executor import make_executor
-from rayllm.loader.loader import read_arch
+from rayllm.schema.sampling_params import SamplingParams
 
 VOCAB = 256
 

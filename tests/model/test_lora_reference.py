@@ -9,7 +9,10 @@ import os
 import pytest
 import torch
 
-from rayllm.engine.config import (
+from rayllm.executor.executor import make_executor
+from rayllm.loader.loader import read_arch
+from rayllm.lora.files import LoRAError, random_peft_adapter, read_peft_adapter
+from rayllm.schema.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -17,9 +20,6 @@ from rayllm.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.executor.executor import make_executor
-from rayllm.loader.loader import read_arch
-from rayllm.lora.files import LoRAError, random_peft_adapter, read_peft_adapter
 
 
 def tiny_llama(tmp_path) -> str:
@@ -95,7 +95,7 @@ def test_adapters_match_peft_reference(tmp_path, tp, request):
 def test_mixed_batch_equals_each_request_alone(gguf_path, chat_prompts, tmp_path):
     """Base + two adapters in one continuous batch: each request gets exactly its tokens when alone."""
     from rayllm.engine.engine import LLMEngine
-    from rayllm.engine.sampling_params import SamplingParams
+    from rayllm.schema.sampling_params import SamplingParams
 
     arch = read_arch(gguf_path)
     paths = [random_peft_adapter(str(tmp_path / f"ad{i}"), arch, rank=8, seed=i) for i in (1, 2)]

@@ -13,7 +13,10 @@ import os
 import pytest
 import torch
 
-from rayllm.engine.config import (
+from rayllm.lora.files import UnknownAdapterError
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.io_struct import GenerateRequest, StopOptions
+from rayllm.schema.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -21,10 +24,7 @@ from rayllm.engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.lora.files import UnknownAdapterError
-from rayllm.protocol.errors import APIError
-from rayllm.protocol.io_struct import GenerateRequest, StopOptions
+from rayllm.schema.sampling_params import SamplingParams
 from rayllm.serve.llm_server import LLMServer
 
 

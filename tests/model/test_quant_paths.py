@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.layers import linear as parallel
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.quant.methods import Int4GroupWeight
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 

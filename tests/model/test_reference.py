@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from rayllm.executor.executor import make_executor
 from rayllm.loader.loader import read_arch
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 
 
 def make_tiny_checkpoint(tmp_path, kind: str) -> str:

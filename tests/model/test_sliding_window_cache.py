@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from rayllm.engine.block_manager import FREED
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.engine.engine import LLMEngine
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.loader.loader import read_arch
 from rayllm.models.registry import kv_window
 from rayllm.runner.kv_cache import bytes_per_block
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 VOCAB, WINDOW, BS, BUDGET, MAX_TOKENS = 256, 8, 4, 16, 40
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

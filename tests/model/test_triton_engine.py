@@ -20,9 +20,9 @@ pytest.importorskip("triton")
 
 import rayllm.executor.worker as worker_module  # noqa: E402
 from rayllm.attention.triton import TritonAttention  # noqa: E402
-from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.engine.sampling_params import SamplingParams  # noqa: E402
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
 
 def make_engine(gguf_path: str) -> LLMEngine:

@@ -261,8 +261,8 @@ async def test_504_before_the_first_token_cancels_the_generation(server, auth, a
     the app's request timeout never cuts them, and their length comes from the pace measured now (four
     timeouts' worth of steps). A ninth request, through HTTP, waits behind them and gets a 504 before its
     first token, and its generation is aborted at once: it leaves the engine's queue while the eight run."""
-    from rayllm.engine.sampling_params import SamplingParams
     from rayllm.protocol.io_struct import GenerateRequest, StopOptions
+    from rayllm.schema.sampling_params import SamplingParams
     from tests.serve.ops_apps import Pace
 
     timeout_s = ABUSE["request_timeout_s"]

@@ -17,9 +17,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
-    from rayllm.engine.config import LlamaArch
     from rayllm.loader.loader import read_arch
     from rayllm.lora.files import random_peft_adapter
+    from rayllm.schema.config import LlamaArch
 
     arch = read_arch(gguf_path)
     root = tmp_path_factory.mktemp("adapters")

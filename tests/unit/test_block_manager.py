@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from rayllm.engine.block_manager import BlockManager
-from rayllm.engine.config import SchedulerConfig
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.engine.scheduler import Scheduler
 from rayllm.engine.sequence import Sequence
+from rayllm.schema.config import SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 
 def seq(rid: str, tokens: list[int], max_tokens: int = 8) -> Sequence:

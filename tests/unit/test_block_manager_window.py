@@ -8,10 +8,10 @@ runner would see can be checked directly.
 from __future__ import annotations
 
 from rayllm.engine.block_manager import FREED, BlockManager
-from rayllm.engine.config import SchedulerConfig
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.engine.scheduler import Scheduler
 from rayllm.engine.sequence import Sequence
+from rayllm.schema.config import SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 BS, WINDOW, BUDGET = 4, 8, 16
 

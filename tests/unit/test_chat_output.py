@@ -132,6 +132,6 @@ def test_auto_structural_tags_compile_and_constrain(svc_tokenizer, fmt):
 
 @pytest.fixture(scope="module")
 def svc_tokenizer(gguf_path):
-    from rayllm.serve.tokenizer import load_tokenizer
+    from rayllm.serve.chat_template import load_tokenizer
 
     return load_tokenizer(gguf_path)

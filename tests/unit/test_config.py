@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayllm.engine.config import EngineConfig
+from rayllm.schema.config import EngineConfig
 from rayllm.serve.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]

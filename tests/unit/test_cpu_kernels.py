@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from rayllm.attention.backends import AttentionMetadata, decode_attention, decode_gather_index, write_cache
+from rayllm.attention.base import AttentionMetadata, decode_gather_index, write_cache
+from rayllm.attention.sdpa import decode_attention
 from rayllm.platforms.cpu import kernels as cpu_kernels
 
 
@@ -125,7 +126,7 @@ def test_build_is_cached_per_source(tmp_path):
 
 
 def test_without_a_compiler_the_torch_path_is_used(monkeypatch, tmp_path):
-    from rayllm.attention.backends import make_attention_backend
+    from rayllm.attention.selector import make_attention_backend
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("RAYLLM_KERNEL_CACHE", str(tmp_path / "cache"))  # nothing cached to reuse

@@ -16,9 +16,11 @@ import pytest
 import torch
 from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
-from rayllm.attention.backends import SDPAAttention, XformersAttention
+from rayllm.attention.sdpa import SDPAAttention
+from rayllm.attention.xformers import XformersAttention
 from rayllm.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
-from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput
+from rayllm.runner.model_runner import ModelRunner
+from rayllm.schema.step import SeqStep, StepInput
 
 HQ, HK, D, BS, NUM_BLOCKS, WIDTH = 4, 2, 8, 4, 24, 6
 
@@ -109,9 +111,9 @@ def test_steps_the_graphs_do_not_cover_run_eagerly(monkeypatch):
 def test_pieces_of_a_decoder_run_as_the_whole(pieces):
     """A 5-layer decoder (random weights) decoded through DecodeGraphs in 1, 3 and 5 pieces (graphs per
     size on CUDA; here the same generator, run eagerly) equals the runner's eager forward."""
-    from rayllm.engine.config import LlamaArch
     from rayllm.layers.linear import TPGroup
     from rayllm.models.llama import LlamaForCausalLM
+    from rayllm.schema.config import LlamaArch
 
     torch.manual_seed(3)
     arch = LlamaArch(hidden_size=32, intermediate_size=48, num_layers=5, num_heads=HQ, num_kv_heads=HK, head_dim=D,

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rayllm.engine.sampling_params import GuidedSpec
 from rayllm.sample.guided import GrammarCompiler, new_matcher, next_token_bitmask
+from rayllm.schema.sampling_params import GuidedSpec
 
 SCHEMA = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                "required": ["a"]}), "response_format")
@@ -18,7 +18,7 @@ SLOW = GuidedSpec("ebnf", "root ::= " + " ".join("[a-z]*" for _ in range(3000)),
 
 @pytest.fixture(scope="module")
 def tok(gguf_path):
-    from rayllm.serve.tokenizer import load_tokenizer
+    from rayllm.serve.chat_template import load_tokenizer
 
     return load_tokenizer(gguf_path)
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, StopOptions
+from rayllm.schema.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

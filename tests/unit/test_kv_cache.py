@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rayllm.engine.config import CacheConfig, EngineConfig, ParallelConfig
 from rayllm.engine.engine import LLMEngine
+from rayllm.schema.config import CacheConfig, EngineConfig, ParallelConfig
 
 
 def test_engine_with_no_room_for_kv_fails_at_start_naming_the_budget():

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from rayllm.engine.sampling_params import GuidedSpec
 from rayllm.protocol.structured import choice_grammar, literal_choices, pick_choice
+from rayllm.schema.sampling_params import GuidedSpec
 
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ['say "hi"', "a | b", "back\\slash", "ünï", ""], ["x", "x", "y"]])

@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from rayllm.engine.config import LlamaArch
 from rayllm.lora.files import LoRAError, max_adapter_bytes, random_peft_adapter, read_peft_adapter
+from rayllm.schema.config import LlamaArch
 
 # A tiny architecture (no weights needed: only shapes are checked).
 ARCH = LlamaArch(hidden_size=96, intermediate_size=128, num_layers=2, num_heads=6, num_kv_heads=3, head_dim=16,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayllm.engine.config import LlamaArch, LoRAConfig
 from rayllm.layers.linear import TPGroup
 from rayllm.lora.files import random_peft_adapter, read_peft_adapter
 from rayllm.lora.layers import LoRAManager
 from rayllm.models.llama import LlamaForCausalLM
+from rayllm.schema.config import LlamaArch, LoRAConfig
 
 ARCH = LlamaArch(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                  vocab_size=50, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayllm.engine.config import LlamaArch
 from rayllm.layers.moe import MoEConfig, expert_param, fused_experts, route, sparse_layer_ids
+from rayllm.schema.config import LlamaArch
 
 
 def per_token_reference(x, w13, w2, weights, ids):

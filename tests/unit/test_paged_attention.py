@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from rayllm.attention.backends import SDPAAttention
+from rayllm.attention.sdpa import SDPAAttention
 from rayllm.platforms.cpu import kernels as cpu_kernels
-from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput
+from rayllm.runner.model_runner import ModelRunner
+from rayllm.schema.step import SeqStep, StepInput
 
 
 def dense_attention(q, k, v):

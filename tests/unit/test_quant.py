@@ -14,8 +14,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from rayllm.loader.loader import RawBlocks, _unpermute_rotary
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
+from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.quant.methods import Int4GroupWeight, Int8GroupWeight, decode_blocks
 
 N, K = 64, 512
@@ -41,7 +41,7 @@ def test_decode_and_kernel_match_gguf_dequantize(name, heads):
     qtype = GGMLQuantizationType[name]
     ref = torch.from_numpy(dequantize(data, qtype).reshape(N, K).astype(np.float32))
     if heads:  # q/k rows come back from llama.cpp's rotary order, as the dense loader does it
-        ref = _unpermute_rotary(ref, heads)
+        ref = unpermute_rotary(ref, heads)
     q, scale, zero, group = decode_blocks(RawBlocks(data, qtype, (N, K), heads))
     dense = (q.float().view(N, -1, group) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(N, K)
     assert torch.equal(dense, ref)  # the decoded values are exactly gguf's
@@ -106,9 +106,9 @@ def test_fp8_checkpoint_dequantized_matches_transformers(tmp_path, scale_kind):
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rayllm.engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
     from rayllm.executor.executor import make_executor
     from rayllm.loader.loader import read_arch
+    from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,

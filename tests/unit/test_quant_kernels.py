@@ -52,9 +52,9 @@ def test_small_batches_keep_the_weight_only_kernel_when_prepacked():
 
 
 def tiny_model():
-    from rayllm.engine.config import LlamaArch
     from rayllm.layers.linear import TPGroup
     from rayllm.models.llama import LlamaForCausalLM
+    from rayllm.schema.config import LlamaArch
 
     arch = LlamaArch(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1e4,

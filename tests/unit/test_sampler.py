@@ -19,10 +19,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.runner.model_runner import SeqStep
 from rayllm.sample.sampler import processed_logits, sample, sampling_probs, scaled_logits
 from rayllm.sample.sampling_inputs import SamplingInputs
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.schema.step import SeqStep
 
 VOCAB = 40
 EOS = 2

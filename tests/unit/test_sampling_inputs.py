@@ -19,11 +19,11 @@ import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
 
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.runner.model_runner import SeqStep
 from rayllm.sample import sampling_inputs
 from rayllm.sample.sampler import Penalties, SamplingTensors, sample_on_device, top_logprobs
 from rayllm.sample.sampling_inputs import SamplingInputs, allowed_tokens, to_device
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.schema.step import SeqStep
 
 VOCAB = 100
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.runner.model_runner import SeqStep
 from rayllm.sample.sampling_inputs import SamplingInputs, prompt_logprobs
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.schema.step import SeqStep
 
 VOCAB = 64
 EDGE_INTS = [-(2**63) - 1, -(2**63), -2, -1, 0, 1, 2, VOCAB - 1, VOCAB, VOCAB + 1, 2**31 - 1, 2**31, 2**63 - 1, 2**63,
@@ -96,7 +96,7 @@ def test_sequence_error_crosses_a_process_boundary():
     """The engine process sends a request's own failure over its pipe (pickled)."""
     import pickle
 
-    from rayllm.engine.outputs import SequenceError
+    from rayllm.schema.outputs import SequenceError
 
     err = pickle.loads(pickle.dumps(SequenceError("req-1", "bad seed")))
     assert isinstance(err, SequenceError) and err.request_id == "req-1" and str(err) == "bad seed"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from rayllm.engine.block_manager import BlockManager
-from rayllm.engine.config import SchedulerConfig
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.engine.scheduler import Scheduler
 from rayllm.engine.sequence import Sequence, SequenceStatus
+from rayllm.schema.config import SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from rayllm.engine.block_manager import BlockManager
-from rayllm.engine.config import SchedulerConfig
-from rayllm.engine.sampling_params import SamplingParams
 from rayllm.engine.scheduler import Scheduler
 from rayllm.engine.sequence import Sequence
 from rayllm.platforms.cpu.split_step import split_point
-from rayllm.runner.model_runner import SeqStep
+from rayllm.schema.config import SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.schema.step import SeqStep
 
 BS = 4
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rayllm.protocol.errors import APIError
+from rayllm.serve.chat_template import ChatRenderer, load_tokenizer
 from rayllm.serve.template_sandbox import TemplateSandbox
-from rayllm.serve.tokenizer import ChatRenderer, load_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{{ bos_token }}"

@@ -8,8 +8,9 @@ import random
 import pytest
 
 from rayllm.loader.model_files import DEFAULT_MODEL_NAME, resolve_model_path
+from rayllm.serve.chat_template import load_tokenizer
 from rayllm.serve.detokenizer import IncrementalDetokenizer
-from rayllm.serve.tokenizer import TokenizerService, load_tokenizer
+from rayllm.serve.tokenizer import TokenizerService
 
 TEXT = "Hello wörld 🎉 — naïve café, 東京タワー. The capital of France is Paris. END"
 LONG = (

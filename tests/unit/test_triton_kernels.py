@@ -17,7 +17,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from rayllm.attention.backends import write_cache  # noqa: E402
+from rayllm.attention.base import write_cache  # noqa: E402
 from rayllm.attention.triton import TritonKernels  # noqa: E402
 from rayllm.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul  # noqa: E402
 

@@ -17,10 +17,12 @@ import pytest
 import torch
 from xformers_standin import install_fake_xformers  # tests/unit is on sys.path under pytest
 
-from rayllm.attention import backends as attention_module
-from rayllm.attention.backends import SDPAAttention, XformersAttention, make_attention_backend
+from rayllm.attention.sdpa import SDPAAttention
+from rayllm.attention.selector import BACKENDS, make_attention_backend
+from rayllm.attention.xformers import XformersAttention
 from rayllm.engine.block_manager import FREED
-from rayllm.runner.model_runner import ModelRunner, SeqStep, StepInput
+from rayllm.runner.model_runner import ModelRunner
+from rayllm.schema.step import SeqStep, StepInput
 
 STEPS_TABLES = [[9, 3, 27, 14], [5, 20, 11], [31]]  # deliberately scattered blocks
 
@@ -124,10 +126,7 @@ def test_backend_choice(monkeypatch, caplog):
     install_fake_xformers(monkeypatch)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     # First without triton (auto tries it before xformers): as on a machine without it.
-    def no_triton():
-        raise ImportError("No module named 'triton'")
-
-    monkeypatch.setattr(attention_module, "_triton_backend", no_triton)
+    monkeypatch.setitem(BACKENDS, "triton", "triton_is_not_installed_here:TritonAttention")
     assert make_attention_backend("auto", cpu).name == "sdpa"
     with pytest.raises(ValueError, match="needs CUDA"):
         make_attention_backend("xformers", cpu)
@@ -141,7 +140,7 @@ def test_backend_choice(monkeypatch, caplog):
         raise NotImplementedError("No operator found for `memory_efficient_attention_forward` with inputs:")
 
     monkeypatch.setattr(XformersAttention, "probe", refuse)
-    with caplog.at_level(logging.WARNING, logger="rayllm.attention.backends"):
+    with caplog.at_level(logging.WARNING, logger="rayllm.attention.selector"):
         assert make_attention_backend("auto", cuda).name == "sdpa"
     assert "No operator found" in caplog.text
     with pytest.raises(NotImplementedError):
@@ -149,7 +148,7 @@ def test_backend_choice(monkeypatch, caplog):
     caplog.clear()
     # xformers present but unloadable (built for another torch/CUDA): auto falls back, and says so.
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
-    with caplog.at_level(logging.WARNING, logger="rayllm.attention.backends"):
+    with caplog.at_level(logging.WARNING, logger="rayllm.attention.selector"):
         assert make_attention_backend("auto", cuda).name == "sdpa"
     assert "xformers attention unavailable" in caplog.text
     with pytest.raises(ImportError):

@@ -25,14 +25,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from rayllm.engine.outputs import EngineDeadError, RequestOutput, SequenceError
-from rayllm.engine.sampling_params import SamplingParams
-from rayllm.sample.sampling_inputs import describe
+from rayllm.common.errors import describe
+from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError
+from rayllm.schema.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rayllm.engine.client.engine_process import EngineProcess
-    from rayllm.engine.config import EngineConfig, LlamaArch
     from rayllm.engine.engine import EngineStats, LLMEngine
+    from rayllm.schema.config import EngineConfig, LlamaArch
 
 log = logging.getLogger("rayllm.engine.engine")
 

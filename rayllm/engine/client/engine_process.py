@@ -25,11 +25,11 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rayllm.engine.config import EngineConfig
+from rayllm.common.errors import describe
 from rayllm.engine.engine import EngineDeadError
-from rayllm.engine.outputs import SequenceError
 from rayllm.platforms.cpu.kernels import onednn_cache_env
-from rayllm.sample.sampling_inputs import describe
+from rayllm.schema.config import EngineConfig
+from rayllm.schema.outputs import SequenceError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from rayllm.layers.linear import OneDNNWeight
 
 if TYPE_CHECKING:
-    from rayllm.runner.model_runner import SeqStep
+    from rayllm.schema.step import SeqStep
 
 
 def split_point(seqs: Sequence[SeqStep], block_size: int, min_tokens: int) -> int:

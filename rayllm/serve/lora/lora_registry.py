@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rayllm.engine.config import LoRAConfig
 from rayllm.lora.files import LoRAError, read_peft_adapter
 from rayllm.protocol.errors import APIError
+from rayllm.schema.config import LoRAConfig
 from rayllm.serve.lora.adapter_paths import resolve_allowed
 
 if TYPE_CHECKING:

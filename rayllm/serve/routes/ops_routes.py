@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from ray.serve.handle import DeploymentHandle
 
+from rayllm.common.errors import first_line
 from rayllm.protocol.errors import APIError
 from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from rayllm.serve.auth import Access
@@ -30,7 +31,7 @@ async def health(llms: list[DeploymentHandle]) -> Response:
     try:  # bounded: while the only replica is being replaced, the call would otherwise queue
         await asyncio.wait_for(asyncio.gather(*(llm.check_health.remote() for llm in llms)), timeout=10)
     except Exception as exc:
-        log.warning("/health: model unavailable: %s", (str(exc).splitlines() or [type(exc).__name__])[0][:500])
+        log.warning("/health: model unavailable: %s", first_line(exc, 500))
         return error_response(APIError(503, UNHEALTHY, type="server_error", code="model_unavailable"))
     return Response(status_code=200)
 

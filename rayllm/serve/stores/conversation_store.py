@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from rayllm.common.errors import first_line
 from rayllm.protocol.errors import APIError
 
 log = logging.getLogger("ray.serve")
@@ -123,7 +124,7 @@ class ConversationStore:
                 with self._pool.connection(timeout=self.timeout_s) as conn, conn.cursor() as cur:
                     yield _Cursor(cur, "%s")
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                log.warning("storage unavailable (postgresql): %s", str(exc).splitlines()[0] if str(exc) else exc)
+                log.warning("storage unavailable (postgresql): %s", first_line(exc))
                 raise StorageUnavailable() from None
 
     @contextmanager

@@ -1,0 +1,54 @@
+"""Which attention backend a worker runs: a table of names, as the model registry is, so that a backend is
+one file plus one line here, and only the backend in use is imported (xformers and triton need CUDA)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from rayllm.attention.base import AttentionBackend
+from rayllm.common.errors import first_line
+from rayllm.platforms.cpu import kernels as cpu_kernels
+
+log = logging.getLogger(__name__)
+
+# name -> "module:Class"; a class takes no arguments (the CPU default below passes the C kernels to sdpa).
+BACKENDS: dict[str, str] = {
+    "sdpa": "rayllm.attention.sdpa:SDPAAttention",
+    "triton": "rayllm.attention.triton:TritonAttention",
+    "xformers": "rayllm.attention.xformers:XformersAttention",
+}
+# What `auto` tries on CUDA, in order (the Triton kernels measured fastest on a GPU, docs/benchmarks.md).
+CUDA_AUTO = ("triton", "xformers")
+
+
+def backend_class(name: str) -> type:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; choose auto or one of {', '.join(sorted(BACKENDS))}")
+    module, _, cls = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_attention_backend(choice: str, device: torch.device) -> AttentionBackend:
+    """auto: on CUDA, the first of CUDA_AUTO that imports, compiles and agrees with torch on this device,
+    else torch SDPA; on CPU, SDPA with the C kernels when they build. sdpa: torch only (the reference
+    path). An explicit choice is honoured or fails."""
+    if choice == "sdpa":
+        return backend_class("sdpa")()
+    if choice == "auto" and device.type != "cuda":
+        return backend_class("sdpa")(cpu_kernels.load())
+    if choice != "auto" and device.type != "cuda" and choice in CUDA_AUTO:
+        raise ValueError(f"attention_backend {choice} needs CUDA")
+    for name in (CUDA_AUTO if choice == "auto" else (choice,)):
+        try:
+            backend = backend_class(name)()
+            backend.probe(device)
+            return backend
+        except Exception as exc:  # missing extra, built for another torch/CUDA, or no compiler for this GPU
+            if choice == name:
+                raise
+            log.warning("%s attention unavailable (%s)", name, first_line(exc))
+    log.warning("using torch SDPA attention")
+    return backend_class("sdpa")()

@@ -1,0 +1,173 @@
+"""Tokenizers and chat templates: load a model's tokenizer (a Hugging Face folder or the GGUF's own, saved once
+as a folder) and render chat messages with its template (roles, tools, reasoning switches, continuation).
+Used by the tokenizer deployment and, for client-supplied templates, by its sandboxed child."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from rayllm.protocol.messages import text_of
+from rayllm.protocol.tools import inline_tools, template_knows_tools
+
+# Roles some chat templates do not know, mapped onto ones they do.
+ROLE_FALLBACK = {"developer": "system", "function": "tool"}
+
+# Keys of chat_template_kwargs that would clash with our own arguments to apply_chat_template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tokenize", "return_dict", "return_tensors", "chat_template", "tools",
+     "add_generation_prompt", "continue_final_message", "padding", "truncation", "max_length"}
+)
+
+# Fill-in-the-middle token spellings: StarCoder/SantaCoder style and Qwen2.5-Coder style.
+FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+                  ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+
+# End-of-turn tokens of common chat formats, stopped on besides the tokenizer's EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
+
+# Marks the end of the final message's content when continuing it (cut point in the rendered text).
+_CONTINUE_SENTINEL = "\x00<continue-final-message>\x00"
+
+
+def _gguf_tokenizer_cache(model_path: str) -> str:
+    """Where the tokenizer rebuilt from this GGUF file is kept: per file (path, size, mtime) and transformers
+    version, under the user's cache dir (TOKENIZER_CACHE overrides)."""
+    import hashlib
+
+    import transformers
+
+    st = os.stat(model_path)
+    key = f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
+    root = os.environ.get("TOKENIZER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rayllm-tokenizers")
+    return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
+    """A GGUF file (tokenizer rebuilt from its metadata by transformers) or a Hugging Face directory.
+
+    Rebuilding from GGUF metadata takes seconds of CPU in every process that loads it (each replica, each
+    template sandbox); the result is saved once as a Hugging Face tokenizer directory and loaded from there."""
+    if not model_path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(model_path)
+    cached = _gguf_tokenizer_cache(model_path)
+    if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        tok = _tokenizer_from_gguf(model_path)
+        tmp = None
+        try:  # written beside, then renamed: concurrent loaders never see a partial directory
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+            tok.save_pretrained(tmp)
+            os.rename(tmp, cached)
+        except OSError:  # a read-only home (this rebuilt one serves), or another process renamed first
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+                return tok
+    # Every process loads the same saved directory, the first one included.
+    return AutoTokenizer.from_pretrained(cached)
+
+
+def _tokenizer_from_gguf(model_path: str) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    if not getattr(tok, "chat_template", None):
+        # Older transformers did not copy `tokenizer.chat_template` from the GGUF metadata.
+        from gguf import GGUFReader  # numpy only, no torch
+
+        field = GGUFReader(model_path).fields.get("tokenizer.chat_template")
+        if field is not None:
+            tok.chat_template = field.contents()
+    return tok
+
+
+def _tool_calls(calls: list[dict]) -> list[dict]:
+    """HF templates expect `arguments` as a mapping (they `tojson` it); OpenAI sends a JSON string."""
+    out = []
+    for call in calls:
+        call = dict(call)
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
+            except json.JSONDecodeError:
+                pass  # leave malformed arguments as the client sent them
+        out.append(call)
+    return out
+
+
+class ChatRenderer:
+    """Renders OpenAI-shaped messages with the model's (or a request's) jinja chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.default_template: str | None = getattr(tokenizer, "chat_template", None) or None
+
+    @staticmethod
+    def _known_roles(template: str) -> set[str]:
+        return {r for r in ROLE_FALLBACK if f"'{r}'" in template or f'"{r}"' in template}
+
+    def _messages(self, messages: list[dict], template: str) -> list[dict]:
+        known = self._known_roles(template)
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}] must be an object with a role")
+            m = dict(m)
+            # Templates concatenate content; None (assistant with tool_calls) renders as empty.
+            m["content"] = text_of(m.get("content"))
+            if m["role"] in ROLE_FALLBACK and m["role"] not in known:
+                m["role"] = ROLE_FALLBACK[m["role"]]
+            if m.get("tool_calls"):
+                m["tool_calls"] = _tool_calls(m["tool_calls"])
+            out.append(m)
+        return out
+
+    def render(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> str:
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        template = chat_template or self.default_template
+        if not template:
+            raise ValueError("this model has no chat template; pass chat_template or use /v1/completions")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        msgs = self._messages(messages, template)
+        if not template_knows_tools(template) and (
+            tools or any(m.get("tool_calls") or m.get("function_call") or m["role"] == "tool" for m in msgs)
+        ):
+            # A template without tool support (SmolLM2's): offer the tools and replay the calls as text.
+            msgs, tools = inline_tools(msgs, tools), None
+        if continue_final_message:
+            if msgs[-1]["role"] != "assistant":
+                raise ValueError("continue_final_message needs the last message to be from the assistant")
+            final = msgs[-1]["content"]
+            msgs[-1] = {**msgs[-1], "content": final + _CONTINUE_SENTINEL}
+        kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      chat_template=template, tools=tools, **kwargs)
+        except Exception as exc:  # jinja syntax errors, undefined variables, raise_exception() alike
+            raise ValueError(f"chat template error: {type(exc).__name__}: {exc}") from None
+        if not isinstance(text, str):
+            raise ValueError("chat template did not render to text")
+        if continue_final_message:
+            # Cut right after the final content, dropping the template's end-of-turn tokens (as vLLM);
+            # the sentinel survives templates that rewrite content (strip, split on think tags).
+            cut = text.rfind(_CONTINUE_SENTINEL)
+            if cut < 0:
+                raise ValueError("the chat template dropped the final assistant message; cannot continue it")
+            text = text[:cut]
+        return text
