@@ -32,7 +32,7 @@ $(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(BIN)/python
 	$(PIP_INSTALL) xgrammar==0.2.8
 	touch $@
 
-# CPU test installs add the deepspeed extra, so tests/model/test_allreduce.py runs its shm all-reduce.
+# CPU test installs add the deepspeed extra, so tests/distributed/test_allreduce.py runs its shm all-reduce.
 comma := ,
 TEST_EXTRAS := $(if $(GPU),test,test$(comma)deepspeed)
 
@@ -54,7 +54,7 @@ serve: install
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# The unit lane: no model runs, no Ray Serve (tests/model and tests/serve carry the `slow` marker).
+# The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
 test-fast: install-test
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 

@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine_bench_shape import SHAPES, bench_shape  # noqa: E402
 
 from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.layers.linear import OneDNNWeight, onednn_available  # noqa: E402
 from rayllm.loader.model_files import default_model_path  # noqa: E402
+from rayllm.platforms.cpu.onednn import OneDNNWeight, onednn_available  # noqa: E402
 from rayllm.schema.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
@@ -103,7 +103,7 @@ def gemm_floor(model, batch: list[list[int]], new_tokens: int) -> float:
     through every projection, then `new_tokens - 1` decode steps of one row per sequence, plus the
     LM head for one row per sequence per step. Nothing else (no attention, norms or sampling), so
     `transformers' seconds / this` is the most any engine with these GEMMs can gain over it here.
-    The weights are reordered for oneDNN as our engine's are (parallel.OneDNNWeight): the fastest
+    The weights are reordered for oneDNN as our engine's are (platforms/cpu/onednn.py): the fastest
     GEMM we know of in this dtype, so the ceiling holds for us too."""
     linears = [m.weight for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]

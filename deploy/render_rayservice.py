@@ -1,7 +1,7 @@
 """Rewrite deploy/rayservice.yaml's embedded Serve config from cluster.yaml (HTTP host 0.0.0.0 in pods).
 
     python deploy/render_rayservice.py          # rewrite in place
-    python deploy/render_rayservice.py --check  # exit 1 if the manifest is stale (tests/unit/test_deploy.py)
+    python deploy/render_rayservice.py --check  # exit 1 if the manifest is stale (tests/deploy/test_deploy.py)
 """
 
 from __future__ import annotations

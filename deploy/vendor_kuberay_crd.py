@@ -1,4 +1,4 @@
-"""Vendor KubeRay's RayService CRD schema (v1) for tests/unit/test_deploy.py, descriptions stripped.
+"""Vendor KubeRay's RayService CRD schema (v1) for tests/deploy/test_deploy.py, descriptions stripped.
 
     python deploy/vendor_kuberay_crd.py VERSION CRD
         VERSION: the KubeRay release, e.g. v1.7.0

@@ -9,14 +9,32 @@ import pytest
 # Quiet, deterministic CPU runs: tests share 2 cores with Ray's own processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Lanes: everything under these folders runs the real model (and Ray Serve); `make test-fast` skips them.
-SLOW_FOLDERS = ("model", "serve")
+# The folders mirror rayllm/ (tests/engine/test_scheduler.py tests rayllm/engine/scheduler.py); the cost
+# lanes are markers: files that run the real model or Ray Serve say `pytestmark = pytest.mark.slow`, and
+# `make test-fast` skips them. tests/gpu is the GPU lane (its own conftest).
+_RAY_BY_FIXTURE = False
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if item.path.parent.name in SLOW_FOLDERS:
-            item.add_marker(pytest.mark.slow)
+@pytest.fixture
+def ray_local() -> None:
+    """One local Ray instance for the tensor-parallel tests of a folder (Ray starts once, not per module)."""
+    global _RAY_BY_FIXTURE
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        _RAY_BY_FIXTURE = True
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' own teardown (an engine's actors go first)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Ray started by ray_local stops after its folder's last test, before tests/serve starts its own."""
+    global _RAY_BY_FIXTURE
+    if _RAY_BY_FIXTURE and (nextitem is None or nextitem.path.parent != item.path.parent):
+        import ray
+
+        ray.shutdown()
+        _RAY_BY_FIXTURE = False
 
 
 @pytest.fixture(scope="session")

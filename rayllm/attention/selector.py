@@ -1,5 +1,4 @@
-"""Which attention backend a worker runs: a table of names, as the model registry is, so that a backend is
-one file plus one line here, and only the backend in use is imported (xformers and triton need CUDA)."""
+"""Which attention backend a worker runs, from the table in registry.py."""
 
 from __future__ import annotations
 
@@ -9,20 +8,11 @@ import logging
 import torch
 
 from rayllm.attention.base import AttentionBackend
+from rayllm.attention.registry import BACKENDS, CUDA_AUTO
 from rayllm.common.errors import first_line
 from rayllm.platforms.cpu import kernels as cpu_kernels
 
 log = logging.getLogger(__name__)
-
-# name -> "module:Class"; a class takes no arguments (the CPU default below passes the C kernels to sdpa).
-BACKENDS: dict[str, str] = {
-    "sdpa": "rayllm.attention.sdpa:SDPAAttention",
-    "triton": "rayllm.attention.triton:TritonAttention",
-    "xformers": "rayllm.attention.xformers:XformersAttention",
-}
-# What `auto` tries on CUDA, in order (the Triton kernels measured fastest on a GPU, docs/benchmarks.md).
-CUDA_AUTO = ("triton", "xformers")
-
 
 def backend_class(name: str) -> type:
     if name not in BACKENDS:

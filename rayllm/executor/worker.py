@@ -17,15 +17,11 @@ import torch.distributed as dist
 
 from rayllm.attention.selector import make_attention_backend
 from rayllm.distributed.allreduce import make_all_reduce
-from rayllm.layers.linear import (
-    TPGroup,
-    onednn_available,
-    pack_small_batch_weights,
-    prepack_onednn_weights,
-)
+from rayllm.layers.linear import TPGroup, pack_small_batch_weights, prepack_onednn_weights
 from rayllm.loader.loader import load_weights
 from rayllm.lora.layers import LoRAManager
 from rayllm.models.registry import model_class
+from rayllm.platforms.cpu.onednn import onednn_available
 from rayllm.runner import kv_cache
 from rayllm.runner.model_runner import ModelRunner
 from rayllm.schema.config import EngineConfig, LlamaArch

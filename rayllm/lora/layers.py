@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayllm.layers.linear import OneDNNWeight
 from rayllm.lora.files import TARGETS, LoRAError, UnknownAdapterError, read_peft_adapter
+from rayllm.platforms.cpu.onednn import OneDNNWeight
 from rayllm.schema.config import LlamaArch, LoRAConfig
 
 

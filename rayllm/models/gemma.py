@@ -2,7 +2,7 @@
 scaled by sqrt(hidden), query_pre_attn_scalar, sliding-window layers interleaved with global ones,
 logit soft-capping (Gemma 2), per-head q/k norms and separate local/global rope bases (Gemma 3).
 
-Sliding-window layers attend to the last `sliding_window` keys only (attention.py masks the rest).
+Sliding-window layers attend to the last `sliding_window` keys only (attention/sdpa.py masks the rest).
 Their blocks are not freed (block_manager.py frees only when every layer is windowed): the global
 layers interleaved with them read the whole context from the same blocks.
 """
@@ -171,7 +171,7 @@ class GemmaForCausalLM(nn.Module):
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     }
-    torch_attention_only = True  # the C kernel has no window or soft-cap (see attention.py)
+    torch_attention_only = True  # the C kernel has no window or soft-cap (see attention/sdpa.py)
 
     def __init__(self, arch: LlamaArch, tp: TPGroup, attn_backend):
         super().__init__()

@@ -1,7 +1,7 @@
 """Phi-3 / Phi-4 (Phi3ForCausalLM): a Llama decoder whose checkpoint fuses qkv_proj and gate_up_proj,
 with LongRoPE ("su") scaling, partial rotary (Phi-4-mini) and an optional sliding window (Phi-3-mini).
 
-A sliding window on every layer keeps attention within it (attention.py), and the blocks that fall
+A sliding window on every layer keeps attention within it (attention/sdpa.py), and the blocks that fall
 behind it go back to the pool (block_manager.py).
 """
 

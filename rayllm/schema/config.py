@@ -18,10 +18,10 @@ class ModelConfig:
     # On CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 copies for steps of
     # few tokens (decode), where they are faster than bf16. auto: 4-bit layers multiply int8-quantized
     # activations (groups of 32, as llama.cpp) with AVX-512 VNNI where the CPU has it, up to
-    # parallel.VNNI_TOKENS tokens; weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens;
+    # layers.linear.VNNI_TOKENS tokens; weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens;
     # closer to bf16, slower); none: bf16 weights only. Quality of each: docs/benchmarks.md.
     small_batch_quant: str = "auto"  # auto | weight_only | none
-    # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see parallel.OneDNNWeight).
+    # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see platforms/cpu/onednn.py).
     # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
     cpu_weight_prepack: bool = True
     # auto: weights are dense in `dtype`. quantized: a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 linear
@@ -91,8 +91,8 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    # auto: on CUDA triton (triton_kernels.py) if it runs, else xformers, else SDPA; on CPU the C
-    # paged-attention kernel (cpu_kernels.py) runs every sequence of a step, decode rows and prefill
+    # auto: on CUDA triton (attention/triton.py) if it runs, else xformers, else SDPA; on CPU the C
+    # paged-attention kernel (platforms/cpu/kernels.py) runs every sequence of a step, decode rows and prefill
     # chunks alike, and torch (SDPA per prefill chunk) runs only when the kernel does not build or the
     # model has sliding-window or soft-capped layers. sdpa: torch only. xformers, triton: CUDA only.
     attention_backend: str = "auto"
@@ -137,8 +137,9 @@ class ParallelConfig:
             raise ValueError("cpu_wide_step_tokens must be >= 0")
         if self.cpu_half_step_tokens < 0:
             raise ValueError("cpu_half_step_tokens must be >= 0")
-        if self.attention_backend not in ("auto", "sdpa", "xformers", "triton"):
-            raise ValueError("attention_backend must be auto, sdpa, xformers or triton")
+        # The names themselves are attention.selector.BACKENDS' (checked there, and by the serve config).
+        if not self.attention_backend.isidentifier():
+            raise ValueError("attention_backend must be auto or a backend's name (sdpa, xformers, triton)")
         if not 1 <= self.cuda_graph_pieces <= 64:
             raise ValueError("cuda_graph_pieces must be between 1 and 64")
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from rayllm.attention.registry import BACKENDS
 from rayllm.schema.config import EngineConfig
 from rayllm.serve.auth import parse_key
 
@@ -44,7 +45,7 @@ class ModelEntry:
         aliases = d.get("aliases") or ()
         if isinstance(aliases, str) or not all(isinstance(a, str) and a for a in aliases):
             raise ValueError(f"aliases must be a list of names, got {aliases!r}")
-        return cls(EngineConfig.from_dict(engine), tuple(aliases), dict(d.get("deployment") or {}))
+        return cls(check_backend(EngineConfig.from_dict(engine)), tuple(aliases), dict(d.get("deployment") or {}))
 
 
 def check_model_names(models: tuple[ModelEntry, ...]) -> None:
@@ -156,7 +157,7 @@ class ServerConfig:
             raise ValueError("models must be a non-empty list of model entries")
         if models:
             args["models"] = tuple(ModelEntry.from_dict(dict(m)) for m in models)
-        engine = EngineConfig.from_dict(args.pop("engine", {}) or {})
+        engine = check_backend(EngineConfig.from_dict(args.pop("engine", {}) or {}))
         keys = tuple(args.pop("api_keys", None) or ())
         env_keys = tuple(k.strip() for k in os.environ.get("API_KEYS", "").split(",") if k.strip())
         admin = tuple(args.pop("admin_api_keys", None) or ())
@@ -172,3 +173,11 @@ class ServerConfig:
         if cfg.tool_parser not in ("auto", "hermes", "mistral"):
             raise ValueError(f"tool_parser must be auto, hermes or mistral, got {cfg.tool_parser!r}")
         return cfg
+
+
+def check_backend(engine: EngineConfig) -> EngineConfig:
+    """A misspelt attention backend fails when the config is read, not when a replica starts."""
+    if engine.parallel.attention_backend not in ("auto", *BACKENDS):
+        raise ValueError(f"engine.parallel.attention_backend: {engine.parallel.attention_backend!r} is not auto or one "
+                         f"of {', '.join(sorted(BACKENDS))}")
+    return engine

@@ -17,14 +17,13 @@ from dataclasses import replace
 from ray import serve
 
 from rayllm.common.errors import first_line
-from rayllm.engine.engine import EngineDeadError
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.errors import APIError, replica_failed
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
 from rayllm.protocol.structured import literal_choices
 from rayllm.sample.guided import CompilerBusyError, GrammarCompiler
 from rayllm.schema.config import EngineConfig
-from rayllm.schema.outputs import RequestOutput, SequenceError, TokenLogprob
+from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
 from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 from rayllm.serve.detokenizer import IncrementalDetokenizer
 from rayllm.serve.generation_modes import best_of, choose

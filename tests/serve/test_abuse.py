@@ -15,6 +15,8 @@ import pytest
 
 from tests.serve.ops_apps import MODEL, deploy
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 QUESTION = [{"role": "user", "content": "Say hello."}]
 BOUND_S = 60  # generous: every refusal here takes milliseconds; a stalled replica takes forever
 

@@ -12,6 +12,8 @@ import openai
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 
 def _norm(v: list[float]) -> float:
     return math.sqrt(sum(x * x for x in v))

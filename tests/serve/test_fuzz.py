@@ -11,6 +11,8 @@ import hypothesis
 import pytest
 import schemathesis
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 # Only the routes that reach the model and the tokenizer: the others read and write storage and
 # admin state (other tests cover them).
 FUZZED = r"^/(v1/chat/completions|v1/completions|tokenize|detokenize)$"

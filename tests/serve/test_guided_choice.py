@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 PROMPT = "Question: Is the sky blue on a clear day? Answer with one word.\nAnswer:"
 CHOICES = [" affirmative", " negative", " perhaps", " unknowable"]
 

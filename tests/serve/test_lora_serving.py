@@ -12,6 +12,8 @@ import pytest
 from rayllm.serve.lora.adapter_paths import REFUSED
 from tests.serve.conftest import ADMIN_KEY, API_KEY
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

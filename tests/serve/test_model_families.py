@@ -11,6 +11,8 @@ from conftest import API_KEY
 from ops_apps import deploy
 from tiny_families import make_checkpoint
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 

@@ -15,6 +15,8 @@ import torch
 from conftest import API_KEY
 from ops_apps import MODEL, SMALL_ENGINE, deploy
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 TINY = "tiny-llama"

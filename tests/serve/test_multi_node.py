@@ -16,7 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.serve.conftest import _free_port
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 ROOT = Path(__file__).resolve().parents[2]
 

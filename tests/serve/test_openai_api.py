@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.ops_apps import MODEL, QUESTION, SMALL_ENGINE, Pace, chat_body, deploy, sse_lines
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 # ---- metrics -----------------------------------------------------------------------------------------------
 
 def _metric_values(server: str) -> dict[tuple[str, tuple], float]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

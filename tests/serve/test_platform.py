@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 Q1 = "My name is Ada. Say hello to me."
 Q2 = "What is my name?"
 

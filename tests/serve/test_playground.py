@@ -20,6 +20,8 @@ import pytest
 
 from tests.serve.conftest import API_KEY
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 
 

@@ -12,6 +12,8 @@ import pytest
 from tests.serve.conftest import API_KEY
 from tests.serve.ops_apps import MODEL, deploy
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 BLOCK = 16
 NUM_BLOCKS = 40  # 640 tokens of KV: four requests of ~300 tokens each cannot all stay resident
 ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},

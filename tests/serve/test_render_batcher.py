@@ -11,6 +11,8 @@ import pytest
 
 from tests.serve.conftest import API_KEY
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 CONVERSATIONS = [
     [{"role": "user", "content": f"Question {i}: what is {i} + {i}? " + "Explain. " * (i % 7)}] if i % 3 else
     [{"role": "system", "content": f"Persona {i}."}, {"role": "user", "content": "Hi"},

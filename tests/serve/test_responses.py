@@ -15,6 +15,8 @@ import openai
 import pydantic
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
            "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",

@@ -21,6 +21,8 @@ import pytest
 
 from tests.serve.ops_apps import SMALL_ENGINE, Pace, chat_body, deploy
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 # ---- autoscaling and graceful drain -------------------------------------------------------------------------
 
 SCALE = {"stream_interval_s": 0.05, "llm_deployment_options": {

@@ -7,7 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.serve.conftest import API_KEY
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

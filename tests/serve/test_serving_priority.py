@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 
 def _nice_by_cmdline() -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}

@@ -24,6 +24,8 @@ from tests.serve.conftest import ADMIN_KEY, API_KEY
 from tests.serve.test_structured import SCHEMA, _schema_format
 from tests.serve.test_tools import ASK, PARAMS, TOOLS
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 CLUSTER_YAML = pathlib.Path(__file__).parents[2] / "cluster.yaml"
 # bf16 activations against fp32 transformers: logits of magnitude ~20 carry ~0.1 of rounding each, so top
 # entries' logprobs differ by a few tenths (0.28 seen on a -4 nat alternative); a wrong token, position or

@@ -10,6 +10,8 @@ import httpx
 import jsonschema
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 PERSON = [{"role": "user", "content": "Give me a JSON object describing a person named Bob."}]
 # With no schema a 135M model can nest keys until max_tokens; this prompt keeps its objects short.
 BOB = [{"role": "user", "content": "Reply with a JSON object with the keys name and age for a person called Bob."}]

@@ -13,6 +13,8 @@ import pytest
 
 from tests.serve.conftest import ADMIN_KEY, API_KEY
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 LONG = "Summarize the following notes in one sentence. " + " ".join(f"Note {i}: the sky was clear." for i in range(20))
 
 

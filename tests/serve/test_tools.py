@@ -8,6 +8,8 @@ import httpx
 import jsonschema
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
                   "required": ["city"], "additionalProperties": False}

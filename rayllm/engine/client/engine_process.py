@@ -26,10 +26,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rayllm.common.errors import describe
-from rayllm.engine.engine import EngineDeadError
 from rayllm.platforms.cpu.kernels import onednn_cache_env
 from rayllm.schema.config import EngineConfig
-from rayllm.schema.outputs import SequenceError
+from rayllm.schema.outputs import EngineDeadError, SequenceError
 
 log = logging.getLogger(__name__)
 

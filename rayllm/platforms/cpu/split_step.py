@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rayllm.layers.linear import OneDNNWeight
+from rayllm.platforms.cpu.onednn import OneDNNWeight
 
 if TYPE_CHECKING:
     from rayllm.schema.step import SeqStep

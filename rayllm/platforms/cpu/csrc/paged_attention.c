@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Return codes of the kernels that can fail (cpu_kernels.py raises on them; nothing is written then,
+/* Return codes of the kernels that can fail (kernels.py raises on them; nothing is written then,
  * except that an allocation failure can leave `out` partly written). */
 #define KERNEL_OK 0
 #define KERNEL_ENOMEM 1     /* malloc / aligned_alloc returned NULL */

@@ -1,0 +1,67 @@
+"""The install paths: `make -n` (dry run: prints the recipe, runs nothing) in a temporary copy of the
+Makefile, pyproject.toml and constraints/, with the venv's marker files simulated by `touch`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    shutil.copytree(ROOT / "constraints", tmp_path / "constraints")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").touch()
+    return tmp_path
+
+
+def _touch_after_sources(path: Path) -> None:
+    """A marker written by an earlier install: newer than every file it depends on."""
+    later = time.time() + 5
+    path.touch()
+    os.utime(path, (later, later))
+
+
+def _dry_run(tree: Path, *args: str) -> str:
+    return subprocess.run(["make", "-n", *args], cwd=tree, capture_output=True, text=True, check=True).stdout
+
+
+def test_serve_after_a_gpu_install_keeps_the_gpu_torch(tree):
+    _touch_after_sources(tree / ".venv" / ".installed-gpu")
+    out = _dry_run(tree, "serve")
+    assert "pip install" not in out and "constraints/cpu.txt" not in out
+    assert "serve run cluster.yaml" in out
+    # The test extras go in on the GPU pins too.
+    test_out = _dry_run(tree, "test")
+    assert "-c constraints/gpu.txt -e '.[test]'" in test_out and "constraints/cpu.txt" not in test_out
+
+
+def test_fresh_installs_pick_their_pins(tree):
+    cpu = _dry_run(tree, "serve")
+    assert "-c constraints/cpu.txt -e ." in cpu and "constraints/gpu.txt" not in cpu
+    gpu = _dry_run(tree, "serve", "GPU=1")
+    assert "-c constraints/gpu.txt -e '.[gpu]'" in gpu and "constraints/cpu.txt" not in gpu
+    assert "touch .venv/.installed-gpu" in gpu
+
+
+def test_cpu_serve_after_a_cpu_install_does_nothing_more(tree):
+    _touch_after_sources(tree / ".venv" / ".installed")
+    assert "pip install" not in _dry_run(tree, "serve")
+
+
+def test_cpu_test_installs_bring_the_deepspeed_extra(tree):
+    """So tests/distributed/test_allreduce.py runs DeepSpeed's shm all-reduce in CI; GPU installs leave it out."""
+    assert "-c constraints/cpu.txt -e '.[test,deepspeed]'" in _dry_run(tree, "install-test")
+    gpu = _dry_run(tree, "install-test", "GPU=1")
+    assert "-e '.[test]'" in gpu and "deepspeed" not in gpu

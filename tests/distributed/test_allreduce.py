@@ -1,0 +1,116 @@
+"""The CPU tensor-parallel all-reduce (rayllm/distributed/allreduce.py): DeepSpeed's shared-memory kernel sums
+exactly what gloo sums, and a TP=2 engine on it computes what TP=2 on gloo and TP=1 compute.
+
+Needs the `deepspeed` extra (`make install-test` installs it); skipped, saying so, without it. The first
+run compiles DeepSpeed's op (about 2 minutes on 2 cores; cached by torch afterwards)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rayllm.distributed.allreduce import make_all_reduce
+from rayllm.engine.engine import LLMEngine
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from rayllm.schema.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (pip install -e '.[deepspeed]')")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _sums(rank: int, world: int, init: str, dtype: torch.dtype) -> None:
+    """In each rank's process: the kernel's sum equals gloo's, bit for bit, on every path it has."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        backend, reduce = make_all_reduce("deepspeed", torch.device("cpu"), dtype, rank, world, init,
+                                          dist.group.WORLD)
+        assert backend == "deepspeed"
+        g = torch.Generator().manual_seed(rank)
+        # One decode row; the small-message path (< 1 MiB); the large one; more than its 32 MiB buffer
+        # (chunked); a transposed (non-contiguous) view and float64, which go through gloo.
+        cases = [torch.randn(1, 576, generator=g), torch.randn(64, 576, generator=g),
+                 torch.randn(1024, 576, generator=g), torch.randn(9 << 20, generator=g).view(-1, 1024)]
+        cases = [c.to(dtype) for c in cases] + [torch.randn(576, 64, generator=g).to(dtype).t(),
+                                                torch.randn(100, generator=g, dtype=torch.float64)]
+        for x in cases:
+            expected = x.clone()
+            dist.all_reduce(expected)
+            got = reduce(x)
+            assert got.data_ptr() == x.data_ptr()  # in place
+            assert torch.equal(got, expected), (tuple(x.shape), x.dtype)
+        dist.barrier()
+        port = init.rsplit(":", 1)[1]
+        assert not [f for f in os.listdir("/dev/shm") if f.endswith(f"_{port}_{rank}")]  # unlinked
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shm_kernel_sums_what_gloo_sums(dtype):
+    mp.spawn(_sums, args=(2, f"tcp://127.0.0.1:{_free_port()}", dtype), nprocs=2)
+
+
+def _auto(rank: int, world: int, init: str, threads: int) -> None:
+    """`auto` takes the spinning kernel only with a core to spare beside every rank's threads."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        backend, reduce = make_all_reduce("auto", torch.device("cpu"), torch.float32, rank, world, init,
+                                          dist.group.WORLD)
+        spare = len(os.sched_getaffinity(0)) >= world * threads + 1
+        assert backend == ("deepspeed" if spare else "gloo")
+        assert torch.equal(reduce(torch.full((8,), rank + 1.0)), torch.full((8,), 3.0))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("threads", [1, len(os.sched_getaffinity(0))])
+def test_auto_needs_a_spare_core(threads):
+    mp.spawn(_auto, args=(2, f"tcp://127.0.0.1:{_free_port()}", threads), nprocs=2)
+
+
+def _backend(engine: LLMEngine) -> list[str]:
+    import ray
+
+    workers = engine.executor.workers
+    return ray.get([w.__ray_call__.remote(lambda worker: worker.allreduce_backend) for w in workers])
+
+
+def test_tp2_on_deepspeed_matches_gloo_and_tp1(gguf_path, hf_tokenizer, chat_prompts, ray_local):
+    """The default model in fp32: logits of a prompt and greedy continuations of two chat prompts."""
+    base = EngineConfig(model=ModelConfig(model=gguf_path, dtype="float32"), cache=CacheConfig(kv_cache_bytes=64 << 20),
+                        parallel=ParallelConfig(device="cpu"))
+    eos = [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
+    ids = hf_tokenizer("The capital of France is Paris. The capital of Germany is", add_special_tokens=False).input_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    results = {}
+    for name, tp, choice in [("tp1", 1, "auto"), ("gloo", 2, "gloo"), ("deepspeed", 2, "deepspeed")]:
+        config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tensor_parallel_size=tp,
+                                                                        cpu_allreduce=choice))
+        engine = LLMEngine(config, eos_token_ids=eos)
+        try:
+            if tp > 1:
+                assert _backend(engine) == [name, name]
+            results[name] = (engine.executor.score(ids), engine.generate(chat_prompts[:2], greedy))
+        finally:
+            engine.shutdown()
+    logits, tokens = results["deepspeed"]
+    # Two ranks sum the same two fp32 partials in either backend: identical, not merely close.
+    assert torch.equal(logits, results["gloo"][0])
+    torch.testing.assert_close(logits, results["tp1"][0], atol=2e-3, rtol=1e-3)
+    assert tokens == results["gloo"][1] == results["tp1"][1]
+    assert hf_tokenizer.decode(int(logits[-1].argmax())).strip() == "Berlin"

@@ -1,0 +1,129 @@
+"""Both engine clients (rayllm/engine/client/engine_client.py), an engine on a thread and one in a child process,
+serve the same outputs as `LLMEngine` run offline, end aborted requests, and report stats and health.
+The real default model (SmolLM2 GGUF), in float32 so batch composition cannot change a greedy token."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from rayllm.engine.client.engine_client import (
+    EngineClient,
+    InprocClient,
+    ProcessClient,
+    make_engine_client,
+    steps_in_child,
+)
+from rayllm.engine.engine import EngineStats, LLMEngine
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.outputs import EngineDeadError
+from rayllm.schema.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)
+
+
+def config(gguf_path: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=1024),
+        cache=CacheConfig(kv_cache_bytes=64 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+        parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def offline(gguf_path, eos, chat_prompts) -> tuple[LLMEngine, list[list[int]]]:
+    """An LLMEngine and what it generates offline for the first four prompts (the last one seeded)."""
+    engine = LLMEngine(config(gguf_path), eos_token_ids=eos)
+    return engine, engine.generate(chat_prompts[:4], [GREEDY, GREEDY, GREEDY, SEEDED])
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def client(request, gguf_path, eos, offline):
+    if request.param == "thread":  # the offline engine itself, now driven by the client's thread
+        engine: EngineClient = InprocClient(offline[0])
+    else:
+        engine = make_engine_client(config(gguf_path), eos, own_process=True)
+        assert isinstance(engine, ProcessClient)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
+    tokens: list[int] = []
+    last = None
+    async for out in engine.generate(rid, prompt, params):
+        tokens += out.new_token_ids
+        last = out
+    return tokens, last
+
+
+def idle(stats: EngineStats) -> bool:
+    return stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
+
+
+def test_outputs_equal_the_offline_engine(client, offline, chat_prompts):
+    prompts = chat_prompts[:4]
+
+    async def run():
+        return await asyncio.gather(*[collect(client, f"same{i}", p, SEEDED if i == 3 else GREEDY)
+                                      for i, p in enumerate(prompts)])
+
+    results = asyncio.run(run())
+    assert [tokens for tokens, _ in results] == offline[1]
+    assert all(last.finished and last.num_prompt_tokens == len(p) for (_, last), p in zip(results, prompts, strict=True))
+    assert client.vocab_size == offline[0].arch.vocab_size
+    assert (client.max_model_len, client.capacity_tokens) == (1024, offline[0].capacity_tokens)
+
+
+def test_abort_ends_the_stream_and_frees_its_blocks(client, chat_prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def run():
+        tokens = 0
+        outs = []
+        async for out in client.generate("to-abort", chat_prompts[1], params):
+            tokens += len(out.new_token_ids)
+            outs.append(out)
+            if len(outs) == 1:
+                client.abort("to-abort")
+        # A consumer that leaves early aborts its request too.
+        gen = client.generate("left", chat_prompts[2], params)
+        await anext(gen)
+        await gen.aclose()
+        return tokens, outs[-1]
+
+    tokens, last = asyncio.run(run())
+    assert last.finished and last.finish_reason == "abort" and tokens < 200
+    assert idle(client.stats())  # commands reach the engine in order: the stats call comes after both aborts
+
+
+def test_stats_health_and_refusals(client, chat_prompts):
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(collect(client, "too-long", chat_prompts[0], SamplingParams(max_tokens=4000)))
+    client.check_health()
+    stats = client.stats()
+    assert isinstance(stats, EngineStats) and stats.num_steps > 0 and idle(stats)
+
+
+def test_a_stopped_client_refuses_calls(gguf_path, eos):
+    engine = make_engine_client(config(gguf_path), eos)
+    assert isinstance(engine, InprocClient) and not engine.in_child_process
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        engine.stats()
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+
+
+def test_the_factory_runs_only_single_rank_default_engines_in_a_child(gguf_path):
+    base = config(gguf_path)
+    tp2 = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tensor_parallel_size=2))
+    ray = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, executor="ray"))
+    assert steps_in_child(base, True) and not steps_in_child(base, False)
+    assert not steps_in_child(tp2, True) and not steps_in_child(ray, True)

@@ -1,0 +1,105 @@
+"""The engine in its own process (engine_process.EngineProcess behind engine_client.ProcessClient): refusals,
+aborts, stats and grammars cross the pipe, and a dead child fails its requests and health. That its outputs
+equal the in-process engine's is checked in test_engine_client.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rayllm.engine.client.engine_client import ProcessClient
+from rayllm.engine.client.engine_process import EngineProcess, child_env
+from rayllm.platforms.cpu.kernels import ONEDNN_CACHE_CAPACITY
+from rayllm.sample.guided import GrammarCompiler
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.outputs import EngineDeadError
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+
+def config(gguf_path: str) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=2048),
+        cache=CacheConfig(kv_cache_bytes=64 << 20),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+        parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1),
+    )
+
+
+@pytest.fixture(scope="module")
+def process_engine(gguf_path, eos):
+    engine = ProcessClient(EngineProcess(config(gguf_path), eos_token_ids=eos))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: ProcessClient, rid: str, prompt: list[int], params: SamplingParams, grammar=None):
+    tokens: list[int] = []
+    last = None
+    async for out in engine.generate(rid, prompt, params, grammar=grammar):
+        tokens += out.new_token_ids
+        last = out
+    return tokens, last
+
+
+def test_refusal_abort_and_stats_cross_the_pipe(process_engine, chat_prompts):
+    async def run():
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(process_engine, "too-long", chat_prompts[0], SamplingParams(max_tokens=4000))
+        # A consumer that leaves early aborts its request in the child: its blocks come back.
+        gen = process_engine.generate("left", chat_prompts[1], SamplingParams(temperature=0.0, max_tokens=200))
+        await anext(gen)
+        await gen.aclose()
+        return await asyncio.to_thread(process_engine.stats)  # after the abort: one pipe, in order
+
+    stats = asyncio.run(run())
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
+
+
+def test_the_child_bounds_onednn_caches_unless_the_operator_set_them(process_engine):
+    """Unbounded, oneDNN's two per-shape caches grew the served engine by hundreds of MB (docs/benchmarks.md)."""
+    with open(f"/proc/{process_engine.process._proc.pid}/environ", "rb") as f:
+        env = dict(kv.decode().split("=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    wanted = child_env(dict(os.environ))  # the runner's own settings, if any, win
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == wanted["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert env["LRU_CACHE_CAPACITY"] == wanted["LRU_CACHE_CAPACITY"]
+    assert child_env({}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY,
+                             "LRU_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY}
+    assert child_env({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "16"}) == \
+        {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "16"}
+    assert child_env({"DNNL_PRIMITIVE_CACHE_CAPACITY": "8"}) == \
+        {"DNNL_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": ONEDNN_CACHE_CAPACITY}
+
+
+def test_grammar_constrained_request_in_the_child(process_engine, hf_tokenizer, chat_prompts):
+    """xgrammar objects do not pickle; they cross as JSON and constrain the child's sampling."""
+    import re
+
+    compiler = GrammarCompiler(hf_tokenizer, process_engine.vocab_size, [hf_tokenizer.eos_token_id])
+    grammar = compiler.compile(GuidedSpec(kind="regex", value=r"(yes|no), [0-9]{3}", param="regex"))
+    tokens, last = asyncio.run(collect(process_engine, "g", chat_prompts[0],
+                                       SamplingParams(temperature=0.8, seed=1, max_tokens=20), grammar))
+    assert re.fullmatch(r"(yes|no), [0-9]{3}", hf_tokenizer.decode(tokens, skip_special_tokens=True))
+    assert last.finish_reason == "stop"
+
+
+def test_a_dead_engine_process_fails_open_requests_and_health(gguf_path, eos, chat_prompts):
+    engine = ProcessClient(EngineProcess(config(gguf_path), eos_token_ids=eos))
+    try:
+        async def run():
+            gen = engine.generate("r", chat_prompts[0], SamplingParams(temperature=0.0, max_tokens=500))
+            await anext(gen)
+            engine.process._proc.kill()  # a crash of the child (OOM kill, segfault)
+            with pytest.raises(EngineDeadError):
+                async for _ in gen:
+                    pass
+
+        asyncio.run(run())
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        assert engine.error is not None
+    finally:
+        engine.shutdown()

@@ -1,0 +1,261 @@
+"""Engine behaviour on the real default model: continuous batching, prefix cache, preemption, aborts, seeds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+from rayllm.engine.engine import LLMEngine
+from rayllm.platforms.cpu.kernels import onednn_cache_env
+from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def make_engine(gguf_path: str, eos: list[int], tp: int = 1, backend: str = "auto", **cache) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="float32"),
+            cache=CacheConfig(**({"kv_cache_bytes": 256 << 20} | cache)),
+            # A small token budget so long prompts are prefilled in several chunks.
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+            parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu", attention_backend=backend),
+        ),
+        eos_token_ids=eos,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_path, eos) -> LLMEngine:
+    eng = make_engine(gguf_path, eos)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(hf_model, chat_prompts, eos) -> list[list[int]]:
+    """transformers' greedy generate, each prompt alone, stopping at the same EOS ids."""
+    outs = []
+    for ids in chat_prompts:
+        with torch.no_grad():
+            gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=eos[0])
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def test_batched_greedy_equals_transformers_alone(engine, chat_prompts, reference_outputs):
+    got = engine.generate(chat_prompts, GREEDY)
+    assert got == reference_outputs
+
+
+def test_prefix_cache_hit_gives_same_output_and_reports_cached_tokens(engine, hf_tokenizer):
+    text = "Here is a long shared context about the history of Paris. " * 6 + "Summarise it."
+    ids = hf_tokenizer(text).input_ids
+    assert len(ids) > 3 * engine.config.cache.block_size
+    cold = _run_one(engine, "cold", ids)
+    warm = _run_one(engine, "warm", ids)
+    assert warm["tokens"] == cold["tokens"]
+    assert cold["cached"] == 0
+    bs = engine.config.cache.block_size
+    assert warm["cached"] == (len(ids) - 1) // bs * bs
+
+
+def test_burst_shares_its_common_prefix_within_one_step(engine, chat_prompts, reference_outputs):
+    """Requests admitted in the same step reuse the blocks an earlier one of them is computing."""
+    _check_burst(engine, chat_prompts, reference_outputs)
+
+
+def test_burst_sharing_on_the_torch_attention_path(gguf_path, eos, chat_prompts, reference_outputs):
+    """The same through torch SDPA (no C kernels): a sharing sequence reads its prefix from the cache."""
+    eng = make_engine(gguf_path, eos, backend="sdpa")
+    try:
+        _check_burst(eng, chat_prompts, reference_outputs)
+    finally:
+        eng.shutdown()
+
+
+def _check_burst(engine: LLMEngine, chat_prompts, reference_outputs) -> None:
+    engine.block_manager.reset_prefix_cache()
+    bs = engine.config.cache.block_size
+    common = next(i for i in range(min(map(len, chat_prompts))) if len({p[i] for p in chat_prompts}) > 1)
+    assert common >= bs  # the chat template's system prompt fills at least one block
+    ids = [f"burst-{i}" for i in range(len(chat_prompts))]
+    for rid, prompt in zip(ids, chat_prompts, strict=True):
+        engine.add_request(rid, prompt, GREEDY)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    cached: dict[str, int] = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            cached.setdefault(out.request_id, out.num_cached_tokens)
+    assert [tokens[rid] for rid in ids] == reference_outputs
+    # The first request computed the shared blocks; every other one (admitted in the same step or the
+    # next chunk of prompts under the small token budget) reused them.
+    assert cached[ids[0]] == 0
+    assert all(cached[rid] >= common // bs * bs for rid in ids[1:])
+
+
+def _run_one(engine: LLMEngine, rid: str, ids: list[int], params: SamplingParams = GREEDY) -> dict:
+    engine.add_request(rid, ids, params)
+    tokens: list[int] = []
+    cached = None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                cached = out.num_cached_tokens
+    return {"tokens": tokens, "cached": cached}
+
+
+def test_tiny_kv_cache_preempts_and_still_matches(gguf_path, eos, chat_prompts, reference_outputs):
+    # 12 blocks of 16 tokens cannot hold 8 sequences of ~60 tokens at once: preemption must happen.
+    eng = make_engine(gguf_path, eos, num_blocks_override=12)
+    try:
+        got = eng.generate(chat_prompts, GREEDY)
+        assert eng.scheduler.num_preemptions > 0
+        assert got == reference_outputs
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_abort_frees_every_block(engine, chat_prompts):
+    for i, ids in enumerate(chat_prompts):
+        engine.add_request(f"abort-{i}", ids, SamplingParams(temperature=0.0, max_tokens=200))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    for i in range(len(chat_prompts)):
+        out = engine.abort(f"abort-{i}")
+        assert out is not None and out.finished and out.finish_reason == "abort"
+    assert not engine.has_work()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_seeded_sampling_same_alone_and_in_busy_batch(engine, chat_prompts):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = _run_one(engine, "seed-alone", chat_prompts[0], seeded)["tokens"]
+    noisy = SamplingParams(temperature=1.0, max_tokens=20)
+    for i, ids in enumerate(chat_prompts[1:]):
+        engine.add_request(f"noise-{i}", ids, noisy)
+    busy = _run_one(engine, "seed-busy", chat_prompts[0], seeded)["tokens"]
+    assert busy == alone
+    other = _run_one(engine, "seed-other", chat_prompts[0], SamplingParams(**{**seeded.__dict__, "seed": 99}))
+    assert other["tokens"] != alone  # the seed really drives the draw
+
+
+def test_tensor_parallel_2_greedy_matches(gguf_path, eos, chat_prompts, reference_outputs, ray_local):
+    eng = make_engine(gguf_path, eos, tp=2)
+    try:
+        assert eng.generate(chat_prompts[:4], GREEDY) == reference_outputs[:4]
+        # Each rank's process started with oneDNN's shape caches bounded (as the engine child's are).
+        envs = ray.get([w.__ray_call__.remote(lambda self: {k: os.environ.get(k) for k in onednn_cache_env({})})
+                              for w in eng.executor.workers])
+        assert envs == [{k: os.environ.get(k, v) for k, v in onednn_cache_env({}).items()}] * 2
+    finally:
+        eng.shutdown()
+
+
+def test_a_lone_sequence_gets_its_own_thread_count(gguf_path, eos, chat_prompts):
+    """cpu_threads_single_sequence applies to steps of one sequence only; batches use cpu_threads_per_rank."""
+    before = torch.get_num_threads()
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="bfloat16"),
+            cache=CacheConfig(kv_cache_bytes=64 << 20),
+            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2),
+        ),
+        eos_token_ids=eos,
+    )
+    seen: list[tuple[int, int]] = []  # (sequences in the step, torch threads while it ran)
+    runner = eng.executor.worker.runner
+    run = runner.execute
+
+    def spy(step):
+        seen.append((len(step.seqs), torch.get_num_threads()))
+        return run(step)
+
+    runner.execute = spy
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        eng.generate(chat_prompts[:2], params)  # both in every step, finishing together
+        eng.generate(chat_prompts[:1], params)
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)
+    assert {threads for n, threads in seen if n == 1} == {2}
+    assert {threads for n, threads in seen if n > 1} == {1}
+
+
+def test_a_wide_step_gets_the_single_sequence_thread_count(gguf_path, eos, chat_prompts):
+    """cpu_wide_step_tokens: a step of that many tokens (prefill chunks) runs on cpu_threads_single_sequence
+    threads; the same sequences' one-token decode steps stay on cpu_threads_per_rank."""
+    before = torch.get_num_threads()
+    wide = len(chat_prompts[0]) + len(chat_prompts[1])  # both prompts in the first step
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="bfloat16"),
+            cache=CacheConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False),
+            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2,
+                                    cpu_wide_step_tokens=wide),
+        ),
+        eos_token_ids=eos,
+    )
+    seen: list[tuple[int, int]] = []  # (tokens in the step, torch threads while it ran)
+    runner = eng.executor.worker.runner
+    run = runner.execute
+
+    def spy(step):
+        seen.append((sum(len(s.token_ids) for s in step.seqs), torch.get_num_threads()))
+        return run(step)
+
+    runner.execute = spy
+    try:
+        eng.generate(chat_prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)
+    assert seen[0] == (wide, 2)
+    assert {threads for tokens, threads in seen[1:]} == {1} and all(tokens == 2 for tokens, _ in seen[1:])
+
+
+def test_steps_in_two_halves_match_transformers(gguf_path, eos, hf_model, chat_prompts, reference_outputs):
+    """cpu_half_step_tokens: steps of that many tokens run their sequences in two halves on two threads
+    (split_step.py), prefill chunks and decode batches; every output still equals transformers' alone,
+    including a burst whose later requests attend to prefix blocks the first one fills in that step.
+    A step that runs whole computes its LM head in two halves of the vocabulary, one on each thread."""
+    before = torch.get_num_threads()
+    eng = LLMEngine(
+        EngineConfig(
+            model=ModelConfig(model=gguf_path, dtype="float32"),
+            cache=CacheConfig(kv_cache_bytes=256 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_half_step_tokens=4),
+        ),
+        eos_token_ids=eos,
+    )
+    try:
+        halves = eng.executor.worker.runner.halves
+        assert halves is not None
+        assert eng.generate(chat_prompts, GREEDY) == reference_outputs
+        assert halves.steps > 0
+        steps = halves.steps
+        _check_burst(eng, chat_prompts, reference_outputs)
+        assert halves.steps > steps
+        # One prompt alone runs whole: its logits at every position come from the two vocabulary halves.
+        calls = halves.lm_head_calls
+        got = eng.executor.worker.score(chat_prompts[0])
+        assert halves.lm_head_calls == calls + 1
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([chat_prompts[0]])).logits[0]
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)
