@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,3 +43,57 @@ def stop(proc: subprocess.Popen | None, conn: Connection | None) -> None:
         proc.wait(5)
     if conn is not None:
         conn.close()
+
+
+class ChildBusy(Exception):
+    """Other requests held the child past this one's time limit."""
+
+
+class ChildTimeout(Exception):
+    """The child did not answer within the time limit; it was stopped (the next call starts a fresh one)."""
+
+
+class ChildDied(Exception):
+    """The child died while it worked (a memory limit, a crash); the next call starts a fresh one."""
+
+
+class ChildWorker:
+    """One helper child process that serves one request at a time, started on first use and again after it
+    was stopped: a request that runs past its time limit stops the child, the only way to interrupt
+    native code (xgrammar's compiler, a runaway template). Callers wait their turn within their own limit."""
+
+    def __init__(self, module: str, init: Any, start_timeout_s: float):
+        self.module, self.init, self.start_timeout_s = module, init, start_timeout_s
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+
+    def _started(self) -> Connection:
+        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
+            return self._conn
+        self.close()
+        self._proc, self._conn = start(self.module, self.init, self.start_timeout_s)
+        return self._conn
+
+    def close(self) -> None:
+        stop(self._proc, self._conn)
+        self._proc = self._conn = None
+
+    def call(self, request: Any, timeout_s: float) -> Any:
+        """The child's reply to `request`; ChildBusy, ChildTimeout or ChildDied as above, RuntimeError if the
+        child does not start."""
+        if not self._lock.acquire(timeout=timeout_s):
+            raise ChildBusy()
+        try:
+            conn = self._started()
+            conn.send(request)
+            if not conn.poll(timeout_s):
+                self.close()
+                raise ChildTimeout()
+            try:
+                return conn.recv()
+            except (EOFError, OSError):
+                self.close()
+                raise ChildDied() from None
+        finally:
+            self._lock.release()

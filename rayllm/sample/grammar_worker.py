@@ -8,7 +8,6 @@ it from the event loop. Compiled grammars come back as xgrammar's JSON serializa
 
 from __future__ import annotations
 
-import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -64,42 +63,25 @@ class CompileWorker:
 
     def __init__(self, tokenizer_info: Any, timeout_s: float):
         self._info = tokenizer_info
-        self._info_json = tokenizer_info.serialize_json()
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self._proc: Any = None
-        self._conn: Connection | None = None
-
-    def _start(self) -> Connection:
-        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
-            return self._conn
-        self.close()
-        self._proc, self._conn = child.start("rayllm.sample.grammar_worker", self._info_json, START_TIMEOUT_S)
-        return self._conn
+        self._child = child.ChildWorker("rayllm.sample.grammar_worker", tokenizer_info.serialize_json(),
+                                        START_TIMEOUT_S)
 
     def close(self) -> None:
-        child.stop(self._proc, self._conn)
-        self._proc = self._conn = None
+        self._child.close()
 
     def compile(self, spec: Any) -> Any:
         """The CompiledGrammar; CompileTimeout past the limit, CompilerBusy if others held it that long."""
         import xgrammar as xgr
 
-        if not self._lock.acquire(timeout=self.timeout_s):
-            raise CompilerBusy()
         try:
-            conn = self._start()
-            conn.send(spec)
-            if not conn.poll(self.timeout_s):
-                self.close()  # the only way to stop xgrammar mid-compile
-                raise CompileTimeout()
-            try:
-                ok, value = conn.recv()
-            except (EOFError, OSError):  # the child died under it
-                self.close()
-                raise ValueError("the grammar could not be compiled") from None
-        finally:
-            self._lock.release()
+            ok, value = self._child.call(spec, self.timeout_s)
+        except child.ChildBusy:
+            raise CompilerBusy() from None
+        except child.ChildTimeout:
+            raise CompileTimeout() from None
+        except child.ChildDied:
+            raise ValueError("the grammar could not be compiled") from None
         if not ok:
             raise value
         return xgr.CompiledGrammar.deserialize_json(value, self._info)

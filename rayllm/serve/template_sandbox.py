@@ -10,7 +10,6 @@ child is killed and replaced. The model's own template never goes through here.
 from __future__ import annotations
 
 import resource
-import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -72,43 +71,24 @@ class TemplateSandbox:
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self.memory_bytes = memory_bytes
-        self._lock = threading.Lock()
-        self._proc: Any = None
-        self._conn: Connection | None = None
-
-    def _start(self) -> Connection:
-        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
-            return self._conn
-        self.close()
-        try:
-            self._proc, self._conn = child.start("rayllm.serve.template_sandbox",
-                                                 (self.model_path, self.max_output_chars, self.memory_bytes),
-                                                 START_TIMEOUT_S)
-        except RuntimeError:
-            raise APIError(503, "the chat template renderer did not start", type="server_error") from None
-        return self._conn
+        self._child = child.ChildWorker("rayllm.serve.template_sandbox", (model_path, max_output_chars, memory_bytes),
+                                        START_TIMEOUT_S)
 
     def close(self) -> None:
-        child.stop(self._proc, self._conn)
-        self._proc = self._conn = None
+        self._child.close()
 
     def render(self, messages: list[dict], **kwargs: Any) -> str:
-        if not self._lock.acquire(timeout=self.timeout_s):
-            raise APIError(503, "the chat template renderer is busy; retry the request", type="server_error",
-                           code="chat_template_busy")
         try:
-            conn = self._start()
-            conn.send((messages, kwargs))
-            if not conn.poll(self.timeout_s):
-                self.close()  # the only way to stop a render: its process goes
-                raise _refused(f"rendering took longer than {self.timeout_s:g} s", "chat_template_timeout")
-            try:
-                ok, value = conn.recv()
-            except (EOFError, OSError):  # the child died (killed by the memory limit)
-                self.close()
-                raise _refused("rendering the template failed (out of memory)") from None
-        finally:
-            self._lock.release()
+            ok, value = self._child.call((messages, kwargs), self.timeout_s)
+        except child.ChildBusy:
+            raise APIError(503, "the chat template renderer is busy; retry the request", type="server_error",
+                           code="chat_template_busy") from None
+        except child.ChildTimeout:  # the only way to stop a render: its process goes
+            raise _refused(f"rendering took longer than {self.timeout_s:g} s", "chat_template_timeout") from None
+        except child.ChildDied:  # killed by the memory limit
+            raise _refused("rendering the template failed (out of memory)") from None
+        except RuntimeError:
+            raise APIError(503, "the chat template renderer did not start", type="server_error") from None
         if not ok:
             raise _refused(value)
         return value
