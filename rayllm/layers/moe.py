@@ -33,10 +33,6 @@ from rayllm.layers.linear import (
 )
 from rayllm.schema.config import LlamaArch
 
-# Per-family model_type -> whether the top-k weights are renormalised to sum to 1 when the config does
-# not say (GGUF carries no norm_topk_prob; llama.cpp hard-codes it per architecture).
-RENORMALIZE_DEFAULT = {"mixtral": True, "qwen2_moe": False, "qwen2moe": False, "qwen3_moe": True, "qwen3moe": True}
-
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -47,12 +43,11 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
     @classmethod
-    def from_arch(cls, arch: LlamaArch) -> MoEConfig:
-        """Reads config.json names, or the GGUF metadata names llama.cpp's converter writes."""
+    def from_arch(cls, arch: LlamaArch, renormalize_default: bool = False) -> MoEConfig:
+        """Reads config.json names, or the GGUF metadata names llama.cpp's converter writes.
+        renormalize_default: the family's rule where the checkpoint does not say (models/)."""
         num_experts = arch.cfg("num_local_experts") or arch.cfg("num_experts") or arch.cfg("expert_count") or 0
-        renorm = arch.cfg("norm_topk_prob", arch.cfg("expert_weights_norm", RENORMALIZE_DEFAULT.get(arch.model_type)))
-        if arch.model_type == "mixtral":
-            renorm = True  # Mixtral always renormalises (softmax over the top-k logits)
+        renorm = arch.cfg("norm_topk_prob", arch.cfg("expert_weights_norm", renormalize_default))
         return cls(
             num_experts=int(num_experts),
             top_k=int(arch.cfg("num_experts_per_tok") or arch.cfg("expert_used_count") or 0),

@@ -131,28 +131,29 @@ class LlamaForCausalLM(nn.Module):
         """A family with other rope parameters (partial rotary, LongRoPE) overrides this."""
         return RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict)
 
-    @staticmethod
-    def layer_windows(arch: LlamaArch) -> list[int | None]:
+    @classmethod
+    def layer_windows(cls, arch: LlamaArch) -> list[int | None]:
         """Each layer's sliding window (keys within that many positions of the query), None for global
-        attention, as transformers reads config.json: Mistral, Mixtral and Phi-3 window every layer when
-        `sliding_window` is set; Qwen ones only with `use_sliding_window`, on the layers `layer_types`
-        (or, in older configs, `max_window_layers`) names. GGUFs of these carry no window. A window
-        no shorter than the model's context masks nothing and is dropped."""
+        attention, as transformers reads config.json: the layers `layer_types` names, else the family's
+        rule (`windowed_layers`). GGUFs carry no window. A window no shorter than the model's context
+        masks nothing and is dropped."""
         n = arch.num_layers
         window = arch.cfg("sliding_window")
-        qwen = arch.model_type.startswith("qwen")
-        if not window or window >= arch.max_position_embeddings or (qwen and not arch.cfg("use_sliding_window")):
+        if not window or window >= arch.max_position_embeddings or not cls.uses_sliding_window(arch):
             return [None] * n
         types = arch.cfg("layer_types")
         if types:
             return [int(window) if t == "sliding_attention" else None for t in types]
-        if qwen:
-            first = int(arch.cfg("max_window_layers", 0))
-            if arch.model_type == "qwen2_moe":  # transformers' rule: every other layer, from the first, below it
-                return [int(window) if i % 2 == 0 and i < first else None for i in range(n)]
-            if arch.model_type != "qwen3_moe":
-                return [int(window) if i >= first else None for i in range(n)]
-        return [int(window)] * n
+        return cls.windowed_layers(arch, int(window))
+
+    @staticmethod
+    def uses_sliding_window(arch: LlamaArch) -> bool:
+        """Mistral, Mixtral and Phi-3 window every layer whenever `sliding_window` is set."""
+        return True
+
+    @staticmethod
+    def windowed_layers(arch: LlamaArch, window: int) -> list[int | None]:
+        return [window] * arch.num_layers
 
     def make_layer(self, index: int, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend) -> nn.Module:
         """Layer `index`; families override it (q/k norm, a mixture-of-experts MLP)."""

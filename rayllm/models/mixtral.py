@@ -4,6 +4,8 @@ weights are a softmax over the chosen experts' logits. GGUF: llama.cpp writes it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from rayllm.layers.basic import RotaryEmbedding
@@ -23,8 +25,13 @@ class MixtralForCausalLM(LlamaForCausalLM):
         "ffn_down_exps": "mlp.experts.w2",
     }
 
+    @staticmethod
+    def moe_config(arch: LlamaArch) -> MoEConfig:
+        """Mixtral always renormalises: a softmax over the chosen experts' logits."""
+        return replace(MoEConfig.from_arch(arch), renormalize=True)
+
     def make_layer(self, index: int, arch: LlamaArch, tp: TPGroup, rotary: RotaryEmbedding, attn_backend) -> nn.Module:
-        return LlamaDecoderLayer(arch, tp, rotary, attn_backend, mlp=FusedMoE(arch, MoEConfig.from_arch(arch), tp))
+        return LlamaDecoderLayer(arch, tp, rotary, attn_backend, mlp=FusedMoE(arch, self.moe_config(arch), tp))
 
     def checkpoint_to_param(self, name: str):
         name = name.replace(".block_sparse_moe.", ".mlp.")

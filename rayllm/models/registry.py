@@ -14,7 +14,7 @@ from rayllm.schema.config import LlamaArch
 MODEL_CLASSES: dict[str, str] = {
     "llama": "rayllm.models.llama:LlamaForCausalLM",
     "mistral": "rayllm.models.llama:LlamaForCausalLM",
-    "qwen2": "rayllm.models.llama:LlamaForCausalLM",
+    "qwen2": "rayllm.models.qwen2:Qwen2ForCausalLM",
     "gemma2": "rayllm.models.gemma:GemmaForCausalLM",
     "gemma3_text": "rayllm.models.gemma:GemmaForCausalLM",
     "gemma3": "rayllm.models.gemma:GemmaForCausalLM",  # GGUF's name for Gemma 3 text

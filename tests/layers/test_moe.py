@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rayllm.layers.moe import MoEConfig, expert_param, fused_experts, route, sparse_layer_ids
+from rayllm.layers.moe import expert_param, fused_experts, route, sparse_layer_ids
+from rayllm.models.registry import model_class
 from rayllm.schema.config import LlamaArch
 
 
@@ -57,7 +58,7 @@ def test_routing_matches_transformers_routers(model_type, kw):
     router = _router(model_type, **kw)
     arch = LlamaArch(16, 32, 1, 4, 4, 4, 64, 1e-6, 1e4, 64, False, model_type=model_type,
                      hf_config=tuple(sorted((kw | {"num_experts_per_tok": 2}).items())))
-    cfg = MoEConfig.from_arch(arch)
+    cfg = model_class(arch).moe_config(arch)  # the family's rule where the config does not say
     x = torch.randn(20, 16, generator=torch.Generator().manual_seed(1))
     _, ref_weights, ref_ids = router(x)
     weights, ids = route(F.linear(x, router.weight), cfg.top_k, cfg.renormalize)
