@@ -42,6 +42,7 @@ from rayllm.loader.model_files import default_model_path  # noqa: E402
 from rayllm.platforms.cpu.onednn import OneDNNWeight, onednn_available  # noqa: E402
 from rayllm.schema.config import (  # noqa: E402
     CacheConfig,
+    CpuConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -180,7 +181,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="our engine's torch threads (0 = all cores, as "
                     "transformers uses); cluster.yaml serves with 1")
     ap.add_argument("--variants", default="default",
-                    help="comma list of engine settings: default, weight_only (model.small_batch_quant), "
+                    help="comma list of engine settings: default, weight_only (parallel.cpu.small_batch_quant), "
                     "batch_invariant, quantized (model.weights)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -219,12 +220,13 @@ def main() -> None:
             before = _rss_mb()
             engines[variant] = LLMEngine(
                 EngineConfig(
-                    model=ModelConfig(model=path, dtype=dtype, weights="quantized" if variant == "quantized" else "auto",
-                                      small_batch_quant="weight_only" if variant == "weight_only" else "auto"),
+                    model=ModelConfig(model=path, dtype=dtype, weights="quantized" if variant == "quantized" else "auto"),
                     cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=not args.no_prefix_cache),
                     scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048,
                                               batch_invariant=variant == "batch_invariant"),
-                    parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads),
+                    parallel=ParallelConfig(device=args.device, cpu=CpuConfig(
+                        threads_per_rank=args.threads,
+                        small_batch_quant="weight_only" if variant == "weight_only" else "auto")),
                 )
             )
             rss[variant] = round(_rss_mb() - before)

@@ -21,7 +21,14 @@ import time
 import torch
 
 from rayllm.engine.engine import LLMEngine
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams
 
 SHAPES = {
@@ -177,7 +184,7 @@ def bench_shape(args) -> None:
                                   gpu_memory_utilization=args.gpu_memory_utilization,
                                   enable_prefix_caching=not args.no_prefix_cache),
                 scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches))),
-                parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads,
+                parallel=ParallelConfig(device=args.device, cpu=CpuConfig(threads_per_rank=args.threads),
                                         attention_backend=backend, cuda_graph_pieces=pieces)))
             print(f"our engine ({backend}, {pieces} graph pieces) loaded in {time.perf_counter() - t0:.0f} s",
                   file=sys.stderr)

@@ -23,7 +23,14 @@ import torch.multiprocessing as mp
 
 from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.engine.engine import LLMEngine
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams
 
 
@@ -110,8 +117,8 @@ def bench_tp(args, path: str, prompts) -> None:
             model=ModelConfig(model=path, dtype=dtype_name),
             cache=CacheConfig(kv_cache_bytes=512 << 20),
             scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048),
-            parallel=ParallelConfig(device="cpu", tensor_parallel_size=args.tp, cpu_allreduce=b,
-                                    cpu_threads_per_rank=args.threads))) for b in backends}
+            parallel=ParallelConfig(device="cpu", tensor_parallel_size=args.tp,
+                                    cpu=CpuConfig(allreduce=b, threads_per_rank=args.threads)))) for b in backends}
         for size in batches:
             batch = prompts(size)
             runs: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}

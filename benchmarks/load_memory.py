@@ -27,14 +27,14 @@ def main() -> None:
     from rayllm.executor.worker import Worker
     from rayllm.loader.loader import read_arch
     from rayllm.loader.model_files import default_model_path
-    from rayllm.schema.config import EngineConfig, ModelConfig, ParallelConfig
+    from rayllm.schema.config import CpuConfig, EngineConfig, ModelConfig, ParallelConfig
 
     path = args.model or default_model_path()
     arch = read_arch(path)
     # Prepacking copies weights into oneDNN's layout; it is off here so the number is the load itself.
-    config = EngineConfig(model=ModelConfig(model=path, dtype=args.dtype, cpu_weight_prepack=False,
-                                            small_batch_quant="none"),
-                          parallel=ParallelConfig(device="cpu"))
+    config = EngineConfig(model=ModelConfig(model=path, dtype=args.dtype),
+                          parallel=ParallelConfig(device="cpu", cpu=CpuConfig(weight_prepack=False,
+                                                                              small_batch_quant="none")))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     worker = Worker(config, path, arch, rank=0, dist_init=None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

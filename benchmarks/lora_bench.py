@@ -28,6 +28,7 @@ from rayllm.loader.model_files import default_model_path  # noqa: E402
 from rayllm.lora.files import random_peft_adapter  # noqa: E402
 from rayllm.schema.config import (  # noqa: E402
     CacheConfig,
+    CpuConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", default="0,1,4,8")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (cluster.yaml's cpu_threads_per_rank)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (cluster.yaml's parallel.cpu.threads_per_rank)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-invariant", action="store_true", help="scheduler.batch_invariant on both engines")
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -73,7 +74,7 @@ def main() -> None:
     def config(lora: LoRAConfig) -> EngineConfig:
         # No prefix caching: every round must compute its prompts again.
         return EngineConfig(model=ModelConfig(model=path, dtype=args.dtype),
-                            parallel=ParallelConfig(cpu_threads_per_rank=args.threads),
+                            parallel=ParallelConfig(cpu=CpuConfig(threads_per_rank=args.threads)),
                             cache=CacheConfig(kv_cache_bytes=1 << 30, enable_prefix_caching=False),
                             scheduler=SchedulerConfig(max_num_seqs=args.requests, max_num_batched_tokens=2048,
                                                       batch_invariant=args.batch_invariant),

@@ -40,7 +40,14 @@ import rayllm.layers.linear as parallel  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
 from rayllm.loader.model_files import default_model_path  # noqa: E402
 from rayllm.platforms.cpu import qgemm as cpu_qgemm  # noqa: E402
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from rayllm.schema.config import (  # noqa: E402
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
 PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer runs, model.weights)
@@ -92,10 +99,10 @@ def use_kernel(kind: str) -> None:
 
 def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=path, dtype=dtype, small_batch_quant=small, weights=weights),
+        model=ModelConfig(model=path, dtype=dtype, weights=weights),
         cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
-        parallel=ParallelConfig(cpu_threads_per_rank=0),
+        parallel=ParallelConfig(cpu=CpuConfig(threads_per_rank=0, small_batch_quant=small)),
     ))
 
 

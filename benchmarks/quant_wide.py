@@ -24,7 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_bench import _rss_mb, bench_ours, weight_mb  # noqa: E402
 
 from rayllm.engine.engine import LLMEngine  # noqa: E402
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from rayllm.schema.config import (  # noqa: E402
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 def write_gguf(path: str, hidden: int, inter: int, layers: int, vocab: int, qtype: str = "Q4_0") -> None:
@@ -90,7 +97,7 @@ def main() -> None:
                 cache=CacheConfig(kv_cache_bytes=256 << 20),
                 scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048,
                                           batch_invariant=variant == "batch_invariant"),
-                parallel=ParallelConfig(cpu_threads_per_rank=args.threads),
+                parallel=ParallelConfig(cpu=CpuConfig(threads_per_rank=args.threads)),
             ))
             rss[variant] = round(_rss_mb() - before)
         rng = np.random.default_rng(1)

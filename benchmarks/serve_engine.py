@@ -4,8 +4,8 @@ serve_bench.py compares the served tok/s against, measured in the same run while
     python benchmarks/serve_engine.py [--config cluster.yaml] [--batch 16] [--new-tokens 64] [--rounds 3]
 
 Prints one JSON line per setting: `served` (the config's engine settings as they are: its torch
-threads, prefix cache, weights), `whole_steps` (the same with `cpu_half_step_tokens: 0`, when the
-config sets it: every step on the one thread) and `all_cores` (`cpu_threads_per_rank: 0`, as
+threads, prefix cache, weights), `whole_steps` (the same with `parallel.cpu.half_step_tokens: 0`, when the
+config sets it: every step on the one thread) and `all_cores` (`parallel.cpu.threads_per_rank: 0`, as
 engine_bench.py runs by default). serve_bench.py runs this in a child process, before it starts any server.
 """
 
@@ -56,10 +56,10 @@ def measure(config_path: str, batch: int, new_tokens: int, rounds: int) -> list[
         tokenizer = AutoTokenizer.from_pretrained(path)
     batch_prompts = prompts(tokenizer, batch)
     settings = {"served": base}
-    if base.parallel.cpu_half_step_tokens:  # the served settings with every step whole on one thread
+    if base.parallel.cpu.half_step_tokens:  # the served settings with every step whole on one thread
         settings["whole_steps"] = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel,
-                                                                                         cpu_half_step_tokens=0))
-    settings["all_cores"] = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cpu_threads_per_rank=0))
+                                                                                         cpu=dataclasses.replace(base.parallel.cpu, half_step_tokens=0)))
+    settings["all_cores"] = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cpu=dataclasses.replace(base.parallel.cpu, threads_per_rank=0)))
     lines = []
     for name, config in settings.items():
         engine = LLMEngine(config)
@@ -70,8 +70,8 @@ def measure(config_path: str, batch: int, new_tokens: int, rounds: int) -> list[
         runs.sort()
         lines.append({"bench": "serve_engine", "setting": name, "config": os.path.relpath(config_path, REPO),
                       "batch": batch, "new_tokens": new_tokens, "rounds": rounds,
-                      "threads": config.parallel.cpu_threads_per_rank,
-                      "half_step_tokens": config.parallel.cpu_half_step_tokens,
+                      "threads": config.parallel.cpu.threads_per_rank,
+                      "half_step_tokens": config.parallel.cpu.half_step_tokens,
                       "device": config.parallel.device, "dtype": config.model.dtype,
                       "engine_tok_s": round(runs[len(runs) // 2], 1),  # the median round
                       "engine_runs": [round(x, 1) for x in runs]})

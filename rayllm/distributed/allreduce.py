@@ -1,5 +1,5 @@
 """The tensor-parallel all-reduce, chosen once per process group: NCCL on CUDA; on CPU DeepSpeed's
-shared-memory kernel or gloo (`parallel.cpu_allreduce`).
+shared-memory kernel or gloo (`parallel.cpu.allreduce`).
 
 DeepSpeed's kernel (csrc/cpu/comm/shm.cpp, the op behind `deepspeed.comm.inference_all_reduce`) sums
 through POSIX shared-memory segments that every rank maps, where gloo goes through TCP loopback. It
@@ -141,7 +141,7 @@ def make_all_reduce(choice: str, device: torch.device, dtype: torch.dtype, rank:
             backend, reduce = "deepspeed", shm_all_reduce(group, dtypes)
             _check(reduce, rank, world, dtype)
         if backend == "gloo" and choice == "deepspeed":
-            raise RuntimeError(f"parallel.cpu_allreduce is deepspeed but its shm all-reduce is unusable: {reason}")
+            raise RuntimeError(f"parallel.cpu.allreduce is deepspeed but its shm all-reduce is unusable: {reason}")
     if rank == 0:
         log.info("tp_allreduce backend=%s requested=%s world=%d dtype=%s reason=%r", backend, choice, world,
                  str(dtype).removeprefix("torch."), reason)

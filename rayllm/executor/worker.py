@@ -87,13 +87,13 @@ class Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            threads = config.parallel.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+            threads = config.parallel.cpu.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
             torch.set_num_threads(threads)
             self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
-            self.single_sequence_threads = config.parallel.cpu_threads_single_sequence
+            self.single_sequence_threads = config.parallel.cpu.threads_single_sequence
             # Batch-invariant mode keeps a step's thread count a function of the lone sequence only
             # (what its tests cover), so a prefill chunk's thread count never depends on its neighbours.
-            self.wide_step_tokens = 0 if config.scheduler.batch_invariant else config.parallel.cpu_wide_step_tokens
+            self.wide_step_tokens = 0 if config.scheduler.batch_invariant else config.parallel.cpu.wide_step_tokens
         self.device = device
         self.dtype = getattr(torch, config.model.torch_dtype_name)
         self.tp = TPGroup()
@@ -105,7 +105,7 @@ class Worker:
             )
             group = dist.group.WORLD
             self.allreduce_backend, reduce = make_all_reduce(
-                config.parallel.cpu_allreduce, device, self.dtype, rank, world, dist_init, group)
+                config.parallel.cpu.allreduce, device, self.dtype, rank, world, dist_init, group)
             self.tp = TPGroup(rank, world, group, reduce)
         self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
         torch.manual_seed(config.model.seed)
@@ -117,17 +117,17 @@ class Worker:
             from rayllm.loader.quantized import load_quantized_weights
 
             source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
-            int8_activations = config.model.small_batch_quant == "auto" and device.type == "cpu"
+            int8_activations = config.parallel.cpu.small_batch_quant == "auto" and device.type == "cpu"
             log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
         invariant = config.scheduler.batch_invariant
-        if (config.model.small_batch_quant != "none" and not invariant and device.type == "cpu"
+        if (config.parallel.cpu.small_batch_quant != "none" and not invariant and device.type == "cpu"
                 and self.dtype == torch.bfloat16):
-            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.model.small_batch_quant == "auto")
+            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.parallel.cpu.small_batch_quant == "auto")
             log.info("packed %d layers for small-batch weight-only kernels", packed)
         # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
-        if (config.model.cpu_weight_prepack or invariant) and onednn_available(device, self.dtype):
+        if (config.parallel.cpu.weight_prepack or invariant) and onednn_available(device, self.dtype):
             log.info("reordered %d weights into oneDNN's layout",
                      prepack_onednn_weights(self.model, batch_invariant=invariant))
         self.model.eval()
@@ -193,7 +193,7 @@ class Worker:
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
         par = self.config.parallel
         if self.step_threads == 1 and par.tensor_parallel_size == 1 and not self.config.scheduler.batch_invariant:
-            self.runner.enable_halves(par.cpu_half_step_tokens)
+            self.runner.enable_halves(par.cpu.half_step_tokens)
         if graphs:
             self._capture_graphs(scratch_block=num_blocks)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DTYPES = ("bfloat16", "float32", "float16")
 
@@ -15,18 +18,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 (measured faster than fp32 on CPU and GPU alike)
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    # On CPU in bf16, layers whose GGUF weights were 4/8-bit also get int4/int8 copies for steps of
-    # few tokens (decode), where they are faster than bf16. auto: 4-bit layers multiply int8-quantized
-    # activations (groups of 32, as llama.cpp) with AVX-512 VNNI where the CPU has it, up to
-    # layers.linear.VNNI_TOKENS tokens; weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens;
-    # closer to bf16, slower); none: bf16 weights only. Quality of each: docs/benchmarks.md.
-    small_batch_quant: str = "auto"  # auto | weight_only | none
-    # CPU: reorder bf16/fp32 weights once into oneDNN's blocked layout (see platforms/cpu/onednn.py).
-    # Costs a second copy of the linear weights in memory; off keeps plain F.linear.
-    cpu_weight_prepack: bool = True
     # auto: weights are dense in `dtype`. quantized: a GGUF's Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 linear
     # weights stay quantized in memory and run quantized kernels at every batch size (rayllm/quant/
-    # methods.py; CPU; 4-bit layers with int8 activations as small_batch_quant says); the embedding and
+    # methods.py; CPU; 4-bit layers with int8 activations as parallel.cpu.small_batch_quant says); the embedding and
     # other tensors stay dense.
     weights: str = "auto"
     # Embeddings (/v1/embeddings): pool the final-norm hidden state of the last token (decoder LLMs) or
@@ -40,8 +34,6 @@ class ModelConfig:
             raise ValueError("weights must be auto or quantized")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
-        if self.small_batch_quant not in ("auto", "weight_only", "none"):
-            raise ValueError("small_batch_quant must be auto, weight_only or none")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ValueError("max_model_len must be >= 16")
 
@@ -88,6 +80,47 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class CpuConfig:
+    """`parallel.cpu`: the settings only the CPU path reads (weights' CPU forms, threads, the all-reduce)."""
+
+    # Layers whose GGUF weights were 4/8-bit also get int4/int8 copies for steps of few tokens (decode),
+    # where they are faster than bf16. auto: 4-bit layers multiply int8-quantized activations (groups of
+    # 32, as llama.cpp) with AVX-512 VNNI where the CPU has it, up to layers.linear.VNNI_TOKENS tokens;
+    # weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens; closer to bf16, slower); none:
+    # bf16 weights only. Quality and speed of each: docs/benchmarks.md.
+    small_batch_quant: str = "auto"  # auto | weight_only | none
+    # Reorder bf16/fp32 weights once into oneDNN's blocked layout (platforms/cpu/onednn.py). Costs a
+    # second copy of the linear weights in memory; off keeps plain F.linear.
+    weight_prepack: bool = True
+    # Threads each rank's torch uses; 0 = leave torch's default (all cores for one rank).
+    threads_per_rank: int = 0
+    # Threads for a step that runs a single sequence (one stream decoding alone) or at least
+    # wide_step_tokens tokens (long prompts' prefill chunks), 0 = the same as threads_per_rank: such steps
+    # gain from more threads, while a decode batch shares the cores with the serving processes and waits
+    # for its slowest thread (docs/benchmarks.md).
+    threads_single_sequence: int = 0
+    # 0 = only single-sequence steps get threads_single_sequence; ignored with scheduler.batch_invariant.
+    wide_step_tokens: int = 0
+    # One rank on one torch thread: a step of at least this many tokens (a large decode batch) runs in two
+    # halves of its sequences on two threads, each its own GEMMs, meeting once at the step's end
+    # (platforms/cpu/split_step.py). 0 = off; ignored with scheduler.batch_invariant and TP > 1.
+    half_step_tokens: int = 0
+    # tensor_parallel_size > 1: the all-reduce of row-parallel outputs (rayllm/distributed/allreduce.py).
+    # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
+    # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
+    allreduce: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.small_batch_quant not in ("auto", "weight_only", "none"):
+            raise ValueError("parallel.cpu.small_batch_quant must be auto, weight_only or none")
+        if self.allreduce not in ("auto", "gloo", "deepspeed"):
+            raise ValueError("parallel.cpu.allreduce must be auto, gloo or deepspeed")
+        for name in ("threads_per_rank", "threads_single_sequence", "wide_step_tokens", "half_step_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"parallel.cpu.{name} must be >= 0")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     device: str = "auto"  # auto | cpu | cuda
@@ -96,19 +129,6 @@ class ParallelConfig:
     # chunks alike, and torch (SDPA per prefill chunk) runs only when the kernel does not build or the
     # model has sliding-window or soft-capped layers. sdpa: torch only. xformers, triton: CUDA only.
     attention_backend: str = "auto"
-    # Threads each rank's torch uses on CPU; 0 = leave torch's default (all cores for one rank).
-    cpu_threads_per_rank: int = 0
-    # Threads for a step that runs a single sequence (one stream decoding alone) or at least
-    # cpu_wide_step_tokens tokens (long prompts' prefill chunks), 0 = the same as cpu_threads_per_rank:
-    # such steps gain from more threads, while a decode batch shares the cores with the serving processes
-    # and waits for its slowest thread (docs/benchmarks.md).
-    cpu_threads_single_sequence: int = 0
-    # 0 = only single-sequence steps get cpu_threads_single_sequence; ignored with scheduler.batch_invariant.
-    cpu_wide_step_tokens: int = 0
-    # One rank on one torch thread: a step of at least this many tokens (a large decode batch) runs in
-    # two halves of its sequences on two threads, each its own GEMMs, meeting once at the step's end
-    # (split_step.py). 0 = off; ignored with scheduler.batch_invariant and tensor_parallel_size > 1.
-    cpu_half_step_tokens: int = 0
     # auto: TP=1 runs the model in the caller's process; "ray" always uses one actor per rank, which
     # keeps the model off the serving replica's GIL and event loop.
     executor: str = "auto"
@@ -117,26 +137,18 @@ class ParallelConfig:
     # Graphs per captured batch size, each a run of layers: launching a graph costs the host time per
     # kernel while the GPU waits; in pieces the GPU starts on the first while the rest launch.
     cuda_graph_pieces: int = 8
-    # CPU, tensor_parallel_size > 1: the all-reduce of row-parallel outputs (rayllm/distributed/allreduce.py).
-    # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
-    # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
-    cpu_allreduce: str = "auto"
+    # What only the CPU reads (CpuConfig below); ignored on CUDA, with one log line when set.
+    cpu: CpuConfig = field(default_factory=lambda: CpuConfig())
 
     def __post_init__(self) -> None:
-        if self.cpu_allreduce not in ("auto", "gloo", "deepspeed"):
-            raise ValueError("cpu_allreduce must be auto, gloo or deepspeed")
+        if isinstance(self.cpu, dict):
+            object.__setattr__(self, "cpu", CpuConfig(**self.cpu))
         if self.executor not in ("auto", "ray"):
             raise ValueError("executor must be auto or ray")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError("device must be auto, cpu or cuda")
-        if self.cpu_threads_per_rank < 0 or self.cpu_threads_single_sequence < 0:
-            raise ValueError("cpu thread counts must be >= 0")
-        if self.cpu_wide_step_tokens < 0:
-            raise ValueError("cpu_wide_step_tokens must be >= 0")
-        if self.cpu_half_step_tokens < 0:
-            raise ValueError("cpu_half_step_tokens must be >= 0")
         # The names themselves are attention.selector.BACKENDS' (checked there, and by the serve config).
         if not self.attention_backend.isidentifier():
             raise ValueError("attention_backend must be auto or a backend's name (sdpa, xformers, triton)")
@@ -196,7 +208,9 @@ class EngineConfig:
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown engine config sections: {sorted(unknown)}")
-        return cls(**{k: known[k](**(d.get(k) or {})) for k in known})
+        d = dict(d)
+        parallel = _parallel_with_cpu(d)  # first: it takes the legacy CPU keys out of d's sections
+        return cls(**{k: known[k](**(d.get(k) or {})) for k in known if k != "parallel"}, parallel=parallel)
 
 
 @dataclass(frozen=True)
@@ -236,3 +250,26 @@ class LlamaArch:
         """A field of the checkpoint's config (None-valued fields count as missing)."""
         value = dict(self.hf_config).get(key)
         return default if value is None else value
+
+
+# Before parallel.cpu existed these sat in model / parallel: accepted there still, with a warning.
+LEGACY_CPU_KEYS = {("model", "small_batch_quant"): "small_batch_quant", ("model", "cpu_weight_prepack"): "weight_prepack",
+                   ("parallel", "cpu_threads_per_rank"): "threads_per_rank",
+                   ("parallel", "cpu_threads_single_sequence"): "threads_single_sequence",
+                   ("parallel", "cpu_wide_step_tokens"): "wide_step_tokens",
+                   ("parallel", "cpu_half_step_tokens"): "half_step_tokens", ("parallel", "cpu_allreduce"): "allreduce"}
+
+
+def _parallel_with_cpu(d: dict[str, Any]) -> ParallelConfig:
+    """The parallel section, with any legacy CPU keys of the model / parallel sections moved into `cpu`
+    (taken out of `d`'s sections, which are replaced by copies, so the other sections see only theirs)."""
+    moved: dict[str, Any] = {}
+    for (section, key), new in LEGACY_CPU_KEYS.items():
+        if isinstance(d.get(section), dict) and key in d[section]:
+            d[section] = dict(d[section])
+            moved[new] = d[section].pop(key)
+            log.warning("engine.%s.%s is now engine.parallel.cpu.%s", section, key, new)
+    parallel = dict(d.get("parallel") or {})
+    if moved:
+        parallel["cpu"] = moved | dict(parallel.get("cpu") or {})
+    return ParallelConfig(**parallel)

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.engine.engine import LLMEngine
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from rayllm.schema.config import CacheConfig, CpuConfig, EngineConfig, ModelConfig, ParallelConfig
 from rayllm.schema.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -100,7 +100,7 @@ def test_tp2_on_deepspeed_matches_gloo_and_tp1(gguf_path, hf_tokenizer, chat_pro
     results = {}
     for name, tp, choice in [("tp1", 1, "auto"), ("gloo", 2, "gloo"), ("deepspeed", 2, "deepspeed")]:
         config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tensor_parallel_size=tp,
-                                                                        cpu_allreduce=choice))
+                                                                        cpu=CpuConfig(allreduce=choice)))
         engine = LLMEngine(config, eos_token_ids=eos)
         try:
             if tp > 1:

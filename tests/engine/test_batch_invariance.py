@@ -24,6 +24,7 @@ from rayllm.engine.engine import LLMEngine
 from rayllm.lora.files import random_peft_adapter
 from rayllm.schema.config import (
     CacheConfig,
+    CpuConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -44,7 +45,7 @@ def make_engine(gguf_path: str, batch_invariant: bool, chunk_tokens: int = 1024,
         cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=chunk_tokens,
                                   batch_invariant=batch_invariant),
-        parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2),
+        parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1, threads_single_sequence=2)),
         lora=LoRAConfig(max_loras=2, max_lora_rank=8),
     ))
 

@@ -10,7 +10,14 @@ import torch
 
 from rayllm.engine.engine import LLMEngine
 from rayllm.platforms.cpu.kernels import onednn_cache_env
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -164,13 +171,13 @@ def test_tensor_parallel_2_greedy_matches(gguf_path, eos, chat_prompts, referenc
 
 
 def test_a_lone_sequence_gets_its_own_thread_count(gguf_path, eos, chat_prompts):
-    """cpu_threads_single_sequence applies to steps of one sequence only; batches use cpu_threads_per_rank."""
+    """cpu.threads_single_sequence applies to steps of one sequence only; batches use cpu.threads_per_rank."""
     before = torch.get_num_threads()
     eng = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=gguf_path, dtype="bfloat16"),
             cache=CacheConfig(kv_cache_bytes=64 << 20),
-            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2),
+            parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1, threads_single_sequence=2)),
         ),
         eos_token_ids=eos,
     )
@@ -195,16 +202,16 @@ def test_a_lone_sequence_gets_its_own_thread_count(gguf_path, eos, chat_prompts)
 
 
 def test_a_wide_step_gets_the_single_sequence_thread_count(gguf_path, eos, chat_prompts):
-    """cpu_wide_step_tokens: a step of that many tokens (prefill chunks) runs on cpu_threads_single_sequence
-    threads; the same sequences' one-token decode steps stay on cpu_threads_per_rank."""
+    """cpu.wide_step_tokens: a step of that many tokens (prefill chunks) runs on cpu.threads_single_sequence
+    threads; the same sequences' one-token decode steps stay on cpu.threads_per_rank."""
     before = torch.get_num_threads()
     wide = len(chat_prompts[0]) + len(chat_prompts[1])  # both prompts in the first step
     eng = LLMEngine(
         EngineConfig(
             model=ModelConfig(model=gguf_path, dtype="bfloat16"),
             cache=CacheConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False),
-            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_threads_single_sequence=2,
-                                    cpu_wide_step_tokens=wide),
+            parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1, threads_single_sequence=2,
+                                                                   wide_step_tokens=wide)),
         ),
         eos_token_ids=eos,
     )
@@ -227,7 +234,7 @@ def test_a_wide_step_gets_the_single_sequence_thread_count(gguf_path, eos, chat_
 
 
 def test_steps_in_two_halves_match_transformers(gguf_path, eos, hf_model, chat_prompts, reference_outputs):
-    """cpu_half_step_tokens: steps of that many tokens run their sequences in two halves on two threads
+    """cpu.half_step_tokens: steps of that many tokens run their sequences in two halves on two threads
     (split_step.py), prefill chunks and decode batches; every output still equals transformers' alone,
     including a burst whose later requests attend to prefix blocks the first one fills in that step.
     A step that runs whole computes its LM head in two halves of the vocabulary, one on each thread."""
@@ -237,7 +244,7 @@ def test_steps_in_two_halves_match_transformers(gguf_path, eos, hf_model, chat_p
             model=ModelConfig(model=gguf_path, dtype="float32"),
             cache=CacheConfig(kv_cache_bytes=256 << 20),
             scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
-            parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1, cpu_half_step_tokens=4),
+            parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1, half_step_tokens=4)),
         ),
         eos_token_ids=eos,
     )

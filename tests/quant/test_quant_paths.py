@@ -14,7 +14,14 @@ from rayllm.engine.engine import LLMEngine
 from rayllm.layers import linear as parallel
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.quant.methods import Int4GroupWeight
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -24,10 +31,10 @@ NEW_TOKENS = 32
 
 def make_engine(gguf_path: str, dtype: str, weights: str = "auto", small_batch_quant: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype=dtype, weights=weights, small_batch_quant=small_batch_quant),
+        model=ModelConfig(model=gguf_path, dtype=dtype, weights=weights),
         cache=CacheConfig(kv_cache_bytes=128 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-        parallel=ParallelConfig(device="cpu"),
+        parallel=ParallelConfig(device="cpu", cpu=CpuConfig(small_batch_quant=small_batch_quant)),
     ))
 
 

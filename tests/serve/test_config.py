@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayllm.schema.config import EngineConfig
+from rayllm.schema.config import CpuConfig, EngineConfig
 from rayllm.serve.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +40,26 @@ def test_bad_engine_config_is_rejected():
         EngineConfig.from_dict({"bogus": {}})
     with pytest.raises(TypeError):
         EngineConfig.from_dict({"model": {"not_a_field": 1}})
-    with pytest.raises(ValueError, match="cpu_allreduce"):
-        EngineConfig.from_dict({"parallel": {"cpu_allreduce": "mpi"}})
-    assert EngineConfig.from_dict({"parallel": {"cpu_allreduce": "deepspeed"}}).parallel.cpu_allreduce == "deepspeed"
+    with pytest.raises(ValueError, match="parallel.cpu.allreduce"):
+        EngineConfig.from_dict({"parallel": {"cpu": {"allreduce": "mpi"}}})
+    assert EngineConfig.from_dict({"parallel": {"cpu": {"allreduce": "deepspeed"}}}).parallel.cpu.allreduce == "deepspeed"
+
+
+def test_legacy_cpu_keys_move_into_parallel_cpu_with_a_warning(caplog):
+    """Configs written before parallel.cpu existed still load, each old key saying where it went."""
+    legacy = {"model": {"dtype": "float32", "small_batch_quant": "weight_only", "cpu_weight_prepack": False},
+              "parallel": {"device": "cpu", "cpu_threads_per_rank": 1, "cpu_threads_single_sequence": 2,
+                           "cpu_wide_step_tokens": 256, "cpu_half_step_tokens": 48, "cpu_allreduce": "gloo"}}
+    with caplog.at_level("WARNING", logger="rayllm.schema.config"):
+        config = EngineConfig.from_dict(legacy)
+    assert config.parallel.cpu == CpuConfig(small_batch_quant="weight_only", weight_prepack=False, threads_per_rank=1,
+                                            threads_single_sequence=2, wide_step_tokens=256, half_step_tokens=48,
+                                            allreduce="gloo")
+    assert config.model.dtype == "float32" and config.parallel.device == "cpu"
+    assert "engine.model.small_batch_quant is now engine.parallel.cpu.small_batch_quant" in caplog.text
+    assert legacy["parallel"]["cpu_allreduce"] == "gloo"  # the caller's mapping is left as it was
+    with pytest.raises(ValueError, match="parallel.cpu.small_batch_quant"):
+        EngineConfig.from_dict({"model": {"small_batch_quant": "int2"}})
 
 
 def test_tp_placement_bundles():

@@ -199,7 +199,7 @@ def test_tensor_parallel_2_replica_through_serve(server, client, model_name, aut
     allreduce = "deepspeed" if importlib.util.find_spec("deepspeed") else "gloo"
     app = build_app({"api_keys": [api_key], "engine": {
         "model": {"dtype": "float32", "max_model_len": 2048}, "cache": {"kv_cache_bytes": 128 << 20},
-        "parallel": {"tensor_parallel_size": 2, "device": "cpu", "cpu_allreduce": allreduce}}})
+        "parallel": {"tensor_parallel_size": 2, "device": "cpu", "cpu": {"allreduce": allreduce}}}})
     serve.run(app, name="tp2", route_prefix="/tp2", blocking=False)
     try:
         tp2 = OpenAI(base_url=f"{server}/tp2/v1", api_key=api_key, max_retries=0, timeout=120)

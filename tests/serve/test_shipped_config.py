@@ -73,7 +73,7 @@ def shipped(server, adapter) -> str:
     from rayllm.serve.builder import build_app
 
     args = shipped_args(str(pathlib.Path(adapter).parent))
-    assert args["engine"]["model"]["dtype"] == "auto" and args["engine"]["model"]["cpu_weight_prepack"]
+    assert args["engine"]["model"]["dtype"] == "auto" and args["engine"]["parallel"]["cpu"]["weight_prepack"]
     serve.run(build_app(args), name="shipped", route_prefix="/shipped", blocking=False)
     base = f"{server}/shipped"
     deadline = time.time() + 300

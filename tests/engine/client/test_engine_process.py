@@ -13,7 +13,14 @@ from rayllm.engine.client.engine_client import ProcessClient
 from rayllm.engine.client.engine_process import EngineProcess, child_env
 from rayllm.platforms.cpu.kernels import ONEDNN_CACHE_CAPACITY
 from rayllm.sample.guided import GrammarCompiler
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.outputs import EngineDeadError
 from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
@@ -25,7 +32,7 @@ def config(gguf_path: str) -> EngineConfig:
         model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=2048),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
-        parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1),
+        parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1)),
     )
 
 

@@ -18,6 +18,7 @@ from rayllm.protocol.errors import APIError
 from rayllm.protocol.io_struct import GenerateRequest, StopOptions
 from rayllm.schema.config import (
     CacheConfig,
+    CpuConfig,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -70,7 +71,7 @@ async def test_unload_in_use_aborts_its_requests_and_the_engine_serves_on(gguf_p
         model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=1024),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
-        parallel=ParallelConfig(device="cpu", cpu_threads_per_rank=1),
+        parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1)),
         lora=LoRAConfig(max_loras=1, max_lora_rank=8, allowed_roots=(os.path.dirname(peft_dir),)),
     )
     server = LLMServer(config, gguf_path, engine_process=engine_process)
