@@ -383,6 +383,6 @@ def make_attention_backend(choice: str, device: torch.device) -> SDPAAttention |
 
 
 def _triton_backend() -> SDPAAttention:
-    from model_parallel.triton_kernels import TritonAttention  # imports triton: CUDA only
+    from model_parallel.triton_prefill import TritonPrefillAttention  # imports triton: CUDA only
 
-    return TritonAttention()
+    return TritonPrefillAttention()
