@@ -1,8 +1,9 @@
 """The Triton prefill attention kernel (model_parallel/triton_prefill.py) against torch SDPA.
 
 Without a GPU it runs in Triton's interpreter (TRITON_INTERPRET=1, set before the import): the same
-kernel code on CPU tensors, in fp32 and fp16 (the interpreter's tl.dot reads bf16 as raw bits; the GPU
-lane's copy of these cases, tests/gpu/test_gpu_prefill.py, runs bf16). Inputs are random. Small tiles
+kernel code on CPU tensors, in fp32 and fp16 (the interpreter's tl.dot reads bf16 as raw bits). On CUDA
+(tests/gpu/device_run.sh runs this file natively) bf16 too; tests/gpu/test_gpu_prefill.py adds the
+8B model's shapes at 8k tokens. Inputs are random. Small tiles
 (16 x 16) make short sequences cross many query and key tiles, so the masked diagonal, the mask-free
 middle and the window's edge all run; one case per dtype uses the shipped tile sizes.
 """
@@ -90,7 +91,7 @@ def check(q_lens, ctx_lens, *, hq=4, hk=2, d=64, bs=16, dtype=torch.float32, sca
     assert got[others].eq(7.0).all()  # rows of no sequence are not written
 
 
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])  # bf16: the GPU lane
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
