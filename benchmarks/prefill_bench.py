@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from functools import partial
@@ -24,20 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine_bench_workloads import commit  # noqa: E402
+
 from model_parallel.triton_kernels import StepArgs  # noqa: E402
 from model_parallel.triton_prefill import PrefillConfig, default_config, prefill_attention  # noqa: E402
-
-
-def commit() -> str:
-    """This checkout's commit, or RAYLLM_COMMIT where there is no git (the device machine's copy)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        if out.returncode == 0:
-            return out.stdout.strip()
-    except OSError:
-        pass
-    return os.environ.get("RAYLLM_COMMIT", "unknown")
 
 
 def device_name(device: torch.device) -> str:
