@@ -43,15 +43,15 @@ class PrefillConfig:
 
 def default_config(head_dim: int, dtype: torch.dtype, q_rows: int) -> PrefillConfig:
     """Tiles by head dim and dtype: 128 x 64 with 8 warps for half precision at D <= 128 (the Triton
-    FlashAttention tutorial's Hopper choice); fewer rows for D = 256 and fp32, whose tiles take twice the
-    shared memory; 16 rows when every sequence has a single query (decode rows of windowed models)."""
-    if q_rows <= 1:
-        return PrefillConfig(16, 64, 4, 2)
+    FlashAttention tutorial's Hopper choice); smaller tiles where an element or a row takes twice the
+    shared memory (fp32, D = 256), so that pipelined K/V tiles stay within ~100 KB (A100: 164 KB a block);
+    16 rows when every sequence has a single query (decode rows of windowed models)."""
+    wide = head_dim > 128
     if dtype == torch.float32:
-        return PrefillConfig(64, 32, 4, 2)
-    if head_dim > 128:
-        return PrefillConfig(64, 64, 8, 2)
-    return PrefillConfig(128, 64, 8, 3)
+        return PrefillConfig(16 if q_rows <= 1 else 32 if wide else 64, 16 if wide else 32, 4, 2)
+    if q_rows <= 1:
+        return PrefillConfig(16, 32 if wide else 64, 4, 2)
+    return PrefillConfig(64, 64, 8, 2) if wide else PrefillConfig(128, 64, 8, 3)
 
 
 @triton.jit
