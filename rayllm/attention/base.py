@@ -25,6 +25,8 @@ class AttentionBackend(Protocol):
     kernels: Any
     # The runner also lists every context slot of the step (a gathered varlen fallback reads them).
     needs_context_slots: bool
+    # Runs sliding-window and soft-capped layers itself (else such models take the torch metadata).
+    windows_and_softcap: bool
     # Decode steps may replay CUDA graphs (False once the backend fell back to a path that reads host lists).
     paged_decode: bool
 

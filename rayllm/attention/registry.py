@@ -7,7 +7,7 @@ from __future__ import annotations
 # name -> "module:Class"; a class takes no arguments (on CPU, selector passes the C kernels to sdpa).
 BACKENDS: dict[str, str] = {
     "sdpa": "rayllm.attention.sdpa:SDPAAttention",
-    "triton": "rayllm.attention.triton:TritonAttention",
+    "triton": "rayllm.attention.triton_prefill:TritonPrefillAttention",
     "xformers": "rayllm.attention.xformers:XformersAttention",
 }
 # What `auto` tries on CUDA, in order (the Triton kernels measured fastest on a GPU, docs/benchmarks.md).

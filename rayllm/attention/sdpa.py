@@ -90,6 +90,7 @@ class SDPAAttention:
     name = "sdpa"
     cache_layout = "head_major"
     needs_context_slots = False
+    windows_and_softcap = False
     paged_decode = True
 
     def __init__(self, kernels: PagedKernels | None = None) -> None:

@@ -35,6 +35,7 @@ class XformersAttention:
     # When its kernels cannot serve a step's mix of query lengths it falls back to a varlen batch gathered
     # from the step's context slots.
     needs_context_slots = True
+    windows_and_softcap = False
 
     def __init__(self) -> None:
         from xformers.ops import fmha  # imported only on CUDA: xformers has no CPU ops

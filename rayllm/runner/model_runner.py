@@ -31,11 +31,12 @@ class ModelRunner:
         self.needs_context_slots = backend is not None and backend.needs_context_slots
         # The C and Triton kernels read block tables and lengths directly, for decode and prefill alike;
         # the torch path needs masks, gather indices and context slots built from them. Models with
-        # sliding-window or soft-capped layers, which the kernels do not do, keep the torch path.
+        # sliding-window or soft-capped layers keep the torch path unless the backend does both (Triton).
         kernels = backend.kernels if backend is not None else None
         self.paged_kernels = (kernels is not None and bool(kv_caches)
                               and kv_caches[0][0].dtype in kernels.attention_dtypes
-                              and not getattr(model, "torch_attention_only", False))
+                              and (not getattr(model, "torch_attention_only", False)
+                                   or (backend is not None and backend.windows_and_softcap)))
         self.seq_tables = self.paged_kernels or self.needs_context_slots  # every sequence's block table, int32
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
         self.halves: HalfThread | None = None  # see enable_halves

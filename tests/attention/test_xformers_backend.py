@@ -160,7 +160,8 @@ def test_backend_choice(monkeypatch, caplog):
     monkeypatch.undo()
     install_fake_xformers(monkeypatch)
     monkeypatch.setattr(XformersAttention, "probe", lambda self, device: None)
-    monkeypatch.setattr(triton_kernels.TritonAttention, "probe", lambda self, device: probed.append(device))
+    triton_prefill = pytest.importorskip("rayllm.attention.triton_prefill")  # the backend: TritonPrefillAttention
+    monkeypatch.setattr(triton_prefill.TritonPrefillAttention, "probe", lambda self, device: probed.append(device))
     probed.clear()
     backend = make_attention_backend("auto", cuda)
     assert backend.name == "triton" and probed == [cuda] and isinstance(backend.kernels, triton_kernels.TritonKernels)

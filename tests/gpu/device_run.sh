@@ -27,7 +27,7 @@ if [ "$WHAT" != bench ]; then
   RAYLLM_GPU_TEST_GGUF=$PWD/.gpu/smollm2-6layers.gguf timeout ${LANE_S:-200} python3 -m pytest -m gpu tests/gpu -v \
     -p no:cacheprovider -o addopts="" -rs --tb=short --durations=12 --timeout=120 ${LANE_K:+-k "$LANE_K"} > $OUT/gpu_lane.log 2>&1
   echo "lane rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^E  " $OUT/gpu_lane.log | head -60
-  timeout 120 python3 -m pytest tests/attention/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" --tb=short \
+  timeout 180 python3 -m pytest tests/attention/test_triton_kernels.py tests/attention/test_triton_prefill.py -q -p no:cacheprovider -o addopts="" --tb=short \
     > $OUT/triton_unit.log 2>&1; echo "triton unit rc=$?"; tail -15 $OUT/triton_unit.log
 fi
 if [ "$WHAT" != lane ]; then
