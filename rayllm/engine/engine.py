@@ -48,7 +48,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
         self.config = config
-        self.model_path = resolve_model_path(config.model.model)
+        self.model_path = resolve_model_path(config.model.model, config.model.revision)
         self.arch = read_arch(self.model_path)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)

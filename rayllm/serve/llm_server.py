@@ -17,6 +17,7 @@ from dataclasses import replace
 from ray import serve
 
 from rayllm.common.errors import first_line
+from rayllm.loader.model_files import resolve_model_path
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.errors import APIError, replica_failed
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
@@ -81,7 +82,7 @@ class LLMServer:
         from rayllm.engine.client.engine_client import make_engine_client
 
         self.stream_interval_s = stream_interval_s
-        self.tokenizer = TokenizerService(model_path)
+        self.tokenizer = TokenizerService(resolve_model_path(model_path))  # a remote spec: this node's copy
         self.engine = make_engine_client(engine_config, list(self.tokenizer.eos_token_ids), own_process=engine_process)
         if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
             lower_process_priority(serving_nice)
