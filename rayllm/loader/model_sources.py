@@ -170,6 +170,9 @@ def fetch_uri(uri: str) -> Fetched:
         try:
             fs, root = fsspec.core.url_to_fs(uri)
             files = _listing(fs, root.rstrip("/"), single)
+        except ImportError:  # fsspec names the backend package it needs
+            raise ModelSourceError(f"model source {uri!r}: its filesystem is not installed (pip install "
+                                   "'rayllm-tp[storage]': s3fs, gcsfs, adlfs)") from None
         except (FileNotFoundError, PermissionError, OSError) as exc:
             raise ModelSourceError(f"model source {uri!r}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
         if not files:

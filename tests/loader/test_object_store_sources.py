@@ -146,3 +146,34 @@ def test_missing_object_is_a_clear_error_naming_the_source(s3):
         resolve_model_path(uri)
     with pytest.raises(model_sources.ModelSourceError, match="s3://no-such-bucket/m"):
         resolve_model_path("s3://no-such-bucket/m")
+
+
+def test_lora_adapter_from_s3_under_an_allowed_root_and_a_bad_uri(s3, tmp_path, gguf_path):
+    """A PEFT adapter (random weights) in the bucket: a client may name it only under an s3:// root of
+    lora.allowed_roots; the replica's registry fetches it into the cache and reads it; a missing one is a
+    404 naming it, one outside the roots the uniform 400."""
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter, read_peft_adapter
+    from rayllm.protocol.errors import APIError
+    from rayllm.schema.config import LoRAConfig
+    from rayllm.serve.lora.adapter_paths import REFUSED, resolve_allowed
+    from rayllm.serve.lora.lora_registry import LoRARegistry
+
+    arch = read_arch(gguf_path)
+    local = random_peft_adapter(str(tmp_path / "a"), arch, rank=4, seed=3)
+    for f in os.listdir(local):
+        s3["client"].upload_file(os.path.join(local, f), BUCKET, f"adapters/a/{f}")
+    roots = ("s3://models/adapters/",)
+    assert resolve_allowed("s3://models/adapters/a", roots) == "s3://models/adapters/a"
+    for outside in ("s3://models/llama", "s3://models/adapters/../llama", "s3://models/adaptersX/a"):
+        with pytest.raises(APIError, match=REFUSED):
+            resolve_allowed(outside, roots)
+    registry = LoRARegistry(LoRAConfig(max_loras=1, allowed_roots=roots), engine=None)  # only its file side
+    assert registry.check_path("s3://models/adapters/a") == "s3://models/adapters/a"
+    fetched = registry._local("a", "s3://models/adapters/a")
+    assert read_peft_adapter(fetched, arch, 16).rank == read_peft_adapter(local, arch, 16).rank == 4
+    for f in os.listdir(local):
+        assert _sha(os.path.join(fetched, f)) == _sha(os.path.join(local, f))
+    with pytest.raises(APIError) as err:
+        registry._local("b", "s3://models/adapters/b")
+    assert err.value.status_code == 404 and "s3://models/adapters/b" in err.value.message
