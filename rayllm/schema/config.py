@@ -13,7 +13,10 @@ DTYPES = ("bfloat16", "float32", "float16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None  # a .gguf file, a Hugging Face directory, or None for the default model
+    # A .gguf file, a Hugging Face directory, a Hugging Face id (org/name, org/name/file.gguf), an s3:// /
+    # gs:// / abfs:// URI (rayllm/loader/model_sources.py), or None for the default model.
+    model: str | None = None
+    revision: str | None = None  # a Hugging Face id's branch, tag or commit (None: main)
     served_model_name: str = "SmolLM2-135M-Instruct"
     dtype: str = "auto"  # auto: bfloat16 (measured faster than fp32 on CPU and GPU alike)
     max_model_len: int | None = None  # None: the model's own context length

@@ -14,6 +14,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from rayllm.loader import model_sources
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.serve.config import ModelEntry, ServerConfig
 from rayllm.serve.ingress import Ingress
@@ -161,7 +162,11 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
     for index, entry in enumerate(config.models):
         one = model_config(config, entry)
         check_fits_one_node(one, nodes)
-        paths[entry.name] = resolve_model_path(entry.engine.model.model)
+        # Fetched here first (a missing or private model fails the deploy, naming it); a remote source goes
+        # to the replicas as its spec, so each fetches to (or finds in) its own node's cache.
+        source, revision = entry.engine.model.model, entry.engine.model.revision
+        local = resolve_model_path(source, revision)
+        paths[entry.name] = model_sources.spec(source, revision) if model_sources.is_remote(source) else local
         options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
         llms[entry.name] = LLMDeployment.options(**options).bind(
             entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,

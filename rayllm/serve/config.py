@@ -95,6 +95,9 @@ class ServerConfig:
     max_request_bytes: int = 8 << 20  # HTTP body size (413 beyond, counted while reading)
     # Seconds a client is told to wait (Retry-After) when the model deployment's queue is full (503).
     retry_after_s: float = 1.0
+    # A request to a model scaled to zero (min_replicas: 0) waits this long for Serve to start a replica,
+    # then answers 503 model_waking with Retry-After (docs/models-and-scaling.md).
+    wake_timeout_s: float = 60.0
     # ---- files, keys and tenants (issue 17) --------------------------------------------------------------
     # Keys that may also load and unload LoRA adapters (same forms as api_keys; also ADMIN_API_KEYS). With
     # api_keys set and none here, those routes answer 403. Admin keys are accepted API keys too.
@@ -140,6 +143,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if not 0 <= self.serving_nice <= 19:
             raise ValueError(f"serving_nice must be in 0..19, got {self.serving_nice}")
+        if self.wake_timeout_s <= 0:
+            raise ValueError(f"wake_timeout_s must be > 0, got {self.wake_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0 or null, got {self.request_timeout_s}")
 

@@ -29,6 +29,7 @@ from rayllm.serve.auth import Access, cache_salt
 from rayllm.serve.config import ServerConfig
 from rayllm.serve.generation_stream import Generation, OnComplete
 from rayllm.serve.metrics import server_metrics
+from rayllm.serve.model_status import ServeModelStatus, wake
 from rayllm.serve.request_guards import (
     call_model,
     check_request,
@@ -60,6 +61,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
         self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
         self.metrics = server_metrics()
+        # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
+        self.model_status = ServeModelStatus(serve.get_replica_context().app_name)
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
 
     # The model this request selected (check_model; rayllm.serve.routes.model_routes): its deployment, tokenizer...
@@ -69,7 +72,17 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
     adapters = property(lambda self: self.routes.current.adapters)
 
     async def info(self) -> dict:
-        return await call_model(self.routes.current.info(), self.config.retry_after_s)
+        route = self.routes.current
+        state = await self.model_status.state(route.llm.deployment_name)
+        await wake(route.name, state, lambda: call_model(route.llm.model_info.remote(), self.config.retry_after_s),
+                   self.config.wake_timeout_s, self.config.retry_after_s)
+        return await call_model(route.info(), self.config.retry_after_s)
+
+    async def asleep(self) -> frozenset[str]:
+        """The models scaled to zero now (Serve's status)."""
+        states = await self.model_status.states()
+        return frozenset(r.name for r in self.routes
+                         if r.llm.deployment_name in states and states[r.llm.deployment_name].asleep)
 
     def check_auth(self, request: Request) -> str:
         """The caller's owner id (a digest of its key; "" with auth off), or a 401."""
@@ -113,7 +126,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     @app.get("/health")
     async def health(self) -> Response:
-        return await ops.health([r.llm for r in self.routes])
+        return await ops.health([r.llm for r in self.routes], self.model_status)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> JSONResponse:
@@ -121,12 +134,13 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        return await ops.metrics(request, self.keys, {r.name: r.llm for r in self.routes}, self.metrics)
+        return await ops.metrics(request, self.keys, {r.name: r.llm for r in self.routes}, self.metrics,
+                                 self.model_status)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
-        return JSONResponse({"object": "list", "data": await self.routes.cards()})
+        return JSONResponse({"object": "list", "data": await self.routes.cards(await self.asleep())})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
@@ -137,7 +151,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             return JSONResponse(route.adapters.card(name))
         if name is not None:
             raise self.routes.unknown(model_id)
-        return JSONResponse(await route.card(model_id if model_id in route.aliases else None))
+        return JSONResponse(await route.card(model_id if model_id in route.aliases else None,
+                                             asleep=route.name in await self.asleep()))
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ one streamed hop (a batch of text deltas for all of a request's choices) to the 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -17,6 +19,7 @@ from dataclasses import replace
 from ray import serve
 
 from rayllm.common.errors import first_line
+from rayllm.loader.model_files import resolve_model_path
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.errors import APIError, replica_failed
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
@@ -75,13 +78,27 @@ def engine_failure(exc: Exception) -> Exception:
     return exc
 
 
+def cold_start_record(model: str, engine_phases: dict[str, float], fetch_s: float, replica_s: float) -> dict:
+    """One replica's start-up split into phases (seconds; cuda_graphs_s null where none were captured).
+    replica_s is the replica's constructor; Serve marks it ready on its next health poll."""
+    phases = dict(engine_phases)
+    return {"event": "cold_start", "model": model,
+            "download_s": round(phases.pop("download", 0.0) + fetch_s, 3),
+            "load_s": phases.pop("load", None), "kv_cache_s": phases.pop("kv_cache", None),
+            "cuda_graphs_s": phases.pop("cuda_graphs", None), "engine_s": phases.pop("engine", None),
+            "replica_s": round(replica_s, 3)}
+
+
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, stream_interval_s: float = 0.0,
                  engine_process: bool = False, serving_nice: int = 0):
         from rayllm.engine.client.engine_client import make_engine_client
 
+        t0 = time.perf_counter()
         self.stream_interval_s = stream_interval_s
-        self.tokenizer = TokenizerService(model_path)
+        local_path = resolve_model_path(model_path)  # a remote spec: fetched to this node's cache here
+        fetch_s = time.perf_counter() - t0
+        self.tokenizer = TokenizerService(local_path)
         self.engine = make_engine_client(engine_config, list(self.tokenizer.eos_token_ids), own_process=engine_process)
         if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
             lower_process_priority(serving_nice)
@@ -94,6 +111,9 @@ class LLMServer:
         self._regex_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stop-regex")
         self.loras = self._start_loras(engine_config)
         publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
+        self.startup = cold_start_record(engine_config.model.served_model_name, self.engine.startup_phases,
+                                         fetch_s, time.perf_counter() - t0)
+        log.info("cold start %s", json.dumps(self.startup))
 
     def _compile(self, spec: GuidedSpec):
         with self._grammars_lock:  # concurrent first compiles must not start two compiler children
@@ -116,6 +136,10 @@ class LLMServer:
     def model_info(self) -> dict:
         return {"max_model_len": self.engine.max_model_len, "capacity_tokens": self.engine.capacity_tokens,
                 "hidden_size": self.engine.arch.hidden_size}
+
+    def cold_start(self) -> dict:
+        """This replica's start-up by phase (the `cold start` log line; benchmarks/cold_start.py)."""
+        return self.startup
 
     def stats(self) -> dict:
         grammars = self._grammars.num_compiled if self._grammars is not None else 0

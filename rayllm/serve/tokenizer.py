@@ -15,6 +15,7 @@ import re
 import ray
 from ray import serve
 
+from rayllm.loader.model_files import resolve_model_path
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.tools import detect_tool_format
 from rayllm.serve.chat_template import END_OF_TURN_TOKENS, FIM_TOKEN_SETS, ChatRenderer, load_tokenizer
@@ -155,6 +156,7 @@ class TokenizerDeployment:
 
     def __init__(self, model_paths: dict[str, str], serving_nice: int = 0):
         lower_process_priority(serving_nice)
+        model_paths = {name: resolve_model_path(path) for name, path in model_paths.items()}  # this node's copies
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
         # Each sandbox's process starts with the first request template for its model.
         self.sandboxes = {name: TemplateSandbox(path) for name, path in model_paths.items()}

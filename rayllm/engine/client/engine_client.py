@@ -68,6 +68,7 @@ class EngineClient(ABC):
         self.arch = arch
         self.max_model_len = max_model_len
         self.capacity_tokens = capacity_tokens  # KV cache size in tokens
+        self.startup_phases: dict[str, float] = {}  # the engine's cold start (rayllm.common.startup_phases)
         self.error: BaseException | None = None  # set once the engine is dead
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -173,6 +174,7 @@ class InprocClient(EngineClient):
     def __init__(self, engine: LLMEngine) -> None:
         super().__init__(engine.arch, engine.max_model_len, engine.capacity_tokens)
         self.engine = engine
+        self.startup_phases = engine.startup_phases
         self._commands: deque[tuple] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # a command is either queued before the loop ends, or refused
@@ -263,6 +265,7 @@ class ProcessClient(EngineClient):
     def __init__(self, process: EngineProcess) -> None:
         super().__init__(process.arch, process.max_model_len, process.capacity_tokens)
         self.process = process
+        self.startup_phases = process.startup_phases
         process.attach(self._deliver, self._on_death)
 
     def _submit(self, command: tuple) -> None:

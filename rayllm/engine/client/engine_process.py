@@ -70,6 +70,7 @@ class EngineProcess:
         self.arch = info["arch"]
         self.max_model_len: int = info["max_model_len"]
         self.capacity_tokens: int = info["capacity_tokens"]
+        self.startup_phases: dict[str, float] = info.get("startup", {})
         self.config = config
         self._send_lock = threading.Lock()
         self._calls: dict[int, Future] = {}
@@ -174,7 +175,7 @@ def _child_main(conn: Connection) -> None:
         conn.send(("error", exc))
         return
     conn.send(("ready", {"arch": engine.arch, "max_model_len": engine.max_model_len,
-                         "capacity_tokens": engine.capacity_tokens}))
+                         "capacity_tokens": engine.capacity_tokens, "startup": engine.startup_phases}))
     try:
         _EngineLoop(conn, engine).run()
     except (EOFError, OSError):  # the serving process is gone

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from rayllm.loader import model_sources
 from rayllm.protocol.errors import APIError
 
 REFUSED = "lora_path is not an adapter directory this server may load"
@@ -28,9 +29,29 @@ def resolve_allowed(path: str, roots: tuple[str, ...] | list[str], param: str = 
         raise APIError(400, DISABLED, param=param, code="lora_path_disabled")
     if not isinstance(path, str) or not path or "\x00" in path:
         raise refused(param)
+    if remote_source(path):
+        return allowed_remote(path, roots, param)
     real = os.path.realpath(path)
     for root in roots:
         base = os.path.realpath(root)
         if os.path.commonpath([base, real]) == base and os.path.isdir(real):
             return real
+    raise refused(param)
+
+
+def remote_source(path: str) -> bool:
+    """An object-store URI or a Hugging Face id (`hf://org/name` or `org/name` that is no local path)."""
+    return path.startswith("hf://") or model_sources.is_remote(path)
+
+
+def allowed_remote(source: str, roots: tuple[str, ...] | list[str], param: str = "lora_path") -> str:
+    """A remote adapter source under a remote root (`s3://bucket/adapters/`, `hf://org/`): the source,
+    unchanged (the replica fetches it into its node's cache), or the uniform 400."""
+    canonical = source if "://" in source else "hf://" + source
+    if ".." in canonical.split("://", 1)[1].split("/"):
+        raise refused(param)
+    for root in roots:
+        prefix = root.rstrip("/") + "/"
+        if "://" in root and canonical.startswith(prefix) and len(canonical) > len(prefix):
+            return source
     raise refused(param)

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rayllm.loader import model_sources
 from rayllm.lora.files import LoRAError, read_peft_adapter
 from rayllm.protocol.errors import APIError
 from rayllm.schema.config import LoRAConfig
-from rayllm.serve.lora.adapter_paths import resolve_allowed
+from rayllm.serve.lora.adapter_paths import remote_source, resolve_allowed
 
 if TYPE_CHECKING:
     from rayllm.engine.client.engine_client import EngineClient
@@ -71,7 +72,9 @@ class LoRARegistry:
         self.engine = engine
         self.on_evict = on_evict  # tells Serve's multiplexing cache that the name is gone
         self.entries: OrderedDict[str, AdapterEntry] = OrderedDict()  # least recently used first
-        self.trusted = {os.path.realpath(p) for _, p in config.adapters}  # the operator's: no root needed
+        # the operator's: no root needed (a remote source as written, a local one canonical)
+        self.trusted = {p if remote_source(p) else os.path.realpath(p) for _, p in config.adapters}
+        self._fetched: dict[str, str] = {}  # remote source -> this node's copy
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load at a time: slot choice and weight copies do not interleave
 
@@ -80,8 +83,20 @@ class LoRARegistry:
 
     def check_path(self, path: str) -> str:
         """The canonical path of an adapter a client named; the uniform 400 outside lora.allowed_roots."""
-        real = os.path.realpath(path)
+        real = path if remote_source(path) else os.path.realpath(path)
         return real if real in self.trusted else resolve_allowed(path, self.config.allowed_roots)
+
+    def _local(self, name: str, path: str) -> str:
+        """A remote source's copy in this node's cache (fetched once); a local path as it is."""
+        if not remote_source(path):
+            return path
+        if path not in self._fetched:
+            try:
+                self._fetched[path] = model_sources.fetch(path.removeprefix("hf://")).path
+            except model_sources.ModelSourceError as exc:
+                raise APIError(404, f"LoRA adapter {name!r}: {exc}", param="lora_path",
+                               code="lora_adapter_not_found") from None
+        return self._fetched[path]
 
     def _take_slot(self) -> int | None:
         """A free slot, evicting the least recently used idle adapter if none is."""
@@ -101,7 +116,7 @@ class LoRARegistry:
     def _validate(self, name: str, path: str) -> int:
         """Read and check the files here first (clear errors, and nothing is evicted for a bad adapter)."""
         try:
-            return read_peft_adapter(path, self.engine.arch, self.config.max_lora_rank).rank
+            return read_peft_adapter(self._local(name, path), self.engine.arch, self.config.max_lora_rank).rank
         except LoRAError as exc:
             raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
 
@@ -110,7 +125,7 @@ class LoRARegistry:
         lora_id = self._next_id
         self._next_id += 1
         try:
-            self.engine.load_lora(slot, lora_id, path)
+            self.engine.load_lora(slot, lora_id, self._local(name, path))
         except LoRAError as exc:  # the files changed since _validate
             raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
         return AdapterEntry(name, path, lora_id, slot, rank)

@@ -69,6 +69,7 @@ class ModelRoute:
         self.created = created
         lora = entry.engine.lora
         self.adapters = RouteAdapters(entry.name, entry.aliases, dict(lora.adapters), created, lora.allowed_roots)
+        self.configured_max_model_len = entry.engine.model.max_model_len
         self._info: ModelInfo | None = None
         self._tok_info: dict | None = None
 
@@ -82,11 +83,15 @@ class ModelRoute:
             self._tok_info = await self.tokenizer.info.remote()
         return self._tok_info
 
-    async def card(self, model_id: str | None = None) -> dict:
-        """The model's card; an alias's card has the alias as id and the model as root."""
-        info = await self.info()
+    async def card(self, model_id: str | None = None, asleep: bool = False) -> dict:
+        """The model's card; an alias's card has the alias as id and the model as root. A sleeping model
+        (scaled to zero) is not called: its length is the last one seen, else the configured one."""
+        if asleep and self._info is None:
+            max_len = self.configured_max_model_len
+        else:
+            max_len = (await self.info())["max_model_len"]
         return ModelCard(id=model_id or self.name, created=self.created, root=self.name,
-                         max_model_len=info["max_model_len"]).model_dump()
+                         max_model_len=max_len).model_dump()
 
 
 _current: ContextVar[ModelRoute | None] = ContextVar("rayllm_model_route", default=None)
@@ -127,8 +132,9 @@ class ModelRoutes:
         _current.set(route)
         return route
 
-    async def cards(self) -> list[dict]:
-        """Every model, then every alias, then every adapter (its parent is its base model)."""
-        cards = [await r.card() for r in self.routes]
-        cards += [await r.card(alias) for r in self.routes for alias in r.aliases]
+    async def cards(self, asleep: frozenset[str] = frozenset()) -> list[dict]:
+        """Every model, then every alias, then every adapter (its parent is its base model); the models
+        named in `asleep` (scaled to zero) are listed without waking them."""
+        cards = [await r.card(asleep=r.name in asleep) for r in self.routes]
+        cards += [await r.card(alias, asleep=r.name in asleep) for r in self.routes for alias in r.aliases]
         return cards + [r.adapters.card(n) for r in self.routes for n in r.adapters]

@@ -18,6 +18,7 @@ from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterReques
 from rayllm.serve.auth import Access
 from rayllm.serve.lora.adapter_table import AdapterTable
 from rayllm.serve.metrics import CONTENT_TYPE, ServerMetrics
+from rayllm.serve.model_status import DeploymentState, ServeModelStatus
 from rayllm.serve.routes.http_app import app, error_response, parse
 
 log = logging.getLogger("ray.serve")
@@ -26,12 +27,18 @@ log = logging.getLogger("ray.serve")
 UNHEALTHY = "model unavailable: no healthy model replica answered; retry later"
 
 
-async def health(llms: list[DeploymentHandle]) -> Response:
-    """200 when every model of the app has a replica that answers."""
-    try:  # bounded: while the only replica is being replaced, the call would otherwise queue
-        await asyncio.wait_for(asyncio.gather(*(llm.check_health.remote() for llm in llms)), timeout=10)
+async def health(llms: list[DeploymentHandle], status: ServeModelStatus) -> Response:
+    """200 when every model's deployment is healthy in Serve's own status, or asleep (scaled to zero; a
+    request wakes it). Read from the controller, never by calling a replica, so a probe wakes nothing."""
+    try:  # bounded: a busy controller must not hold a load balancer's probe
+        states = await asyncio.wait_for(status.states(), timeout=10)
+        down = [h.deployment_name for h in llms
+                if not states.get(h.deployment_name, DeploymentState("MISSING", 0)).healthy]
     except Exception as exc:
-        log.warning("/health: model unavailable: %s", first_line(exc, 500))
+        log.warning("/health: Serve status unavailable: %s", first_line(exc, 500))
+        down = ["(status unavailable)"]
+    if down:
+        log.warning("/health: model deployments not healthy: %s", ", ".join(down))
         return error_response(APIError(503, UNHEALTHY, type="server_error", code="model_unavailable"))
     return Response(status_code=200)
 
@@ -44,11 +51,18 @@ def openapi(access: Access) -> JSONResponse:
 
 
 async def metrics(request: Request, access: Access, llms: dict[str, DeploymentHandle],
-                  server_metrics: ServerMetrics) -> Response:
+                  server_metrics: ServerMetrics, status: ServeModelStatus) -> Response:
     """Prometheus text format (vLLM's names); engine gauges from one replica of each model per scrape,
-    labelled with the model's name."""
+    labelled with the model's name. A model scaled to zero is not asked (that would wake it)."""
     access.metrics(request.headers.get("authorization"))
+    try:
+        states = await asyncio.wait_for(status.states(), timeout=5)
+    except Exception:  # unknown: skip the engine gauges rather than risk waking a sleeping model
+        log.info("Serve status unavailable for /metrics", exc_info=True)
+        states = {}
     for model_name, llm in llms.items():
+        if not states.get(llm.deployment_name, DeploymentState("MISSING", 0)).running:
+            continue
         try:
             stats = await asyncio.wait_for(llm.stats.remote(), timeout=5)
             server_metrics.set_engine_stats(stats, model_name)

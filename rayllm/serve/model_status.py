@@ -1,0 +1,100 @@
+"""Model deployments' state as Ray Serve's controller reports it, so that the ingress can answer /health,
+/metrics and /v1/models without calling into (and so waking) a model replica scaled to zero, and can wait a
+bounded time for a sleeping model to wake before it dispatches a request.
+
+A call through a deployment handle to a deployment with no replica makes Serve start one (scale from
+zero); so anything that must not wake a model reads `ServeModelStatus` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rayllm.protocol.errors import APIError
+
+log = logging.getLogger("ray.serve")
+
+# Serve statuses in which the deployment is where its autoscaler wants it, or on its way there: a model
+# with no running replica in one of these is asleep (min_replicas 0), not down.
+SETTLED = frozenset({"HEALTHY", "UPSCALING", "DOWNSCALING"})
+
+
+@dataclass(frozen=True)
+class DeploymentState:
+    status: str  # Serve's DeploymentStatus name; "MISSING" when the controller does not list it
+    running: int  # replicas in RUNNING state
+
+    @property
+    def asleep(self) -> bool:
+        return self.running == 0 and self.status in SETTLED
+
+    @property
+    def healthy(self) -> bool:
+        """Serves requests now, or is asleep and will be woken by one."""
+        return self.status in SETTLED or (self.status == "UPDATING" and self.running > 0)
+
+
+def _read_serve_status() -> Any:
+    from ray import serve
+
+    return serve.status()
+
+
+def states_of(status: Any, app_name: str) -> dict[str, DeploymentState]:
+    """{deployment name: state} of one application in a `serve.status()` result."""
+    app = status.applications.get(app_name)
+    if app is None:
+        return {}
+    return {name: DeploymentState(str(getattr(d.status, "value", d.status)), int(d.replica_states.get("RUNNING", 0)))
+            for name, d in app.deployments.items()}
+
+
+class ServeModelStatus:
+    """The controller's view of this app's deployments, read at most every `ttl_s` (probes and scrapes may
+    come many times a second; each read is one controller call, made in a thread)."""
+
+    def __init__(self, app_name: str, ttl_s: float = 1.0,
+                 read: Callable[[], Any] = _read_serve_status) -> None:
+        self.app_name, self.ttl_s, self._read = app_name, ttl_s, read
+        self._states: dict[str, DeploymentState] = {}
+        self._at = -float("inf")
+        self._lock = asyncio.Lock()
+
+    async def states(self, fresh: bool = False) -> dict[str, DeploymentState]:
+        async with self._lock:
+            if fresh or time.monotonic() - self._at > self.ttl_s:
+                self._states = states_of(await asyncio.to_thread(self._read), self.app_name)
+                self._at = time.monotonic()
+            return self._states
+
+    async def state(self, deployment: str, fresh: bool = False) -> DeploymentState:
+        return (await self.states(fresh)).get(deployment, DeploymentState("MISSING", 0))
+
+
+def model_waking(model: str, waited_s: float, retry_after_s: float) -> APIError:
+    err = APIError(503, f"The model '{model}' was scaled to zero and is starting; it was not ready within "
+                        f"{waited_s:g} s. Retry after the time given in the Retry-After header.",
+                   type="server_error", code="model_waking")
+    err.headers = {"Retry-After": str(max(1, round(retry_after_s)))}
+    return err
+
+
+async def wake(model: str, state: DeploymentState, call: Callable[[], Awaitable[Any]], timeout_s: float,
+               retry_after_s: float) -> Any:
+    """For a sleeping model, `call()` (a unary call to its deployment, which makes Serve start a replica)
+    awaited at most `timeout_s`; beyond it a 503 model_waking with Retry-After. An awake model: None."""
+    if not state.asleep:
+        return None
+    t0 = time.monotonic()
+    log.info("model %s is scaled to zero: waking it (waiting up to %g s)", model, timeout_s)
+    try:
+        result = await asyncio.wait_for(call(), timeout=timeout_s)
+    except TimeoutError:
+        raise model_waking(model, timeout_s, retry_after_s) from None
+    log.info("model %s woke in %.2f s", model, time.monotonic() - t0)
+    return result

@@ -1,0 +1,65 @@
+"""How the ingress reads Serve's status for /health and scale to zero (rayllm.serve.model_status), on Serve's
+own status classes; the end-to-end behaviour is tests/serve/test_scale_to_zero.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from ray.serve._private.common import DeploymentStatus
+from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+from rayllm.protocol.errors import APIError
+from rayllm.serve.model_status import DeploymentState, ServeModelStatus, states_of, wake
+
+
+def serve_status(**deployments: tuple[DeploymentStatus, dict]) -> ServeStatus:
+    deps = {name: DeploymentStatusOverview(status=st, status_trigger="AUTOSCALING", replica_states=replicas,
+                                           message="") for name, (st, replicas) in deployments.items()}
+    return ServeStatus(applications={"app": ApplicationStatusOverview(status="RUNNING", message="",
+                                                                      last_deployed_time_s=0, deployments=deps)})
+
+
+def test_states_asleep_and_healthy_from_serve_status():
+    st = states_of(serve_status(
+        llm=(DeploymentStatus.HEALTHY, {}),  # scaled to zero
+        b=(DeploymentStatus.UPSCALING, {"STARTING": 1}),  # waking
+        c=(DeploymentStatus.HEALTHY, {"RUNNING": 1}),
+        d=(DeploymentStatus.UNHEALTHY, {"RUNNING": 1}),
+        e=(DeploymentStatus.UPDATING, {"STARTING": 1}),  # first deploy, not up yet
+        f=(DeploymentStatus.UPDATING, {"RUNNING": 1, "STARTING": 1}),  # rolling update
+    ), "app")
+    assert {n: (s.asleep, s.healthy) for n, s in st.items()} == {
+        "llm": (True, True), "b": (True, True), "c": (False, True), "d": (False, False), "e": (False, False),
+        "f": (False, True)}
+    assert states_of(serve_status(), "other") == {}
+
+
+async def test_status_is_read_at_most_once_per_ttl():
+    reads = []
+    status = ServeModelStatus("app", ttl_s=60, read=lambda: reads.append(1) or serve_status(
+        llm=(DeploymentStatus.HEALTHY, {"RUNNING": 1})))
+    assert (await asyncio.gather(*(status.state("llm") for _ in range(20))))[0].running == 1
+    assert len(reads) == 1
+    assert (await status.state("missing")).status == "MISSING"
+    await status.states(fresh=True)
+    assert len(reads) == 2
+
+
+async def test_wake_is_bounded_then_503_with_retry_after():
+    async def slow_start():  # a replica that takes longer to start than the bound
+        await asyncio.sleep(5)
+
+    t0 = time.monotonic()
+    with pytest.raises(APIError) as err:
+        await wake("m", DeploymentState("HEALTHY", 0), slow_start, timeout_s=0.2, retry_after_s=3)
+    assert time.monotonic() - t0 < 2
+    assert err.value.status_code == 503 and err.value.code == "model_waking"
+    assert err.value.headers == {"Retry-After": "3"}
+
+    async def quick():
+        return "up"
+
+    assert await wake("m", DeploymentState("HEALTHY", 0), quick, 1, 1) == "up"
+    assert await wake("m", DeploymentState("HEALTHY", 1), slow_start, 0.01, 1) is None  # awake: no call

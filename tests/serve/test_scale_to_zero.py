@@ -1,0 +1,123 @@
+"""Scale to zero through the real app (Ray Serve, the real model, cluster.yaml's own args with the model
+deployment at min_replicas 0 and tight autoscaling delays): probes, scrapes and model listings leave the
+model asleep; a chat request to the sleeping model is refused with 503 model_waking + Retry-After while it
+wakes (wake_timeout_s is set below its start-up time on purpose) and is then served; the model goes back to
+zero after the downscale delay. The wake-up time is printed (docs/models-and-scaling.md records it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.serve.ops_apps import MODEL, chat_body
+from tests.serve.test_shipped_config import CLUSTER_YAML, merge
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+APP = "zero"
+PROBE_S = 20  # 10x the downscale delay: a probe that woke the model would show well within it
+DOWNSCALE_S = 2
+AUTOSCALING = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 4,
+               "upscale_delay_s": 0, "downscale_delay_s": DOWNSCALE_S, "downscale_to_zero_delay_s": DOWNSCALE_S,
+               "metrics_interval_s": 0.5, "look_back_period_s": 1}
+
+
+def zero_args() -> dict:
+    import yaml
+
+    args = yaml.safe_load(CLUSTER_YAML.read_text())["applications"][0]["args"]
+    return merge(args, {
+        "replica_num_cpus": 0.5,  # the session app holds the other logical CPUs
+        "wake_timeout_s": 1,  # below the model's start-up: the first request sees the bounded wait end
+        "engine": {"cache": {"kv_cache_bytes": 64 << 20}},
+        "llm_deployment_options": {"autoscaling_config": AUTOSCALING},
+    })
+
+
+def replica_actors() -> list[str]:
+    """Model replica actors of the app in any state (starting ones too), from Ray itself."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{APP}#llm#")]
+
+
+def running() -> int:
+    from ray import serve
+
+    return serve.status().applications[APP].deployments["llm"].replica_states.get("RUNNING", 0)
+
+
+@pytest.fixture(scope="module")
+def zero(server) -> str:
+    from ray import serve
+
+    from rayllm.serve.builder import build_app
+
+    serve.run(build_app(zero_args()), name=APP, route_prefix=f"/{APP}", blocking=False)
+    base = f"{server}/{APP}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    else:
+        raise RuntimeError("the scale-to-zero app did not become healthy")
+    yield base
+    serve.delete(APP, _blocking=False)
+
+
+def test_probes_leave_it_asleep_a_request_wakes_it_and_it_sleeps_again(zero):
+    base = zero
+    # Asleep from the start (initial_replicas 0), and healthy: a load balancer keeps the ingress in rotation.
+    assert replica_actors() == [] and running() == 0
+    t_end = time.monotonic() + PROBE_S
+    with httpx.Client(timeout=10) as http:
+        while time.monotonic() < t_end:
+            assert http.get(f"{base}/health").status_code == 200
+            m = http.get(f"{base}/metrics")
+            assert m.status_code == 200 and "vllm:" in m.text
+            models = http.get(f"{base}/v1/models").json()["data"]
+            assert [c["id"] for c in models] == [MODEL]
+            card = http.get(f"{base}/v1/models/{MODEL}").json()
+            assert card["id"] == MODEL and card["object"] == "model"
+            assert replica_actors() == [], "a probe, scrape or model listing woke the model"
+            time.sleep(0.1)
+        assert running() == 0
+
+        # One chat request: the bounded wait (1 s) ends before the replica is up -> 503 + Retry-After.
+        t0 = time.monotonic()
+        r = http.post(f"{base}/v1/chat/completions", json=chat_body(8), timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "model_waking" and int(r.headers["retry-after"]) >= 1
+        # The client retries as told (sooner here, to time the wake-up); the replica comes up and answers.
+        while True:
+            r = http.post(f"{base}/v1/chat/completions", json=chat_body(8), timeout=60)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_waking", r.text
+            assert time.monotonic() - t0 < 120, "the model did not wake"
+        wake_s = time.monotonic() - t0
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["message"]["content"]
+        assert len(replica_actors()) == 1
+        print(f"\nwake-up (first request to first answer, model {MODEL}): {wake_s:.2f} s")
+
+        # Awake: /v1/models now reports the model's real context length, read from the replica once.
+        assert http.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 8192
+
+        # Back to zero after the downscale delay (plus Serve's control loop and the replica's drain), with
+        # /health green throughout.
+        t1 = time.monotonic()
+        while replica_actors():
+            assert http.get(f"{base}/health").status_code == 200
+            assert time.monotonic() - t1 < 60, "the model did not scale back to zero"
+            time.sleep(0.5)
+        print(f"back to zero {time.monotonic() - t1:.1f} s after the answer (downscale_delay_s {DOWNSCALE_S})")
+        assert http.get(f"{base}/health").status_code == 200
