@@ -187,7 +187,7 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         # Windowed or soft-capped layers need host-built metadata per step (context slots, true lengths
         # for window masks) that a graph's fixed-shape metadata lacks: those models run eagerly.
-        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs and self.lora is None
+        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs
                   and not getattr(self.model, "torch_attention_only", False))
         # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
@@ -209,6 +209,7 @@ class Worker:
             self.model, "forward_pieces") else 1
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
                               self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
+        graphs.lora = self.lora  # adapter slots are a graph input (rayllm/lora/triton_kernels.py)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
         try:

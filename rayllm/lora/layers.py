@@ -124,12 +124,12 @@ class LoRALinear:
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += B_s A_s x for each slot s in the batch (in place; out is the layer's fresh output)."""
         batch = self.batch
-        if not batch.groups or self.used.isdisjoint(batch.slots):
-            return out
         if batch.token_groups is not None:  # CUDA: two Triton launches, however many adapters
             from rayllm.lora.triton_kernels import lora_apply
 
             return lora_apply(x, self.a, self.b, out, batch.token_groups, self.widths)
+        if not batch.groups or self.used.isdisjoint(batch.slots):
+            return out
         if self.batch_invariant:
             for slot, _, rows in batch.groups:
                 if slot in self.used:
@@ -221,6 +221,13 @@ class LoRAManager:
         mods = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
                  getattr(layer.mlp, "down_proj", None)) for layer in self.layers]
         return [m.lora for group in mods for m in group if m is not None]
+
+    def bind(self, token_slots: torch.Tensor) -> None:
+        """CUDA graphs: the step's slots come from a static device buffer, grouped on the device inside the
+        graph; every layer launches its kernels whatever the adapters (a graph cannot branch on them)."""
+        from rayllm.lora.triton_kernels import group_tokens
+
+        self.batch.token_groups = group_tokens(token_slots, self.config.max_loras + 1)
 
     def set_batch(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Per sequence: its adapter id (0 = base) and its token count this step, in batch order."""
