@@ -121,6 +121,14 @@ class Worker:
             log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+        if config.model.quantization == "fp8":
+            from rayllm.layers.linear import ParallelLMHead
+            from rayllm.quant.fp8 import fp8_refusal, quantize_model_fp8
+
+            reason = fp8_refusal(device)
+            if reason is not None:
+                raise ValueError(reason)
+            log.info("FP8 weights in %d layers", quantize_model_fp8(self.model, keep=(ParallelLMHead,)))
         invariant = config.scheduler.batch_invariant
         if (config.parallel.cpu.small_batch_quant != "none" and not invariant and device.type == "cpu"
                 and self.dtype == torch.bfloat16):
