@@ -122,6 +122,14 @@ class Worker:
             log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+        if config.model.quantization == "fp8":
+            from rayllm.layers.linear import ParallelLMHead
+            from rayllm.quant.fp8 import fp8_refusal, quantize_model_fp8
+
+            reason = fp8_refusal(device)
+            if reason is not None:
+                raise ValueError(reason)
+            log.info("FP8 weights in %d layers", quantize_model_fp8(self.model, keep=(ParallelLMHead,)))
         invariant = config.scheduler.batch_invariant
         if (config.parallel.cpu.small_batch_quant != "none" and not invariant and device.type == "cpu"
                 and self.dtype == torch.bfloat16):
@@ -188,7 +196,7 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         # Windowed or soft-capped layers need host-built metadata per step (context slots, true lengths
         # for window masks) that a graph's fixed-shape metadata lacks: those models run eagerly.
-        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs and self.lora is None
+        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs
                   and not getattr(self.model, "torch_attention_only", False))
         # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
@@ -211,6 +219,7 @@ class Worker:
             self.model, "forward_pieces") else 1
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
                               self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
+        graphs.lora = self.lora  # adapter slots are a graph input (rayllm/lora/triton_kernels.py)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
         try:

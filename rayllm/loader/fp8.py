@@ -19,7 +19,8 @@ def iter_fp8_dequantized(model_dir: str, files: list[str]) -> Iterator[tuple[str
     handles = [safe_open(os.path.join(model_dir, f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
     for name, h in where.items():
-        if name.endswith(FP8_SCALE_SUFFIXES) or name.endswith(".input_scale"):
+        # input_scale: static activation scales; k_scale / v_scale: ModelOpt's KV-cache scales.
+        if name.endswith(FP8_SCALE_SUFFIXES) or name.endswith((".input_scale", ".k_scale", ".v_scale")):
             continue
         t = h.get_tensor(name)
         if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):

@@ -92,7 +92,7 @@ def read_arch(model_path: str) -> LlamaArch:
     model_type = check_supported(cfg.get("model_type"), os.path.join(model_path, "config.json"))
     quant = cfg.get("quantization_config")
     method = (quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown") if quant else None
-    if method is not None and method != "fp8":  # GPTQ/AWQ int4, bitsandbytes...: packed tensors would load as garbage
+    if method is not None and not is_fp8_checkpoint(quant):  # GPTQ/AWQ int4, bitsandbytes...: packed tensors would load as garbage
         raise ValueError(f"{os.path.join(model_path, 'config.json')}: quantized safetensors checkpoints "
                          f"(quantization_config.quant_method {method!r}) are not supported; use the unquantized "
                          "checkpoint, or a GGUF (model.weights: quantized keeps its Q4/Q5/Q6/Q8 weights quantized)")
@@ -193,7 +193,7 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    if _quant_method(model_dir) == "fp8":  # FP8 weights with scales: dequantized on CPU (rayllm.loader.fp8)
+    if is_fp8_checkpoint(_quant_config(model_dir)):  # FP8 weights with scales: dequantized on CPU (rayllm.loader.fp8)
         yield from iter_fp8_dequantized(model_dir, files)
         return
     for fname in files:
@@ -202,13 +202,20 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, fh.get_tensor(name)
 
 
-def _quant_method(model_dir: str) -> str | None:
+def _quant_config(model_dir: str) -> dict | None:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path) as fh:
         quant = json.load(fh).get("quantization_config")
-    return quant.get("quant_method") if isinstance(quant, dict) else None
+    return quant if isinstance(quant, dict) else None
+
+
+def is_fp8_checkpoint(quant: dict | None) -> bool:
+    """quant_method fp8, compressed-tensors FP8 (llm-compressor) or ModelOpt FP8 (rayllm.quant.fp8)."""
+    from rayllm.quant.fp8 import read_fp8_scheme
+
+    return isinstance(quant, dict) and read_fp8_scheme(quant) is not None
 
 
 def count_tensors(model_path: str) -> int:

@@ -61,6 +61,8 @@ class LoRABatch:
         self.plan: BmmPlan | None = None  # set when one padded bmm beats a loop over the groups
         self.max_rank = 0
         self.slots: frozenset[int] = frozenset()
+        # CUDA: the step's tokens grouped by slot for the Triton kernels (rayllm/lora/triton_kernels.py).
+        self.token_groups = None
 
 
 class LoRALinear:
@@ -91,9 +93,12 @@ class LoRALinear:
         self.used: set[int] = set()
         self.batch_invariant = batch_invariant
         self.invariant: dict[int, tuple[OneDNNWeight, OneDNNWeight]] = {}  # slot -> (A, B), batch_invariant only
+        # rank * n_sub per slot, 0 where this layer has no adapter: the Triton kernels' only per-slot input.
+        self.widths = torch.zeros(slots, dtype=torch.int32, device=device)
 
     def clear(self, slot: int) -> None:
         self.used.discard(slot)
+        self.widths[slot] = 0
         self.invariant.pop(slot, None)
         self.a[slot].zero_()
         self.b[slot].zero_()
@@ -110,6 +115,8 @@ class LoRALinear:
 
     def finish(self, slot: int, rank: int) -> None:
         """After every sub-projection of `slot` is set: its batch-invariant GEMMs, cut to the adapter's rank."""
+        if slot in self.used:
+            self.widths[slot] = rank * self.n_sub
         if self.batch_invariant and slot in self.used:
             width = rank * self.n_sub
             self.invariant[slot] = (OneDNNWeight(self.a[slot, :width], True), OneDNNWeight(self.b[slot, :, :width].contiguous(), True))
@@ -117,6 +124,10 @@ class LoRALinear:
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out += B_s A_s x for each slot s in the batch (in place; out is the layer's fresh output)."""
         batch = self.batch
+        if batch.token_groups is not None:  # CUDA: two Triton launches, however many adapters
+            from rayllm.lora.triton_kernels import lora_apply
+
+            return lora_apply(x, self.a, self.b, out, batch.token_groups, self.widths)
         if not batch.groups or self.used.isdisjoint(batch.slots):
             return out
         if self.batch_invariant:
@@ -211,6 +222,13 @@ class LoRAManager:
                  getattr(layer.mlp, "down_proj", None)) for layer in self.layers]
         return [m.lora for group in mods for m in group if m is not None]
 
+    def bind(self, token_slots: torch.Tensor) -> None:
+        """CUDA graphs: the step's slots come from a static device buffer, grouped on the device inside the
+        graph; every layer launches its kernels whatever the adapters (a graph cannot branch on them)."""
+        from rayllm.lora.triton_kernels import group_tokens
+
+        self.batch.token_groups = group_tokens(token_slots, self.config.max_loras + 1)
+
     def set_batch(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Per sequence: its adapter id (0 = base) and its token count this step, in batch order."""
         unknown = {i for i in lora_ids if i and i not in self.id_to_slot}
@@ -231,6 +249,17 @@ class LoRAManager:
         batch.max_rank = max((self.slot_rank[slot] for slot in groups), default=0)
         batch.slots = frozenset(groups)
         batch.plan = None
+        batch.token_groups = None
+        if dev.type == "cuda" and groups:
+            from rayllm.lora.triton_kernels import group_tokens
+
+            slots = [0] * offset
+            for slot, rows in groups.items():
+                for row in rows:
+                    slots[row] = slot
+            batch.token_groups = group_tokens(torch.tensor(slots, dtype=torch.int32, device=dev),
+                                              self.config.max_loras + 1)
+            return
         if self.batch_invariant:  # one GEMM pair per adapter, never the padded bmm
             return
         if len(groups) > 1 or any(len(rows) < offset for rows in groups.values()):

@@ -73,6 +73,11 @@ class DecodeGraphs:
         self.forward: Forward | None = None
         self.pieces = pieces
         self.forward_pieces: Pieces | None = None
+        # A rayllm.lora.layers.LoRAManager when adapters are enabled: each row's slot is a graph input.
+        self.lora = None
+        self.lora_host = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
+        self.lora_dev = torch.zeros(b, dtype=torch.int32, device=device)
+        self.lora_np = self.lora_host.numpy()
 
     def size_for(self, seqs) -> int | None:
         """The captured size for a step of decode rows only (one token each) that fits; else None."""
@@ -109,6 +114,12 @@ class DecodeGraphs:
         self.long_dev.copy_(self.long_host, non_blocking=nb)
         self.int_dev[: 2 * b].copy_(self.int_host[: 2 * b], non_blocking=nb)
         self.tables[:size].copy_(self.int_host[2 * b:].view(b, self.width)[:size], non_blocking=nb)
+        if self.lora is not None:  # padding rows: slot 0 (the base model)
+            to_slot = self.lora.id_to_slot
+            self.lora_np[:size] = 0
+            for i, s in enumerate(seqs):
+                self.lora_np[i] = to_slot.get(s.lora_slot, 0) if s.lora_slot else 0
+            self.lora_dev.copy_(self.lora_host, non_blocking=nb)
 
     def cuda_nonblocking(self) -> bool:
         """Pinned staging reused each step: the previous copy must have left it (it has, since the step's
@@ -137,11 +148,15 @@ class DecodeGraphs:
             assert out is not None
             return out
         assert self.forward is not None
+        if self.lora is not None:
+            self.lora.bind(self.lora_dev[:size])
         return self.forward(self.ids[:size], self.positions[:size], self.metadata(size))
 
     def _pieces(self, size: int) -> Iterator[torch.Tensor | None]:
         """The metadata is built inside the first piece, so each replay rebuilds it from the buffers."""
         assert self.forward_pieces is not None
+        if self.lora is not None:  # runs inside the first piece's capture
+            self.lora.bind(self.lora_dev[:size])
         yield from self.forward_pieces(self.ids[:size], self.positions[:size], self.metadata(size), self.pieces)
 
     def capture(self, forward: Forward, capturable: Callable[[], bool] = lambda: True,

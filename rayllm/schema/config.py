@@ -26,6 +26,10 @@ class ModelConfig:
     # methods.py; CPU; 4-bit layers with int8 activations as parallel.cpu.small_batch_quant says); the embedding and
     # other tensors stay dense.
     weights: str = "auto"
+    # fp8: every decoder linear layer's weight quantized to e4m3 at load (per output channel) and run by
+    # FP8 GEMMs with per-token activation scales (rayllm/quant/fp8.py); CUDA with compute capability 8.9+
+    # only, refused elsewhere. FP8 checkpoints take the same path on such GPUs when this is fp8.
+    quantization: str | None = None
     # Embeddings (/v1/embeddings): pool the final-norm hidden state of the last token (decoder LLMs) or
     # the mean over all tokens.
     pooling: str = "last"  # last | mean
@@ -35,6 +39,10 @@ class ModelConfig:
             raise ValueError("pooling must be last or mean")
         if self.weights not in ("auto", "quantized"):
             raise ValueError("weights must be auto or quantized")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
+        if self.quantization and self.weights == "quantized":
+            raise ValueError("quantization: fp8 and weights: quantized (GGUF) exclude each other")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
