@@ -1,24 +1,29 @@
-"""How far each CPU kernel path moves the model's output from the fp32 reference.
+"""How far each CPU kernel path moves the model's output from the fp32 reference, and which layers lose most.
 
-    python benchmarks/quant_quality.py [--prompts 16] [--new-tokens 64]
+    python benchmarks/quant_quality.py [--prompts 576] [--new-tokens 32] [--paths ...]
 
-The fp32 engine (no quantized kernels) writes a greedy continuation of each chat prompt. Each path
-then scores prompt + continuation teacher-forced (so every position sees the same context), and its
-next-token distribution is compared with fp32's at every continuation position:
+Prompts: quality_prompts.py's fixed set (chat questions, explanations, code, lists, numbers, other
+languages, translation, writing), chat-templated. fp32 (no quantized kernels) writes a greedy continuation
+of each; each path then scores prompt + continuation teacher-forced (every position sees the same
+context) and its next-token distribution is compared with fp32's at every continuation position. Free
+running: each path's own greedy continuations (all prompts batched; decode steps run on its kernels)
+against those of `int4` (the same 4-bit weights with bf16 activations) and of fp32.
 
-- bf16: the bf16 weights with oneDNN's GEMM (what steps above 8 tokens use);
-- int4: the GGUF's own Q4 weights (weight-only int4, bf16 activations: torch's kernel), what steps of
-  <= 8 tokens use where the CPU has no AVX-512 VNNI (forced here for every position);
-- int4_vnni: the same weights x activations quantized to int8 in groups of 32 (cpu_qgemm), what steps
-  of up to parallel.VNNI_TOKENS tokens use on CPUs with AVX-512 VNNI (forced for every position);
-- quantized: `model.weights: quantized`, the GGUF's blocks kept quantized with no dense copy (torch's
-  int4 kernel at every step size); quantized_vnni: the same with its 4-bit layers on cpu_qgemm;
-- w8a8: a candidate measured and rejected, defined here only: per-channel int8 weights x per-token
-  int8 activations (`torch._int_mm`), faster than bf16 GEMMs at 16-64 tokens but too coarse (docs/benchmarks.md).
+Paths (the int4 ones are forced onto their kernel for every position, as decode steps run them):
+- bf16: bf16 weights, oneDNN's GEMM (steps above the small-batch sizes);
+- int4: the GGUF's Q4 weights x bf16 activations (torch's int4 kernel; small_batch_quant weight_only);
+- int4_vnni: the shipped default (small_batch_quant auto): int4 x int8 activations in groups of 32
+  (cpu_qgemm), with a second int8 pass over the quantization residual on the layers that
+  layers.linear.activation_passes names (gate/up);
+- int4_vnni_1pass: the same with one int8 pass everywhere (the default before issue 35);
+- int4_vnni_2pass: two int8 passes on every 4-bit layer;
+- int8_only_<type>: int4 with bf16 activations everywhere except <type> (qkv_proj, o_proj, gate_up_proj,
+  down_proj), whose activations are int8 in one pass: which projections lose most to int8 activations;
+- quantized / quantized_vnni: `model.weights: quantized` (no dense copy), torch's int4 kernel / cpu_qgemm.
 
-Per path, one JSON line: top-1 agreement with fp32, mean KL(fp32 || path), the mean drop in log
-probability of fp32's chosen token, and end to end: greedy generation of all prompts together
-(decode steps then run on that path's kernels) compared with fp32's greedy output.
+One JSON line per path: top-1 agreement with fp32, KL(fp32 || path) per token (mean, p99), the mean drop
+in log probability of fp32's token, the same per prompt kind, and the share of greedy outputs identical to
+int4's and to fp32's. KL is summed over fp32's 1,024 most likely tokens (`ref_mass` is their mean share).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 from tqdm import tqdm
@@ -34,7 +40,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_bench import prompts  # noqa: E402
+from quality_prompts import quality_prompts  # noqa: E402
 
 import rayllm.layers.linear as parallel  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
@@ -50,122 +56,150 @@ from rayllm.schema.config import (  # noqa: E402
 )
 from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
-PATHS = {  # name -> (dtype, small_batch_quant, which kernel every linear layer runs, model.weights)
+LAYER_TYPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "fp32": ("float32", "none", "default", "auto"),
-    "bf16": ("bfloat16", "none", "default", "auto"),
     "int4": ("bfloat16", "weight_only", "small-batch", "auto"),
+    "bf16": ("bfloat16", "none", "default", "auto"),
     "int4_vnni": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4_vnni_1pass": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4_vnni_2pass": ("bfloat16", "auto", "small-batch", "auto"),
+    **{f"int8_only_{t}": ("bfloat16", "auto", "small-batch", "auto") for t in LAYER_TYPES},
     "quantized": ("bfloat16", "none", "default", "quantized"),
     "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
-    "w8a8": ("bfloat16", "weight_only", "w8a8", "auto"),
 }
-
-
-class W8A8:
-    """The rejected candidate: int8 weights per output channel x int8 activations per token."""
-
-    def __init__(self, weight: torch.Tensor):
-        w = weight.float()
-        self.scale = w.abs().amax(1).clamp(min=1e-8) / 127
-        self.qweight_t = (w / self.scale.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8).t().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x_scale = xf.abs().amax(-1, keepdim=True).clamp_(min=1e-8).div_(127)
-        acc = torch._int_mm(torch.div(xf, x_scale).round_().to(torch.int8), self.qweight_t)
-        return torch.mul(acc, x_scale).mul_(self.scale).to(x.dtype)
+TOP_K = 1024
 
 
 def use_kernel(kind: str) -> None:
-    """Route the packed (GGUF-quantized) layers' matmuls: the engine's own choice, or one kernel for all."""
+    """Route the packed (GGUF-quantized) layers' matmuls: the engine's own choice, or the packed kernel always."""
     original = parallel.__dict__.setdefault("_original_linear", parallel.linear)
     if kind == "default":
         parallel.linear = original
         return
-    cache: dict[int, W8A8] = {}
 
     def forced(x, weight, bias, packed, onednn=None):
         if packed is None:
             return original(x, weight, bias, packed, onednn)
-        if kind == "small-batch":
-            out = packed(x)
-        else:
-            w8a8 = cache.get(id(weight)) or cache.setdefault(id(weight), W8A8(weight))
-            out = w8a8(x)
+        out = packed(x)
         return out if bias is None else out + bias
 
     parallel.linear = forced  # the layers look `linear` up in their module at call time
 
 
+def repack(engine: LLMEngine, name: str) -> None:
+    """int4_vnni_1pass and int8_only_<type>: rebuild the 4-bit layers' packed copies (not the LM head's)."""
+    if name not in ("int4_vnni_1pass", "int4_vnni_2pass") and not name.startswith("int8_only_"):
+        return
+    for mod_name, module in engine.executor.worker.model.named_modules():
+        packed = getattr(module, "packed", None)
+        if not isinstance(packed, parallel.PackedWeight) or isinstance(module, parallel.ParallelLMHead):
+            continue
+        vnni = name == "int4_vnni_1pass" or mod_name.endswith(name.removeprefix("int8_only_"))
+        module.packed = parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=2 if name.endswith("2pass") else 1)
+
+
 def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=path, dtype=dtype, weights=weights),
-        cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_bytes=512 << 20, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
         parallel=ParallelConfig(cpu=CpuConfig(threads_per_rank=0, small_batch_quant=small)),
     ))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+def score(engine: LLMEngine, batch: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, log-probabilities [len(cont), vocab] of each continuation position, teacher-forced."""
+    out = []
+    for p, cont in zip(batch, conts, strict=True):
+        logits = engine.executor.score(p + cont)
+        # position t predicts token t + 1: the continuation's predictions start at len(p) - 1
+        out.append(torch.log_softmax(logits[len(p) - 1 : -1].float(), -1))
+    return out
+
+
+def compare(ref_vals: torch.Tensor, ref_idx: torch.Tensor, got: torch.Tensor, chosen: torch.Tensor) -> dict:
+    """ref_vals/ref_idx: fp32's top-K log-probs per position; got: the path's full log-probs."""
+    kl = (ref_vals.exp() * (ref_vals - got.gather(1, ref_idx))).sum(-1)
+    return {"top1": (got.argmax(-1) == ref_idx[:, 0]).float(), "kl": kl,
+            "drop": ref_vals[:, 0] - got.gather(1, chosen.unsqueeze(1)).squeeze(1)}
+
+
+def summary(parts: dict[str, torch.Tensor]) -> dict:
+    return {"top1_agree": round(float(parts["top1"].mean()), 4), "kl_mean": round(float(parts["kl"].mean()), 5),
+            "kl_p99": round(float(parts["kl"].quantile(0.99)), 4),
+            "logp_drop_mean": round(float(parts["drop"].mean()), 5)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--paths", default=",".join(PATHS), help="comma list; fp32 (the reference) always runs first")
+    ap.add_argument("--prompts", type=int, default=576, help="the first N of quality_prompts.py's set")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--paths", default=",".join(PATHS), help="comma list; fp32 and int4 (the references) run first")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "quant-latest.jsonl"))
+                                                  f"quant-quality-{time.strftime('%Y%m%d-%H%M')}.jsonl"))
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    batch = prompts(tokenizer, args.prompts)
+    pairs = quality_prompts(args.prompts)
+    kinds = [k for k, _ in pairs]
+    batch = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                     add_generation_prompt=True), add_special_tokens=False).input_ids
+             for _, text in pairs]
     greedy = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    ref_logp: list[torch.Tensor] = []
+    ref_vals = ref_idx = chosen = None
     ref_out: list[list[int]] = []
-    lines = []
-    chosen = ["fp32"] + [p for p in args.paths.split(",") if p != "fp32"]
-    for name in tqdm(chosen, desc="paths", file=sys.stderr):
-        dtype, small, kernel, weights = PATHS[name]
-        if name.endswith("_vnni") and not cpu_qgemm.available():
-            print(f"skipping {name}: this CPU or build has no AVX-512 VNNI kernel", file=sys.stderr)
-            continue
-        engine = make_engine(path, dtype, small, args.prompts, weights)
-        use_kernel(kernel)
-        try:
-            outs = engine.generate(batch, greedy)  # end to end: decode steps of len(batch) tokens
-            if name == "fp32":
-                ref_out = outs
-            logps = []
-            for p, cont in zip(batch, ref_out, strict=True):
-                logits = engine.executor.score(p + cont)
-                # position t predicts token t + 1: the continuation's predictions start at len(p) - 1
-                logps.append(torch.log_softmax(logits[len(p) - 1 : -1].float(), -1))
-                if name == "fp32":
-                    ref_logp.append(logps[-1])
-        finally:
-            use_kernel("default")
-        engine.shutdown()
-        ref = torch.cat(ref_logp)
-        got = torch.cat(logps)
-        chosen = torch.cat([torch.tensor(c) for c in ref_out]).unsqueeze(1)
-        line = {
-            "bench": "quant_quality", "path": name, "positions": int(ref.shape[0]),
-            "top1_agree": round(float((got.argmax(-1) == ref.argmax(-1)).float().mean()), 4),
-            "kl_mean": round(float((ref.exp() * (ref - got)).sum(-1).mean()), 5),
-            "logp_drop_mean": round(float((ref.gather(1, chosen) - got.gather(1, chosen)).mean()), 5),
-            "greedy_identical": sum(a == b for a, b in zip(outs, ref_out, strict=True)),
-            "greedy_prompts": len(batch),
-            "greedy_common_prefix_mean": round(sum(map(common_prefix, outs, ref_out)) / len(batch), 1),
-        }
-        print(json.dumps(line), flush=True)
-        lines.append(line)
+    act_out: list[list[int]] = []
+    wanted = [p for p in args.paths.split(",") if p not in ("fp32", "int4")]
+    order = ["fp32", "int4", *wanted]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        f.writelines(json.dumps(line) + "\n" for line in lines)
+        for name in tqdm(order, desc="paths", file=sys.stderr):
+            dtype, small, kernel, weights = PATHS[name]
+            if small == "auto" and dtype == "bfloat16" and not cpu_qgemm.available():
+                print(f"skipping {name}: this CPU or build has no AVX-512 VNNI kernel", file=sys.stderr)
+                continue
+            t0 = time.perf_counter()
+            engine = make_engine(path, dtype, small, min(64, len(batch)), weights)
+            repack(engine, name)
+            use_kernel(kernel)
+            try:
+                outs = engine.generate(batch, greedy)
+                if name == "fp32":
+                    ref_out = outs
+                logps = torch.cat(score(engine, batch, ref_out))
+            finally:
+                use_kernel("default")
+                engine.shutdown()
+            if name == "fp32":
+                top = logps.topk(TOP_K, -1)
+                ref_vals, ref_idx = top.values, top.indices
+                chosen = torch.cat([torch.tensor(c) for c in ref_out])
+                f.write(json.dumps({"bench": "quant_quality", "path": "fp32", "prompts": len(batch),
+                                    "positions": int(logps.shape[0]),
+                                    "ref_mass": round(float(ref_vals.exp().sum(-1).mean()), 5)}) + "\n")
+                continue
+            if name == "int4":
+                act_out = outs
+            assert ref_vals is not None and ref_idx is not None and chosen is not None
+            parts = compare(ref_vals, ref_idx, logps, chosen)
+            by_kind = {}
+            kind_of_pos = [k for k, c in zip(kinds, ref_out, strict=True) for _ in c]
+            for kind in dict.fromkeys(kinds):
+                mask = torch.tensor([k == kind for k in kind_of_pos])
+                by_kind[kind] = summary({k: v[mask] for k, v in parts.items()})
+            line = {
+                "bench": "quant_quality", "path": name, "prompts": len(batch), "positions": int(logps.shape[0]),
+                "new_tokens": args.new_tokens, **summary(parts),
+                "greedy_same_as_int4": round(sum(a == b for a, b in zip(outs, act_out, strict=True)) / len(batch), 4),
+                "greedy_same_as_fp32": round(sum(a == b for a, b in zip(outs, ref_out, strict=True)) / len(batch), 4),
+                "by_kind": by_kind, "seconds": round(time.perf_counter() - t0, 1),
+            }
+            print(json.dumps({k: v for k, v in line.items() if k != "by_kind"}), flush=True)
+            f.write(json.dumps(line) + "\n")
+            f.flush()
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ class PackedWeight:
 
     GROUP = 32
 
-    def __init__(self, weight: torch.Tensor, bits: int, max_tokens: int = SMALL_BATCH_TOKENS, vnni: bool = False):
+    def __init__(self, weight: torch.Tensor, bits: int, max_tokens: int = SMALL_BATCH_TOKENS, vnni: bool = False,
+                 passes: int = 1):
         self.max_tokens = max_tokens  # used for steps of at most this many tokens
         w = weight.float()
         n, k = w.shape
@@ -89,7 +90,7 @@ class PackedWeight:
             scale = (hi - lo).clamp(min=1e-8) / 15
             q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.int32).view(n, k)
             if vnni and weight.dtype == torch.bfloat16 and cpu_qgemm.supports(n, k) and cpu_qgemm.available():
-                self.vnni = Int4VnniWeight(q, scale, lo)
+                self.vnni = Int4VnniWeight(q, scale, lo, passes)
                 self.max_tokens = max(max_tokens, VNNI_TOKENS)
                 return
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -278,6 +279,13 @@ class ParallelLMHead(nn.Module):
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
+def activation_passes(module: nn.Module) -> int:
+    """int8 passes over a layer's activations in cpu_qgemm: 2 (the row and its quantization residual) for
+    gate/up, whose input carries the residual stream's outlier channels: with one pass it alone turned the
+    README's example into nonsense (docs/benchmarks.md, quantization quality); 1 elsewhere."""
+    return 2 if isinstance(module, MergedColumnParallelLinear) else 1
+
+
 def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True) -> int:
     """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches; with
     `vnni`, 4-bit layers other than the LM head run cpu_qgemm's kernel where the CPU has it."""
@@ -292,7 +300,8 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
         if bits is not None and bits <= 8:
             head = isinstance(module, ParallelLMHead)  # the logits keep bf16 activations
             module.packed = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
-                                         SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head)
+                                         SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head,
+                                         passes=activation_passes(module))
             count += 1
     return count
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rayllm.layers.linear import ParallelLMHead, RowParallelLinear
+from rayllm.layers.linear import ParallelLMHead, RowParallelLinear, activation_passes
 from rayllm.loader.loader import iter_gguf
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.quant.methods import (
@@ -58,7 +58,8 @@ def _fill(module: nn.Module, loader, pend: _Pending, raw: RawBlocks, shard) -> N
 
 def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool) -> None:
     if pend.int4 and pend.groups == {32}:
-        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations)
+        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations,
+                                        activation_passes(module))
     else:
         step = 1 if 16 in pend.groups else 2
         module.packed = Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype)

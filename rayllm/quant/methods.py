@@ -96,11 +96,11 @@ class Int4GroupWeight:
     GROUP = 32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, passes: int = 1):
         self.dtype = dtype
         self.vnni: Int4VnniWeight | None = None
         if int8_activations and dtype == torch.bfloat16 and cpu_qgemm.supports(*q.shape) and cpu_qgemm.available():
-            self.vnni = Int4VnniWeight(q, scale, zero)
+            self.vnni = Int4VnniWeight(q, scale, zero, passes)
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The kernel computes (q - 8) * scale + zero'; zero' = zero + 8 * scale. [k/32, n, 2].

@@ -21,7 +21,7 @@ TILE = 16  # output columns per tile
 class _Lib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i], ctypes.c_int)
+        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i, i], ctypes.c_int)
 
 
 @cache
@@ -57,13 +57,17 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 class Int4VnniWeight:
-    """A layer's weight packed for qgemm_int4_bf16; called with bf16 rows [M, K] -> bf16 [M, N]."""
+    """A layer's weight packed for qgemm_int4_bf16; called with bf16 rows [M, K] -> bf16 [M, N].
+    passes 2: each row's int8 quantization residual is quantized and multiplied too (ACCURATE_LAYERS)."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, passes: int = 1) -> None:
         lib = _lib()
         if lib is None:
             raise RuntimeError("the CPU kernels have no AVX-512 VNNI build on this machine")
         self._gemm = lib.gemm
+        if passes not in (1, 2):
+            raise ValueError("int4 VNNI GEMM: passes must be 1 or 2")
+        self.passes = passes
         self.n, self.k = q.shape
         self.packed = pack(q, d, m)
 
@@ -76,7 +80,7 @@ class Int4VnniWeight:
         if x.stride(1) != 1:
             x = x.contiguous()
         code = self._gemm(x.data_ptr(), x.stride(0), self.packed.data_ptr(), out.data_ptr(), x.shape[0], self.n,
-                          self.k, torch.get_num_threads())
+                          self.k, self.passes, torch.get_num_threads())
         if code == 1:
             raise MemoryError("int4 VNNI GEMM: out of memory for the quantized rows")
         if code:

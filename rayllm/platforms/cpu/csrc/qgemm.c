@@ -32,21 +32,40 @@ int qgemm_available(void) {
 }
 
 #ifdef HAVE_QGEMM
-/* One row of bf16 into int8 groups: xq [K], xs [K/32][2] = (scale, scale * sum of the group's int8). */
-static void quant_row(const uint16_t *x, int K, int8_t *xq, float *xs) {
-    for (int g = 0; g < K / QGEMM_GROUP; g++) {
+/* One group of 32 fp32 values into int8: xq [32], xs [2] = (scale, scale * sum of the int8 values);
+ * with `res`, what the int8 values miss (x - scale * q) is written there. */
+static inline void quant_group(__m512 a, __m512 b, int8_t *xq, float *xs, float *res) {
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
+    float dx = amax / 127.f;
+    xs[0] = dx;
+    xs[1] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    if (res) {
+        __m512 d = _mm512_set1_ps(dx);
+        _mm512_storeu_ps(res, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), d, a));
+        _mm512_storeu_ps(res + 16, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), d, b));
+    }
+}
+
+/* One row of bf16 into `passes` int8 rows of K: the row, then (passes 2) its quantization residual,
+ * quantized again. Outlier channels (the residual stream's, up to ~60x the median at gate/up's input)
+ * set a group's scale; the second pass recovers the small values that the first rounds away.
+ * xs [passes][K/32][2]. */
+static void quant_row(const uint16_t *x, int K, int passes, int8_t *xq, float *xs) {
+    const int G = K / QGEMM_GROUP;
+    for (int g = 0; g < G; g++) {
         const __m256i *src = (const __m256i *)(x + g * QGEMM_GROUP);
         __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
         __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
-        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-        _mm_storeu_si128((__m128i *)(xq + g * QGEMM_GROUP), _mm512_cvtepi32_epi8(qa));
-        _mm_storeu_si128((__m128i *)(xq + g * QGEMM_GROUP + 16), _mm512_cvtepi32_epi8(qb));
-        float dx = amax / 127.f;
-        xs[2 * g] = dx;
-        xs[2 * g + 1] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        float res[QGEMM_GROUP];
+        quant_group(a, b, xq + g * QGEMM_GROUP, xs + 2 * g, passes > 1 ? res : NULL);
+        if (passes > 1)
+            quant_group(_mm512_loadu_ps(res), _mm512_loadu_ps(res + 16), xq + K + g * QGEMM_GROUP, xs + 2 * (G + g),
+                        NULL);
     }
 }
 
@@ -64,7 +83,7 @@ static inline __m256i to_bf16(__m512 v) {
 }
 
 /* R rows (a compile-time constant at each instantiation) against one tile: out [R][16] in bf16. */
-static inline __attribute__((always_inline)) void tile_rows(const int R, int G, const uint8_t *tile,
+static inline __attribute__((always_inline)) void tile_rows(const int R, const int P, int G, const uint8_t *tile,
                                                              const int8_t *xq, const float *xs, int K,
                                                              uint16_t *out, int64_t out_stride) {
     __m512 acc[QGEMM_ROWS];
@@ -83,13 +102,16 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int G, 
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
 #pragma GCC unroll 16 /* keeps acc[] in registers */
         for (int r = 0; r < R; r++) {
-            const int32_t *x4 = (const int32_t *)(xq + (size_t)r * K + g * QGEMM_GROUP);
-            const float *s = xs + ((size_t)r * G + g) * 2;
-            __m512i dot = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int p = 0; p < P; p++) { /* row r's int8 passes are rows r * P + p of xq */
+                const int32_t *x4 = (const int32_t *)(xq + (size_t)(r * P + p) * K + g * QGEMM_GROUP);
+                const float *s = xs + ((size_t)(r * P + p) * G + g) * 2;
+                __m512i dot = _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, w[i], _mm512_set1_epi32(x4[i]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
+                for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, w[i], _mm512_set1_epi32(x4[i]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
+            }
         }
     }
 #pragma GCC unroll 16
@@ -100,7 +122,11 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int G, 
 #define TILE_FN(R)                                                                                          \
     static void tile_##R(int G, const uint8_t *t, const int8_t *xq, const float *xs, int K, uint16_t *o,   \
                          int64_t os) {                                                                      \
-        tile_rows(R, G, t, xq, xs, K, o, os);                                                               \
+        tile_rows(R, 1, G, t, xq, xs, K, o, os);                                                            \
+    }                                                                                                       \
+    static void tile2_##R(int G, const uint8_t *t, const int8_t *xq, const float *xs, int K, uint16_t *o,  \
+                          int64_t os) {                                                                     \
+        tile_rows(R, 2, G, t, xq, xs, K, o, os);                                                            \
     }
 TILE_FN(1) TILE_FN(2) TILE_FN(3) TILE_FN(4) TILE_FN(5) TILE_FN(6) TILE_FN(7) TILE_FN(8)
 TILE_FN(9) TILE_FN(10) TILE_FN(11) TILE_FN(12) TILE_FN(13) TILE_FN(14) TILE_FN(15) TILE_FN(16)
@@ -108,29 +134,35 @@ typedef void (*tile_fn)(int, const uint8_t *, const int8_t *, const float *, int
 static const tile_fn TILES[QGEMM_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7,
                                               tile_8, tile_9, tile_10, tile_11, tile_12, tile_13, tile_14,
                                               tile_15, tile_16};
+static const tile_fn TILES2[QGEMM_ROWS + 1] = {0, tile2_1, tile2_2, tile2_3, tile2_4, tile2_5, tile2_6, tile2_7,
+                                               tile2_8, tile2_9, tile2_10, tile2_11, tile2_12, tile2_13, tile2_14,
+                                               tile2_15, tile2_16};
 #endif
 
 /* x: bf16 [M][K], rows x_stride apart; packed: [N/16][K/32][320 bytes]; out: bf16 [M][N], contiguous.
+ * passes: 1 (each row in int8) or 2 (and its quantization residual in int8: near bf16's precision).
  * Returns 0, 1 when out of memory, 5 when the shape is unsupported or the build has no VNNI. */
 int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, uint16_t *out, int M, int N,
-                    int K, int num_threads) {
+                    int K, int passes, int num_threads) {
 #ifdef HAVE_QGEMM
-    if (M <= 0 || N % QGEMM_TILE || K % QGEMM_GROUP || K <= 0) return 5;
+    if (M <= 0 || N % QGEMM_TILE || K % QGEMM_GROUP || K <= 0 || passes < 1 || passes > 2) return 5;
     const int G = K / QGEMM_GROUP, tiles = N / QGEMM_TILE;
-    int8_t *xq = malloc((size_t)M * K + 64);
-    float *xs = malloc((size_t)M * G * 2 * sizeof(float));
+    const tile_fn *fns = passes == 2 ? TILES2 : TILES;
+    int8_t *xq = malloc((size_t)M * passes * K + 64);
+    float *xs = malloc((size_t)M * passes * G * 2 * sizeof(float));
     if (!xq || !xs) {
         free(xq);
         free(xs);
         return 1;
     }
-    for (int r = 0; r < M; r++) quant_row(x + (size_t)r * x_stride, K, xq + (size_t)r * K, xs + (size_t)r * G * 2);
+    for (int r = 0; r < M; r++)
+        quant_row(x + (size_t)r * x_stride, K, passes, xq + (size_t)r * passes * K, xs + (size_t)r * passes * G * 2);
     const size_t tile_bytes = (size_t)G * (256 + 64);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles >= 8)
     for (int t = 0; t < tiles; t++) {
         for (int r0 = 0; r0 < M; r0 += QGEMM_ROWS) {
             int R = M - r0 < QGEMM_ROWS ? M - r0 : QGEMM_ROWS;
-            TILES[R](G, packed + t * tile_bytes, xq + (size_t)r0 * K, xs + (size_t)r0 * G * 2, K,
+            fns[R](G, packed + t * tile_bytes, xq + (size_t)r0 * passes * K, xs + (size_t)r0 * passes * G * 2, K,
                      out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N);
         }
     }
@@ -138,7 +170,7 @@ int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, 
     free(xs);
     return 0;
 #else
-    (void)x, (void)x_stride, (void)packed, (void)out, (void)M, (void)N, (void)K, (void)num_threads;
+    (void)x, (void)x_stride, (void)packed, (void)out, (void)M, (void)N, (void)K, (void)passes, (void)num_threads;
     return 5;
 #endif
 }
