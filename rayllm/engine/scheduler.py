@@ -3,7 +3,7 @@
 Every sequence simply has tokens whose KV is not computed yet: a decode step is one such token, a
 prefill is many. Each step hands out a token budget: running sequences first (oldest first), then
 waiting ones. When blocks run out, the newest running sequence is preempted: its blocks are freed
-and it goes back to the front of the queue to be recomputed (mostly from the prefix cache).
+and it goes back into the queue at its arrival rank (so near the front) to be recomputed (mostly from the prefix cache).
 With policy priority the queue is ordered by aged priority (wait_queue.py), running sequences are
 served best first and the worst is the one preempted.
 """
