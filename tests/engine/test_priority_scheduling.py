@@ -137,8 +137,8 @@ def test_one_tenant_holds_at_most_its_share_of_slots(policy):
     flood = [seq(f"a{i}", tenant="A") for i in range(20)]
     for x in flood:
         s.add(x)
-    s.add(b := seq("b", tenant="B"))
-    s.add(anon := seq("anon"))  # no tenant (keys off): never capped
+    s.add(seq("b", tenant="B"))
+    s.add(seq("anon"))  # no tenant (keys off): never capped
     s.schedule()
     running = {x.request_id for x in s.running}
     assert running == {"a0", "a1", "b", "anon"}
