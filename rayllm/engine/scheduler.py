@@ -3,16 +3,20 @@
 Every sequence simply has tokens whose KV is not computed yet: a decode step is one such token, a
 prefill is many. Each step hands out a token budget: running sequences first (oldest first), then
 waiting ones. When blocks run out, the newest running sequence is preempted: its blocks are freed
-and it goes back to the front of the queue to be recomputed (mostly from the prefix cache).
+and it goes back into the queue at its arrival rank (so near the front) to be recomputed (mostly from the prefix cache).
+With policy priority the queue is ordered by aged priority (wait_queue.py), running sequences are
+served best first and the worst is the one preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from rayllm.engine.block_manager import BlockManager
 from rayllm.engine.sequence import Sequence, SequenceStatus
+from rayllm.engine.wait_queue import WaitQueue, rank
 from rayllm.schema.config import SchedulerConfig
 
 
@@ -34,13 +38,20 @@ class Scheduler:
         self.block_manager = block_manager
         # Finished (aborted) sequences stay in `waiting` until they reach its head, where they are skipped:
         # an abort is O(1) however long the queue (deque.remove would make aborting a fan-out quadratic).
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue(config.policy, config.priority_aging_steps)
         self.num_waiting = 0
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_steps = 0  # the clock that priorities age by
+        self.by_priority = config.policy == "priority"
+        self.tenant_cap = max(1, math.floor(config.max_running_share * config.max_num_seqs))
+        self.tenant_running: Counter[str] = Counter()
+        # A tenant's sequences that reached the head while it held its share: out of the queue (so they
+        # cost nothing per step), back in at their own rank as its running sequences leave.
+        self.parked: dict[str, deque[Sequence]] = {}
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq, self.num_steps)
         self.num_waiting += 1
 
     def has_work(self) -> bool:
@@ -50,23 +61,63 @@ class Scheduler:
         """Take a sequence out of the queues and free its blocks at once."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._left_running(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.num_waiting -= 1  # skipped when it reaches the head of the queue
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
 
+    def _left_running(self, seq: Sequence) -> None:
+        tenant = seq.params.tenant
+        if tenant is None:
+            return
+        self.tenant_running[tenant] -= 1
+        parked = self.parked.get(tenant)
+        while parked:
+            s = parked.popleft()
+            if not s.is_finished:  # an aborted one is dropped here (num_waiting already counts it out)
+                self.waiting.requeue(s)
+                break
+        if not parked:
+            self.parked.pop(tenant, None)
+
+    def _capped(self, seq: Sequence) -> bool:
+        return seq.params.tenant is not None and self.tenant_running[seq.params.tenant] >= self.tenant_cap
+
     def _preempt(self, seq: Sequence) -> None:
+        self._left_running(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.requeue(seq)
         self.num_waiting += 1
         self.num_preemptions += 1
 
+    def _preempt_for_head(self) -> None:
+        """Priority policy: make room (a slot, the head's blocks) for the head of the queue by preempting
+        running sequences of strictly lower priority that also rank after it, worst first; the victims
+        queue behind the head, so they cannot take the room back."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            if head.is_finished or self._capped(head):
+                return
+            need = -(-head.num_uncomputed_tokens // self.block_manager.block_size)
+            if len(self.running) < self.config.max_num_seqs and self.block_manager.num_free_blocks >= need:
+                return
+            victim = max(self.running, key=rank)
+            if victim.params.priority <= head.params.priority or rank(victim) < rank(head):
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+
     def schedule(self) -> list[ScheduledSeq]:
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        if self.by_priority:
+            self._preempt_for_head()
+            self.running.sort(key=rank)  # best first, so pop() below preempts the worst
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -87,6 +138,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.is_finished:  # aborted while waiting
                 self.waiting.popleft()
+                continue
+            if self._capped(seq):
+                self.parked.setdefault(seq.params.tenant, deque()).append(self.waiting.popleft())
                 continue
             if not seq.block_table:
                 # Prompt logprobs and mean pooling need every prompt position computed: they skip the cache.
@@ -113,6 +167,8 @@ class Scheduler:
             self.block_manager.commit_full_blocks(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.params.tenant is not None:
+                self.tenant_running[seq.params.tenant] += 1
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return scheduled

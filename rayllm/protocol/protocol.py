@@ -74,7 +74,18 @@ _HARMLESS: dict[str, Callable[[Any, SamplingFields], bool]] = {
 }
 
 # Accepted and ignored, as OpenAI does.
-IGNORED = ("user", "service_tier", "safety_identifier", "verbosity", "prompt_cache_key", "request_id", "rid")
+IGNORED = ("user", "safety_identifier", "verbosity", "prompt_cache_key", "request_id", "rid")
+
+
+# OpenAI's service tiers as engine priorities (lower first): "priority" ahead of the default, "flex"
+# (cheaper, slower) behind it. An explicit `priority` wins.
+TIER_PRIORITY = {"priority": -1, "flex": 1}
+
+
+def request_priority(req: SamplingFields) -> int:
+    if req.priority is not None:
+        return req.priority
+    return TIER_PRIORITY.get(req.service_tier or "default", 0)
 
 
 def check_supported(req: SamplingFields) -> None:
@@ -191,6 +202,7 @@ def to_sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: i
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
             return_hidden_states=bool(req.return_hidden_states),
+            priority=request_priority(req),
         )
     except ValueError as exc:  # SamplingParams re-checks its own invariants
         raise bad_request(str(exc)) from None

@@ -12,6 +12,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from rayllm.protocol import limits as L
 from rayllm.protocol.messages import ChatMessage, ResponseFormat, StreamOptions, Strict
+from rayllm.schema.sampling_params import MAX_PRIORITY
 
 MAX_STOP_SEQUENCES = L.MAX_STOP_SEQUENCES
 TokenId = Annotated[int, Field(ge=0, le=L.INT32_MAX)]
@@ -97,10 +98,13 @@ class SamplingFields(Strict):
     return_hidden_states: bool | None = False
     return_routed_experts: bool | None = False
     return_cached_tokens_details: bool | None = False  # "detailed cache hit info": usage always carries it
+    # Scheduling (honoured with scheduler.policy: priority): vLLM's priority, lower first; without it
+    # OpenAI's service_tier maps to one (protocol.TIER_PRIORITY).
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # accepted and ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     request_id: str | None = None  # vLLM; the server makes its own ids

@@ -82,10 +82,25 @@ class SchedulerConfig:
     # laid out so that a row's GEMM result does not depend on the row count. Costs measured in
     # docs/benchmarks.md (CPU; bf16 or fp32 with prepacked weights).
     batch_invariant: bool = False
+    # fcfs: arrival order (requests' priority is ignored); priority: lower `priority` first, aged by one
+    # level per priority_aging_steps steps (the starvation bound: engine/wait_queue.py); a waiting request
+    # may preempt a running one of strictly lower priority and later rank, and under memory pressure the
+    # lowest-priority running request is preempted first.
+    policy: str = "fcfs"
+    priority_aging_steps: int = 1000
+    # Per-tenant fair share: one API key's owner holds at most this share of max_num_seqs running slots
+    # (at least one). 1.0 = no cap. Requests without a tenant (API keys off) are never capped.
+    max_running_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError("scheduler.policy must be fcfs or priority")
+        if self.priority_aging_steps < 1:
+            raise ValueError("scheduler.priority_aging_steps must be >= 1")
+        if not 0.0 < self.max_running_share <= 1.0:
+            raise ValueError("scheduler.max_running_share must be in (0, 1]")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
 

@@ -12,6 +12,7 @@ from typing import Literal
 _MAX_TOKEN_ID = 2**31 - 1
 _SEED_MODULUS = 2**64
 _MAX_FLOAT = 1e6
+MAX_PRIORITY = 1_000_000  # |priority| bound: keeps priority * aging_steps + step a small int
 _MIN_TEMPERATURE = 1e-5
 _MIN_REPETITION = 1e-6
 
@@ -75,6 +76,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
     cache_salt: str | None = None  # prefix-cache namespace (tenant, vLLM's cache_salt): see block_manager
+    # Scheduling (engine/wait_queue.py): lower is served first, as vLLM's `priority`; read only with
+    # scheduler.policy: priority. tenant: the API key's owner, for scheduler.max_running_share.
+    priority: int = 0
+    tenant: str | None = None
     # A pooling request: prefill only, never sample; the finished output carries the pooled, unit-length
     # final hidden state (`RequestOutput.embedding`; pooling per model: EngineConfig.model.pooling).
     embed: bool = False
@@ -91,6 +96,7 @@ class SamplingParams:
         top_k = _int("top_k", self.top_k, -1, None)
         set_("top_k", -1 if top_k == 0 or top_k > _MAX_TOKEN_ID else top_k)  # larger than any vocabulary: off
         set_("min_p", _finite("min_p", self.min_p, 0.0, 1.0))
+        set_("priority", _int("priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY))
         set_("max_tokens", _int("max_tokens", self.max_tokens, 1, _MAX_TOKEN_ID))
         set_("min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
         if self.seed is not None:  # torch seeds are 64-bit; per-choice seeds (seed + i) wrap the same way

@@ -210,7 +210,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         info = await self.info()
         context = check_tokens(self.config, req, len(ids), param, info["max_model_len"])
         params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
-                         cache_salt=cache_salt(owner, req.cache_salt))
+                         cache_salt=cache_salt(owner, req.cache_salt), tenant=owner or None)
         check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
                                lora=lora[0], lora_path=lora[1], trace_id=request_id_of(request))
@@ -260,7 +260,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             key=lambda s: s.max_tokens,
         )
         check_sampling(self.config, req, seqs, params.max_tokens, vocab, prompts)
-        params = replace(params, cache_salt=cache_salt(owner, req.cache_salt))  # per tenant (block_manager)
+        params = replace(params, cache_salt=cache_salt(owner, req.cache_salt),  # per tenant (block_manager)
+                         tenant=owner or None)  # scheduler.max_running_share
         rid = f"cmpl-{uuid.uuid4().hex}"
         best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
         if best_of is not None and req.stream:

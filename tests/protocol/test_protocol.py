@@ -202,7 +202,7 @@ def test_best_of_equal_to_n_is_accepted():
 
 
 def test_ignored_parameters_are_accepted():
-    values = {"user": "u", "service_tier": "flex", "safety_identifier": "h",
+    values = {"user": "u", "safety_identifier": "h",
               "verbosity": "low", "prompt_cache_key": "k", "request_id": "r",
               "rid": "r"}
     assert set(values) == set(IGNORED)

@@ -1,0 +1,169 @@
+"""Priority order, aging (the starvation bound), preemption by priority and per-tenant shares, on the
+real block manager (no torch, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayllm.engine.block_manager import BlockManager
+from rayllm.engine.scheduler import Scheduler
+from rayllm.engine.sequence import Sequence, SequenceStatus
+from rayllm.schema.config import SchedulerConfig
+from rayllm.schema.sampling_params import SamplingParams
+
+
+def seq(rid: str, n: int = 3, priority: int = 0, tenant: str | None = None) -> Sequence:
+    toks = [hash(rid) % 1000 + i for i in range(n)]  # distinct prompts: no prefix sharing between requests
+    return Sequence(rid, toks, n, SamplingParams(max_tokens=4, priority=priority, tenant=tenant))
+
+
+def sched(**kw) -> Scheduler:
+    blocks = kw.pop("num_blocks", 256)
+    return Scheduler(SchedulerConfig(**{"max_num_seqs": 1, "max_num_batched_tokens": 64, **kw}),
+                     BlockManager(num_blocks=blocks, block_size=4))
+
+
+def admission_order(s: Scheduler) -> list[str]:
+    """Ids in the order the queue is admitted, one step at a time (each finishes at once, and so does
+    whatever was running before)."""
+    for x in list(s.running):
+        s.finish(x, "stop")
+    order: list[str] = []
+    while s.num_waiting:
+        step = s.schedule()
+        assert step, "waiting work but nothing scheduled"
+        for sc in step:
+            order.append(sc.seq.request_id)
+            s.finish(sc.seq, "stop")
+    return order
+
+
+def test_fcfs_ignores_priority():
+    s = sched()
+    for rid, p in [("a", 5), ("b", -5), ("c", 0)]:
+        s.add(seq(rid, priority=p))
+    assert admission_order(s) == ["a", "b", "c"]
+
+
+def test_priority_orders_lower_first_and_ties_by_arrival():
+    s = sched(policy="priority")
+    for rid, p in [("a", 5), ("b", -5), ("c", 0), ("d", -5), ("e", 0)]:
+        s.add(seq(rid, priority=p))
+    assert admission_order(s) == ["b", "d", "c", "e", "a"]
+
+
+def test_aging_bound_low_priority_goes_ahead_of_requests_arriving_after_the_bound():
+    """A priority-2 request arriving at step t outranks priority-0 requests arriving after step
+    t + (2 - 0) * aging_steps, and is outranked by those arriving before (the bound is tight)."""
+    aging = 5
+    s = sched(policy="priority", priority_aging_steps=aging)
+    hog = seq("hog", n=3)
+    s.add(hog)
+    s.schedule()  # hog holds the only slot; steps go by while the queue builds up
+    low = seq("low", priority=2)
+    s.add(low)
+    t = s.num_steps
+    arrivals: list[tuple[str, int]] = []
+    for i in range(3 * aging):
+        s.add(seq(f"hi{i}", priority=0))
+        arrivals.append((f"hi{i}", s.num_steps))
+        s.schedule()
+    s.finish(hog, "stop")
+    order = admission_order(s)
+    before = [rid for rid, step in arrivals if step < t + 2 * aging]
+    after = [rid for rid, step in arrivals if step >= t + 2 * aging]
+    assert before and after
+    assert order == before + ["low"] + after
+
+
+def test_memory_pressure_preempts_the_lowest_priority_first():
+    # 3 sequences of 8-token prompts = 2 blocks each; 6 blocks: the first decode token needs a 7th.
+    s = sched(policy="priority", max_num_seqs=3, num_blocks=6)
+    seqs = [seq("mid", 8, 0), seq("low", 8, 3), seq("high", 8, -3)]
+    for x in seqs:
+        s.add(x)
+    assert {sc.seq.request_id for sc in s.schedule()} == {"mid", "low", "high"}
+    for x in seqs:
+        x.num_computed_tokens = 8
+        x.token_ids.append(1)  # each sampled a token: the next step needs a new block apiece
+    step = {sc.seq.request_id for sc in s.schedule()}
+    assert step == {"high", "mid"} and seqs[1].status is SequenceStatus.WAITING and s.num_preemptions == 1
+
+
+def test_fcfs_memory_pressure_preempts_the_newest():
+    s = sched(max_num_seqs=3, num_blocks=6)
+    seqs = [seq("a", 8, 0), seq("b", 8, 3), seq("c", 8, -3)]
+    for x in seqs:
+        s.add(x)
+    s.schedule()
+    for x in seqs:
+        x.num_computed_tokens = 8
+        x.token_ids.append(1)
+    assert {sc.seq.request_id for sc in s.schedule()} == {"a", "b"}
+
+
+def test_a_higher_priority_arrival_preempts_a_lower_running_one_not_the_reverse():
+    s = sched(policy="priority", max_num_seqs=2)
+    batch = [seq("b0", priority=1), seq("b1", priority=1)]
+    for x in batch:
+        s.add(x)
+    s.schedule()
+    s.add(seq("eq", priority=1))  # equal priority: waits for a slot
+    s.schedule()
+    assert s.num_preemptions == 0
+    s.add(urgent := seq("urgent", priority=-1))
+    step = {sc.seq.request_id for sc in s.schedule()}
+    assert "urgent" in step and urgent.status is SequenceStatus.RUNNING
+    assert s.num_preemptions == 1 and batch[1].status is SequenceStatus.WAITING  # the later of the two
+    for _ in range(5):  # the victim queues behind: no ping-pong
+        s.schedule()
+    assert s.num_preemptions == 1 and urgent.status is SequenceStatus.RUNNING
+
+
+def test_aged_request_is_not_preempted_by_a_much_later_higher_priority_one():
+    s = sched(policy="priority", max_num_seqs=1, priority_aging_steps=2)
+    s.add(old := seq("old", priority=1))
+    s.schedule()
+    for _ in range(10):
+        s.schedule()
+    s.add(seq("new", priority=0))  # ranks after `old` (1 * 2 + 1 < 0 * 2 + 12)
+    s.schedule()
+    assert old.status is SequenceStatus.RUNNING and s.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_one_tenant_holds_at_most_its_share_of_slots(policy):
+    s = sched(policy=policy, max_num_seqs=4, max_running_share=0.5)
+    flood = [seq(f"a{i}", tenant="A") for i in range(20)]
+    for x in flood:
+        s.add(x)
+    s.add(seq("b", tenant="B"))
+    s.add(seq("anon"))  # no tenant (keys off): never capped
+    s.schedule()
+    running = {x.request_id for x in s.running}
+    assert running == {"a0", "a1", "b", "anon"}
+    s.finish(flood[0], "stop")
+    s.schedule()
+    assert {x.request_id for x in s.running} == {"a1", "a2", "b", "anon"}  # A's next, in order
+    s.finish(flood[5], "abort")  # aborted while parked: dropped, never run
+    order = admission_order(s)
+    assert "a5" not in order and order == [f"a{i}" for i in range(3, 20) if i != 5]
+    assert not s.parked and s.num_waiting == 0
+
+
+def test_one_tenant_alone_gets_its_share_and_the_queue_drains():
+    s = sched(max_num_seqs=4, max_running_share=0.25)
+    for i in range(6):
+        s.add(seq(f"a{i}", tenant="A"))
+    s.schedule()
+    assert len(s.running) == 1
+    assert admission_order(s) == [f"a{i}" for i in range(1, 6)]
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="lifo")
+    with pytest.raises(ValueError, match="max_running_share"):
+        SchedulerConfig(max_running_share=0)
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=10**7)

@@ -1,0 +1,81 @@
+"""Priority scheduling and per-tenant shares through the real app (Ray Serve, the model, API keys): an
+urgent request (service_tier "priority") overtakes running low-priority ("flex") streams, and one key
+cannot take every running slot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from tests.serve.conftest import ADMIN_KEY, API_KEY, API_KEY_2
+from tests.serve.ops_apps import MODEL, deploy
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+LONG, SHORT = 160, 4
+
+
+@pytest.fixture(scope="module")
+def prio(server, apps) -> str:
+    """Two running slots, priority order, at most one slot per key (three keys)."""
+    apps.append("prio")
+    return deploy(server, "prio", {
+        "api_keys": [API_KEY, API_KEY_2], "admin_api_keys": [ADMIN_KEY],
+        "engine": {"model": {"dtype": "float32", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
+                   "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "policy": "priority",
+                                 "max_running_share": 0.5}}})
+
+
+async def timed(client: openai.AsyncOpenAI, tokens: int, **kw) -> float:
+    """Time at which a greedy chat request of exactly `tokens` tokens finished."""
+    r = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count upwards from one."}], max_tokens=tokens,
+        temperature=0, extra_body={"ignore_eos": True, **kw.pop("extra_body", {})}, **kw)
+    assert r.usage.completion_tokens == tokens
+    return time.monotonic()
+
+
+async def started(task: asyncio.Task, delay: float = 1.5) -> None:
+    await asyncio.sleep(delay)  # the request is admitted and decoding
+    assert not task.done()
+
+
+def clients(base: str) -> list[openai.AsyncOpenAI]:
+    return [openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=k, max_retries=0, timeout=300)
+            for k in (API_KEY, API_KEY_2, ADMIN_KEY)]
+
+
+def test_priority_tier_overtakes_running_flex_streams(prio):
+    async def run():
+        a, b, admin = clients(prio)
+        flex1 = asyncio.create_task(timed(a, LONG, service_tier="flex"))
+        await started(flex1)
+        flex2 = asyncio.create_task(timed(b, LONG, service_tier="flex"))
+        await started(flex2)
+        urgent = await timed(admin, SHORT, service_tier="priority")  # both slots taken: it preempts flex2
+        assert urgent < min(await flex1, await flex2)
+    asyncio.run(run())
+
+
+def test_one_key_holds_at_most_its_share(prio):
+    async def run():
+        a, b, _ = clients(prio)
+        first = asyncio.create_task(timed(a, LONG))
+        await started(first)
+        second = asyncio.create_task(timed(a, LONG))  # a free slot, but key A holds its share: parked
+        await asyncio.sleep(0.5)
+        other = await timed(b, SHORT)  # key B gets the second slot at once
+        assert other < await first < await second
+    asyncio.run(run())
+
+
+def test_priority_is_bounded_and_service_tier_checked(prio):
+    a = openai.OpenAI(base_url=f"{prio}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    for body in ({"priority": 10**7}, {"service_tier": "fastest"}):
+        with pytest.raises(openai.BadRequestError) as err:
+            a.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                      extra_body=body)
+        assert err.value.body["param"] == next(iter(body))
