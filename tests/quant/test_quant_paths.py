@@ -93,3 +93,25 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
     # Measured (benchmarks/quant_quality.py, 1,024 positions): bf16 0.97, int4 0.97, int4_vnni 0.96;
     # the rejected per-token W8A8 candidate 0.88. A broken kernel gives ~0.
     assert agree >= 0.93, f"{path}: top-1 agreement with fp32 {agree:.3f}"
+
+
+def test_shipped_kernels_answer_the_readme_example(gguf_path):
+    """The README's chat example at temperature 0 on the shipped setting (small_batch_quant auto, the
+    int4 x int8 kernel with two int8 passes on gate/up). With one pass everywhere it answered
+    "L'Étoile, la Marseillaise, ..." (issue 35)."""
+    if not cpu_qgemm.available():
+        pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path).rpartition("/")[0], gguf_file=str(gguf_path).rpartition("/")[2])
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    engine = make_engine(gguf_path, "bfloat16")
+    try:
+        gate_up = [m.packed for n, m in engine.executor.worker.model.named_modules() if n.endswith("gate_up_proj")]
+        assert gate_up and all(p.vnni is not None and p.vnni.passes == 2 for p in gate_up)
+        out = engine.generate([tok(text, add_special_tokens=False).input_ids],
+                              SamplingParams(temperature=0, max_tokens=16))[0]
+    finally:
+        engine.shutdown()
+    assert "Paris" in tok.decode(out)

@@ -247,3 +247,10 @@ def test_seeded_samples_equal_alone_and_in_a_batch_of_8(sc, model_name):
     with ThreadPoolExecutor(8) as pool:
         batch = list(pool.map(sample, range(8)))
     assert batch == alone
+
+
+def test_the_readme_chat_example_names_paris(sc, model_name):
+    """The README's first example at temperature 0. This app runs batch-invariant (see shipped_args), so
+    its GEMMs are oneDNN's; tests/quant/test_quant_paths.py asks the same on the shipped int8 kernels."""
+    reply = ask(sc, model_name, "What is the capital of France?", temperature=0)
+    assert "Paris" in reply.choices[0].message.content
