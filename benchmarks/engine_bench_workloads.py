@@ -29,7 +29,7 @@ import torch
 from engine_bench_shape import SHAPES, copy_bandwidth, device_name, random_model
 
 from rayllm.engine.engine import LLMEngine
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import CacheConfig, CpuConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from rayllm.schema.sampling_params import SamplingParams
 
 # Dense bf16 tensor-core peak, FLOP/s, from the vendors' data sheets (without sparsity), by name substring.
@@ -79,7 +79,7 @@ def _engine(args, folder: str, block_size: int, max_len: int) -> LLMEngine:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_cache),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        parallel=ParallelConfig(device=args.device, cpu_threads_per_rank=args.threads,
+        parallel=ParallelConfig(device=args.device, cpu=CpuConfig(threads_per_rank=args.threads),
                                 attention_backend=args.attention_backends.split(",")[0])), eos_token_ids=[])
 
 

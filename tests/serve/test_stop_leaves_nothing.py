@@ -72,6 +72,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, int]:
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "force"])
 def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
+    before = {p.pid for p in _watchers()}  # other Serve apps of this test session keep theirs
     proc, port = _start(tmp_path)
     tree = psutil.Process(proc.pid).children(recursive=True)
     names = {p.pid: p.name() for p in tree}
@@ -91,7 +92,11 @@ def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
     proc.wait(timeout=30)
     assert not alive, f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}"
     # haproxy_guard's watchers leave the tree (double fork): none of this checkout's may outlive the run.
-    guard = str(serving_env()["RAY_SERVE_HAPROXY_BINARY_PATH"])
-    watchers = [p for p in psutil.process_iter(["cmdline"]) if guard in " ".join(p.info["cmdline"] or [])]
+    watchers = [p for p in _watchers() if p.pid not in before]
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
+
+
+def _watchers() -> list[psutil.Process]:
+    guard = str(serving_env()["RAY_SERVE_HAPROXY_BINARY_PATH"])
+    return [p for p in psutil.process_iter(["cmdline"]) if guard in " ".join(p.info["cmdline"] or [])]
     assert _port_free(port), f"after {how}: port {port} still bound"
