@@ -29,7 +29,14 @@ import torch
 from engine_bench_shape import SHAPES, copy_bandwidth, device_name, random_model
 
 from rayllm.engine.engine import LLMEngine
-from rayllm.schema.config import CacheConfig, CpuConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    CpuConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams
 
 # Dense bf16 tensor-core peak, FLOP/s, from the vendors' data sheets (without sparsity), by name substring.
