@@ -94,9 +94,9 @@ def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
     # haproxy_guard's watchers leave the tree (double fork): none of this checkout's may outlive the run.
     watchers = [p for p in _watchers() if p.pid not in before]
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
+    assert _port_free(port), f"after {how}: port {port} still bound"
 
 
 def _watchers() -> list[psutil.Process]:
     guard = str(serving_env()["RAY_SERVE_HAPROXY_BINARY_PATH"])
     return [p for p in psutil.process_iter(["cmdline"]) if guard in " ".join(p.info["cmdline"] or [])]
-    assert _port_free(port), f"after {how}: port {port} still bound"
