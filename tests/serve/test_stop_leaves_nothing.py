@@ -44,13 +44,13 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, str]:
     port = _free_port()
     config = (ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}")
     (tmp_path / "cluster.yaml").write_text(config)
     env = os.environ | serving_env()
     # HAProxy's stats and metrics ports, free ones here (the defaults would clash with other Serve instances).
-    env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
+    stats_port = env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
     env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
     env["PYTHONPATH"] = str(ROOT)
     # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
@@ -62,7 +62,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, int]:
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
-                return proc, port
+                return proc, port, stats_port
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -72,8 +72,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, int]:
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "force"])
 def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
-    before = {p.pid for p in _watchers()}  # other Serve apps of this test session keep theirs
-    proc, port = _start(tmp_path)
+    proc, port, stats_port = _start(tmp_path)
     tree = psutil.Process(proc.pid).children(recursive=True)
     names = {p.pid: p.name() for p in tree}
     assert any(n == "haproxy" for n in names.values()), names  # HAProxy is what used to outlive Ray
@@ -91,12 +90,23 @@ def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
         proc.kill()
     proc.wait(timeout=30)
     assert not alive, f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}"
-    # haproxy_guard's watchers leave the tree (double fork): none of this checkout's may outlive the run.
-    watchers = [p for p in _watchers() if p.pid not in before]
+    # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it. Other Serve
+    # apps of this test session keep theirs (and start new ones when their HAProxy reloads).
+    watchers = _watchers(stats_port)
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
     assert _port_free(port), f"after {how}: port {port} still bound"
 
 
-def _watchers() -> list[psutil.Process]:
+def _watchers(stats_port: str) -> list[psutil.Process]:
+    """This run's watchers: the guard's processes that inherited this run's HAProxy stats port."""
     guard = str(serving_env()["RAY_SERVE_HAPROXY_BINARY_PATH"])
-    return [p for p in psutil.process_iter(["cmdline"]) if guard in " ".join(p.info["cmdline"] or [])]
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if guard not in " ".join(p.info["cmdline"] or []):
+            continue
+        try:
+            if p.environ().get("RAY_SERVE_HAPROXY_STATS_PORT") == stats_port:
+                found.append(p)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return found
