@@ -1,4 +1,5 @@
-"""The engine with attention_backend triton against the torch reference path, on the real default model.
+"""The engine with attention_backend triton against the torch reference path, on a tiny Llama with RANDOM
+weights (tests/attention/tiny_models.py: the default model's head dim and KV grouping, two layers).
 
 Triton compiles for GPUs only: here its interpreter (TRITON_INTERPRET=1, set before the kernels are
 imported) runs the same kernel code on CPU, and the backend is chosen by patching the worker's factory,
@@ -23,29 +24,31 @@ from rayllm.attention.triton import TritonAttention  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
 from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
+from tests.attention.tiny_models import ids, tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 
-def make_engine(gguf_path: str) -> LLMEngine:
+def make_engine(path: str) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="float16"),
+        model=ModelConfig(model=path, dtype="float16"),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         # 16 tokens a step: the longer prompt is prefilled in chunks after its own cached part.
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
         parallel=ParallelConfig(device="cpu", attention_backend="sdpa")), eos_token_ids=[])
 
 
-def test_greedy_tokens_equal_the_torch_path(gguf_path, chat_prompts, monkeypatch):
-    prompts = [chat_prompts[0][:24], chat_prompts[1][:6]]
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    reference = make_engine(gguf_path)
+def test_greedy_tokens_equal_the_torch_path(tmp_path, monkeypatch):
+    path = tiny(tmp_path / "llama", "llama")
+    prompts = [ids(24, 1), ids(6, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    reference = make_engine(path)
     try:
         want = reference.generate(prompts, params)
     finally:
         reference.shutdown()
     monkeypatch.setattr(worker_module, "make_attention_backend", lambda choice, device: TritonAttention())
-    engine = make_engine(gguf_path)
+    engine = make_engine(path)
     try:
         worker = engine.executor.worker
         assert worker.attn_backend.name == "triton" and worker.runner.paged_kernels

@@ -4,9 +4,10 @@ triton_prefill.py's kernel, decode rows through triton_kernels') against referen
 Triton compiles for GPUs only: here its interpreter (TRITON_INTERPRET=1, set before the kernels are
 imported) runs the same kernel code on CPU, and the backend is chosen by patching the worker's factory,
 which refuses Triton without CUDA.
-- the real default model in fp16 (every Triton kernel runs; the interpreter cannot do bf16 dots), long
-  prompts prefilled in chunks after their own cached part and after a prefix shared through the prefix
-  cache: greedy tokens equal the torch SDPA path's;
+- a tiny Llama with RANDOM weights (tests/attention/tiny_models.py: the default model's head dim and KV
+  grouping) in fp16 (every Triton kernel runs; the interpreter cannot do bf16 dots), long prompts
+  prefilled in chunks after their own cached part and after a prefix shared through the prefix cache:
+  greedy tokens equal the torch SDPA path's;
 - tiny models with RANDOM weights built by transformers in the test: Gemma 2 (sliding-window layers
   between global ones, soft-capped logits, a query scale not the head dim's) and Mistral (every layer
   windowed, so blocks behind the window are freed), in fp32: logits against transformers', and greedy
@@ -30,10 +31,9 @@ from rayllm.attention.triton_prefill import TritonPrefillAttention  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
 from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig  # noqa: E402
 from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
+from tests.attention.tiny_models import ids, tiny  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
-
-VOCAB = 256
 
 
 def engine(path: str, dtype: str, block_size: int, budget: int) -> LLMEngine:
@@ -64,36 +64,12 @@ def both_backends(monkeypatch, path: str, prompts: list[list[int]], dtype: str, 
     return want, got, ours
 
 
-def test_real_model_chunked_and_prefix_cached_prefill(gguf_path, chat_prompts, monkeypatch):
-    shared = chat_prompts[0][:20]
-    prompts = [chat_prompts[0][:37], shared + chat_prompts[1][:9], chat_prompts[1][:5]]
-    want, got, _ = both_backends(monkeypatch, gguf_path, prompts, "float16", 16, 24, 3)
+def test_chunked_and_prefix_cached_prefill_in_fp16(tmp_path, monkeypatch):
+    path = tiny(tmp_path / "llama", "llama")
+    shared = ids(20, 5)
+    prompts = [shared + ids(17, 6), shared + ids(9, 7), ids(5, 8)]
+    want, got, _ = both_backends(monkeypatch, path, prompts, "float16", 16, 24, 4)
     assert got == want
-
-
-def ids(n: int, seed: int) -> list[int]:
-    return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))]
-
-
-def tiny(path, family: str) -> str:
-    """Random weights (transformers' init, random norm weights so Gemma's (1 + w) matters)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    common = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                  max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=8)
-    if family == "gemma2":
-        cfg = AutoConfig.for_model("gemma2", **common, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24,
-                                   attn_logit_softcapping=5.0, final_logit_softcapping=5.0)
-    else:
-        cfg = AutoConfig.for_model("mistral", **common, num_hidden_layers=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0, 0.3)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])

@@ -5,9 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import time
 
-import httpx
 import pytest
 
 # This process reads Serve's constants first, with Serve's defaults: tests call deployment handles from
@@ -16,6 +14,7 @@ import pytest
 import ray.serve._private.constants  # noqa: F401
 
 from rayllm.serve.serving_env import serving_env
+from tests.serve.ops_apps import wait_healthy
 
 os.environ.update(serving_env())
 
@@ -64,18 +63,7 @@ def server(tmp_path_factory):
                    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512}},
     })
     serve.run(app, name="llm", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    else:
-        raise RuntimeError("server did not become healthy")
-    yield base
+    yield wait_healthy(f"http://127.0.0.1:{port}")
     serve.shutdown()
     ray.shutdown()
 

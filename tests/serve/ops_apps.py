@@ -13,15 +13,8 @@ SMALL_ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
                 "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}}
 
 
-def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
-    from ray import serve
-
-    from rayllm.serve.builder import build_app
-
-    small = {} if "models" in args else {"engine": SMALL_ENGINE}  # a `models` list brings its own engines
-    app = build_app({"replica_num_cpus": 0.5} | small | args)
-    serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
-    base = f"{server}/{name}"
+def wait_healthy(base: str, wait_s: float = 300) -> str:
+    """Poll `base`/health until it answers 200 (the app's replicas are up); returns `base`."""
     deadline = time.time() + wait_s
     while time.time() < deadline:
         try:
@@ -30,7 +23,22 @@ def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    raise RuntimeError(f"app {name} did not become healthy")
+    raise RuntimeError(f"{base} did not become healthy in {wait_s:.0f} s")
+
+
+def run_app(server: str, app, name: str, wait_s: float = 300) -> str:
+    """Deploy a built app into the session's Serve instance under /name; its URL once healthy."""
+    from ray import serve
+
+    serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
+    return wait_healthy(f"{server}/{name}", wait_s)
+
+
+def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
+    from rayllm.serve.builder import build_app
+
+    small = {} if "models" in args else {"engine": SMALL_ENGINE}  # a `models` list brings its own engines
+    return run_app(server, build_app({"replica_num_cpus": 0.5} | small | args), name, wait_s)
 
 
 def sse_lines(r: httpx.Response) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 
 from rayllm.serve.lora.adapter_paths import REFUSED
 from tests.serve.conftest import ADMIN_KEY, API_KEY
+from tests.serve.ops_apps import run_app
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -53,20 +54,7 @@ def lora_server(server, adapters, tmp_path_factory) -> str:
                    "lora": {"max_loras": 2, "max_lora_rank": 8, "adapters": {"pre": adapters["pre"]},
                             "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
     })
-    serve.run(build_app_with(config, llm_options={"num_replicas": 2}), name="lora", route_prefix="/lora",
-              blocking=False)
-    base = f"{server}/lora"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    else:
-        raise RuntimeError("the LoRA app did not become healthy")
-    yield base
+    yield run_app(server, build_app_with(config, llm_options={"num_replicas": 2}), "lora")
     serve.delete("lora", _blocking=False)
 
 

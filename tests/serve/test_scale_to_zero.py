@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.ops_apps import MODEL, chat_body
+from tests.serve.ops_apps import MODEL, chat_body, run_app
 from tests.serve.test_shipped_config import CLUSTER_YAML, merge
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -57,19 +57,7 @@ def zero(server) -> str:
 
     from rayllm.serve.builder import build_app
 
-    serve.run(build_app(zero_args()), name=APP, route_prefix=f"/{APP}", blocking=False)
-    base = f"{server}/{APP}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    else:
-        raise RuntimeError("the scale-to-zero app did not become healthy")
-    yield base
+    yield run_app(server, build_app(zero_args()), APP, wait_s=120)
     serve.delete(APP, _blocking=False)
 
 

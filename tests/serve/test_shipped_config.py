@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from tests.serve.conftest import ADMIN_KEY, API_KEY
+from tests.serve.ops_apps import run_app
 from tests.serve.test_structured import SCHEMA, _schema_format
 from tests.serve.test_tools import ASK, PARAMS, TOOLS
 
@@ -74,19 +74,7 @@ def shipped(server, adapter) -> str:
 
     args = shipped_args(str(pathlib.Path(adapter).parent))
     assert args["engine"]["model"]["dtype"] == "auto" and args["engine"]["parallel"]["cpu"]["weight_prepack"]
-    serve.run(build_app(args), name="shipped", route_prefix="/shipped", blocking=False)
-    base = f"{server}/shipped"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    else:
-        raise RuntimeError("the shipped-config app did not become healthy")
-    yield base
+    yield run_app(server, build_app(args), "shipped")
     serve.delete("shipped", _blocking=False)
 
 
