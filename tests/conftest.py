@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 
 import pytest
@@ -13,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # lanes are markers: files that run the real model or Ray Serve say `pytestmark = pytest.mark.slow`, and
 # `make test-fast` skips them. tests/gpu is the GPU lane (its own conftest).
 _RAY_BY_FIXTURE = False
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
 @pytest.fixture
@@ -28,13 +32,20 @@ def ray_local() -> None:
 
 @pytest.hookimpl(trylast=True)  # after the fixtures' own teardown (an engine's actors go first)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Ray started by ray_local stops after its folder's last test, before tests/serve starts its own."""
+    """Ray started by ray_local stops after its folder's last test, before tests/serve starts its own.
+    After each module, the engines it ran are collected and their memory handed back to the system:
+    glibc keeps freed weights and KV caches in the heap otherwise, and this process (which runs every
+    in-process engine of the suite) would grow past what the Serve tests' replicas need beside it."""
     global _RAY_BY_FIXTURE
     if _RAY_BY_FIXTURE and (nextitem is None or nextitem.path.parent != item.path.parent):
         import ray
 
         ray.shutdown()
         _RAY_BY_FIXTURE = False
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
 
 
 @pytest.fixture(scope="session")

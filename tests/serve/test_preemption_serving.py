@@ -38,7 +38,7 @@ def tiny(server, apps):
     return base, lambda: handle.stats.remote().result()
 
 
-MAX_TOKENS = 80
+MAX_TOKENS = 40
 
 
 def ask(base: str, topic: str, stream: bool = False) -> tuple[str, int]:
