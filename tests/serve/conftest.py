@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
+import tempfile
 
 import pytest
 
@@ -14,21 +14,13 @@ import pytest
 import ray.serve._private.constants  # noqa: F401
 
 from rayllm.serve.serving_env import serving_env
-from tests.serve.ops_apps import wait_healthy
+from tests.serve.ops_apps import free_port, own_haproxy_env, wait_healthy
 
 os.environ.update(serving_env())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# HAProxy's stats and metrics ports, free ones here as the HTTP port is (a fixed port would clash with
-# any other Serve instance on the machine).
-os.environ["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+# This session's HAProxy apart from any other Serve instance's on the machine (ports and files).
+os.environ.update(own_haproxy_env(tempfile.mkdtemp(prefix="haproxy-serve-")))
 
 API_KEY = "test-key-123"
 # A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.
@@ -44,7 +36,7 @@ def server(tmp_path_factory):
 
     from rayllm.serve.builder import build_app
 
-    port = _free_port()
+    port = free_port()
     # Conversations go to a throwaway SQLite file (every app these tests build, through STORAGE_URL).
     os.environ["STORAGE_URL"] = f"sqlite:///{tmp_path_factory.mktemp('state')}/conversations.db"
     # More logical CPUs than cores: the ingress and tokenizer reserve none, TP ranks one each.

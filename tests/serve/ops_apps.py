@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
 import httpx
@@ -11,6 +13,26 @@ MODEL = "SmolLM2-135M-Instruct"
 SMALL_ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
                 "cache": {"kv_cache_bytes": 96 << 20},
                 "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_haproxy_env(run_dir: str) -> dict[str, str]:
+    """What keeps one Serve instance's HAProxy apart from another's on this machine: free stats and
+    metrics ports, and its config, admin socket and state files in `run_dir` (Serve's defaults put every
+    instance's in /tmp/haproxy-serve, where one instance's reload would read another's config)."""
+    os.makedirs(run_dir, exist_ok=True)
+    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run_dir, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run_dir, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run_dir,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run_dir, "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(run_dir, "metrics.sock")}
 
 
 def wait_healthy(base: str, wait_s: float = 300) -> str:

@@ -18,18 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import _free_port
+from tests.serve.ops_apps import own_haproxy_env
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_replicas_on_several_nodes_survive_losing_one():
+def test_replicas_on_several_nodes_survive_losing_one(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     env.pop("RAY_ADDRESS", None)  # its own cluster, not one this process may have joined
-    # Its own HAProxy stats and metrics ports: the session app's HAProxy holds the ones conftest chose.
-    env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port()), str(_free_port())
+    env |= own_haproxy_env(str(tmp_path / "haproxy"))  # the session app's HAProxy holds conftest's
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multi_node_scenario.py"))], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)

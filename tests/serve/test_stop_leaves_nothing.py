@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,17 +23,67 @@ import psutil
 import pytest
 
 from rayllm.serve.serving_env import serving_env
+from tests.serve.ops_apps import free_port, own_haproxy_env
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = Path(sys.executable).parent / "serve"
+HOWS = ("SIGTERM", "SIGINT", "force")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    port: int
+    stats_port: str
+    log: Path
+
+
+def _launch(run_dir: Path) -> Run:
+    port = free_port()
+    config = (ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}")
+    (run_dir / "cluster.yaml").write_text(config)
+    # HAProxy's ports and files its own (the defaults would clash with other Serve instances here).
+    env = os.environ | serving_env() | own_haproxy_env(str(run_dir / "haproxy"))
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("RAY_ADDRESS", None)
+    log = run_dir / "serve.log"
+    # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
+    proc = subprocess.Popen([str(SERVE), "run", str(run_dir / "cluster.yaml")], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    return Run(proc, port, env["RAY_SERVE_HAPROXY_STATS_PORT"], log)
+
+
+def _wait_up(run: Run, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        assert run.proc.poll() is None, run.log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{run.port}/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"serve run did not come up in time: {run.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run]:
+    """One `serve run` per way of stopping, started together (each its own Ray instance): their starts
+    overlap instead of queueing one behind another."""
+    started = {how: _launch(tmp_path_factory.mktemp(how)) for how in HOWS}
+    try:
+        deadline = time.monotonic() + 400
+        for run in started.values():
+            _wait_up(run, deadline)
+        yield started
+    finally:
+        for run in started.values():  # whatever a failed test left
+            for p in _tree(run.proc.pid):
+                p.kill()
+            if run.proc.poll() is None:
+                run.proc.kill()
+            run.proc.wait(timeout=30)
 
 
 def _port_free(port: int) -> bool:
@@ -44,36 +95,18 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, str]:
-    port = _free_port()
-    config = (ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}")
-    (tmp_path / "cluster.yaml").write_text(config)
-    env = os.environ | serving_env()
-    # HAProxy's stats and metrics ports, free ones here (the defaults would clash with other Serve instances).
-    stats_port = env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-    env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
-    env["PYTHONPATH"] = str(ROOT)
-    # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
-    proc = subprocess.Popen([str(SERVE), "run", str(tmp_path / "cluster.yaml")], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "wb"),
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
-                return proc, port, stats_port
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise AssertionError("serve run did not come up in 300 s")
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "force"])
-def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
-    proc, port, stats_port = _start(tmp_path)
-    tree = psutil.Process(proc.pid).children(recursive=True)
+@pytest.mark.parametrize("how", HOWS)
+def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
+    run = runs[how]
+    proc = run.proc
+    tree = _tree(proc.pid)
     names = {p.pid: p.name() for p in tree}
     assert any(n == "haproxy" for n in names.values()), names  # HAProxy is what used to outlive Ray
     assert any(n == "raylet" for n in names.values()), names
@@ -90,11 +123,10 @@ def test_stop_leaves_nothing(tmp_path: Path, how: str) -> None:
         proc.kill()
     proc.wait(timeout=30)
     assert not alive, f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}"
-    # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it. Other Serve
-    # apps of this test session keep theirs (and start new ones when their HAProxy reloads).
-    watchers = _watchers(stats_port)
+    # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it.
+    watchers = _watchers(run.stats_port)
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
-    assert _port_free(port), f"after {how}: port {port} still bound"
+    assert _port_free(run.port), f"after {how}: port {run.port} still bound"
 
 
 def _watchers(stats_port: str) -> list[psutil.Process]:
