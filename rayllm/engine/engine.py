@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayllm.common import startup_phases
-from rayllm.common.errors import describe
+from rayllm.common.errors import describe, first_line
 from rayllm.engine.block_manager import BlockManager
 from rayllm.engine.scheduler import ScheduledSeq, Scheduler
 from rayllm.engine.sequence import Sequence
@@ -180,7 +180,7 @@ class LLMEngine:
         try:
             result = self.executor.execute(step_input)
         except StepOutOfMemory as exc:
-            return outputs + self._fail_step(runnable, step_input.finished_request_ids, str(exc))
+            return outputs + self._fail_step(runnable, step_input.finished_request_ids, first_line(exc))
         self.execute_seconds += time.perf_counter() - t_exec
         errors.update(result.errors)
         for sc, sampled in zip(runnable, samples, strict=True):
