@@ -53,16 +53,33 @@ def hf_tiny():
     return AutoModelForCausalLM.from_pretrained(MODELS / "tiny", dtype=torch.float32).cuda().eval()
 
 
-@pytest.fixture(scope="module")
-def text_to_id(tok):
-    """Logprobs name tokens by their text: back to ids, where that text is one token's only."""
-    by_text: dict[str, list[int]] = {}
-    for i in range(len(tok)):
-        by_text.setdefault(tok.decode([i], clean_up_tokenization_spaces=False), []).append(i)
+def gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet (the carried tokenizer is byte-level BPE): byte -> the character for it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
 
-    def ids(texts: list[str]) -> list[int]:
-        found = [by_text[t] for t in texts]
-        assert all(len(f) == 1 for f in found), "a token text shared by several ids"
+
+@pytest.fixture(scope="module")
+def to_ids(tok):
+    """Chat logprobs give each token's raw bytes (a random model often picks part of a UTF-8 character,
+    whose text is not unique): back to ids through the tokenizer's own vocabulary."""
+    decode = {c: b for b, c in gpt2_bytes_to_unicode().items()}
+    added = set(tok.added_tokens_decoder)
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, piece in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))):
+        raw = piece.encode() if i in added else bytes(decode[c] for c in piece)
+        by_bytes.setdefault(raw, []).append(i)
+
+    def ids(entries) -> list[int]:
+        found = [by_bytes[bytes(e.bytes)] for e in entries]
+        assert all(len(f) == 1 for f in found), "two tokens with the same bytes"
         return [f[0] for f in found]
 
     return ids
@@ -85,19 +102,22 @@ def check_against(ref: torch.Tensor, out_ids: list[int], logprobs: list[float], 
         assert lp == pytest.approx(ref[i, t].item(), abs=tol), f"position {i}"
 
 
-def test_completion_logprobs_match_transformers_on_cuda(client, tok, hf_tiny, text_to_id):
-    prompt = "The three primary colors are"
-    c = client.completions.create(model=TINY, prompt=prompt, max_tokens=16, temperature=0, logprobs=3).choices[0]
-    out_ids = text_to_id(c.logprobs.tokens)
-    prompt_ids = tok(prompt).input_ids
+def test_chat_logprobs_match_transformers_on_cuda_and_completions_agree(client, tok, hf_tiny, to_ids):
+    c = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=16, temperature=0, logprobs=True,
+                                       top_logprobs=3).choices[0]
+    out_ids = to_ids(c.logprobs.content)
+    prompt_ids = chat_ids(tok)
     ref = reference_logprobs(hf_tiny, prompt_ids + out_ids, len(prompt_ids))
-    check_against(ref, out_ids, c.logprobs.token_logprobs, TOL)
+    check_against(ref, out_ids, [t.logprob for t in c.logprobs.content], TOL)
     for i, t in enumerate(out_ids):  # greedy: the reference's top token, unless two are within the tolerance
         top2 = ref[i].topk(2).values
         assert t == ref[i].argmax().item() or (top2[0] - top2[1]).item() < TOL
+    # The same tokens as a completion of the rendered prompt's ids: the same answer.
+    r = client.completions.create(model=TINY, prompt=prompt_ids, max_tokens=16, temperature=0)
+    assert r.choices[0].text == c.message.content and r.usage.prompt_tokens == len(prompt_ids)
 
 
-def test_chat_streams_what_it_answers_and_n_choices_sample_the_reference(client, tok, hf_tiny, text_to_id):
+def test_chat_streams_what_it_answers_and_n_choices_sample_the_reference(client, tok, hf_tiny, to_ids):
     ask = dict(model=TINY, messages=QUESTION, max_tokens=16)
     full = client.chat.completions.create(temperature=0, **ask).choices[0].message.content
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(temperature=0, stream=True, **ask)
@@ -108,7 +128,7 @@ def test_chat_streams_what_it_answers_and_n_choices_sample_the_reference(client,
         len(c.logprobs.content) for c in r.choices)
     prompt_ids = chat_ids(tok)
     for choice in r.choices:  # each sampled token's logprob is the reference model's (temperature 1)
-        out_ids = text_to_id([t.token for t in choice.logprobs.content])
+        out_ids = to_ids(choice.logprobs.content)
         ref = reference_logprobs(hf_tiny, prompt_ids + out_ids, len(prompt_ids))
         check_against(ref, out_ids, [t.logprob for t in choice.logprobs.content], TOL)
 
@@ -140,13 +160,13 @@ def test_json_schema_and_tools_are_honoured(client):
     jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
-def test_lora_adapter_matches_peft(client, tok, hf_tiny, text_to_id):
+def test_lora_adapter_matches_peft(client, tok, hf_tiny, to_ids):
     from peft import PeftModel
 
     path = str(MODELS / "adapters" / ADAPTER)
     ask = dict(model=TINY, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True)
     c = client.chat.completions.create(extra_body={"lora_path": path}, **ask).choices[0]
-    out_ids = text_to_id([t.token for t in c.logprobs.content])
+    out_ids = to_ids(c.logprobs.content)
     prompt_ids = chat_ids(tok)
     peft = PeftModel.from_pretrained(hf_tiny, path).eval()
     try:
