@@ -2,9 +2,10 @@
 Serve configs that our config loader accepts, and cluster.yaml run on a GPU machine takes the GPU defaults
 (block size) and ignores its CPU-only settings with one log line.
 
-CUDA cannot run here: where a test needs "a machine with a GPU", `torch.cuda.device_count` /
-`is_available` are mocked (they are all the builder and the engine ask before a worker starts). The builder
-and the deployment options are the real ones; no Ray cluster is started (the app is only built and bound).
+CUDA cannot run here: where a test needs "a machine with a GPU", what the builder and the engine ask before
+any worker starts is mocked: the builder's `cluster_resources` (Ray's resources, or torch's device count
+outside Ray) and `torch.cuda.is_available`. The builder and the deployment options are the real ones; no
+Ray cluster is started (the app is only built and bound).
 """
 
 from __future__ import annotations
@@ -88,10 +89,12 @@ def shipped_args() -> dict:
 
 
 def test_cluster_yaml_on_a_gpu_machine_takes_gpu_defaults_and_says_what_it_ignores(monkeypatch, caplog):
-    """cluster.yaml as shipped, built where torch sees one GPU (mocked) and no Ray runs: the engine config
-    bound into the model deployment says cuda and block size 64, the replica reserves the GPU, the serving
-    processes keep their priority, and one log line names the CPU settings left unused."""
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    """cluster.yaml as shipped, built on a cluster with one GPU (mocked): the engine config bound into the
+    model deployment says cuda and block size 64, the replica reserves the GPU, the serving processes keep
+    their priority, and one log line names the CPU settings left unused."""
+    from rayllm.serve import builder
+
+    monkeypatch.setattr(builder, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         llm = bound_llm(build_app(shipped_args()))
     engine, nice = llm.init_args[0], llm.init_args[4]
@@ -101,7 +104,7 @@ def test_cluster_yaml_on_a_gpu_machine_takes_gpu_defaults_and_says_what_it_ignor
     assert lines == ["device cuda: ignoring the CPU-only settings engine.parallel.cpu, serving_nice (10)"]
 
     # The same file on this CPU machine: the CPU defaults, the CPU tuning in force, no such line.
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(builder, "cluster_resources", lambda: {"CPU": 16.0})
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         llm = bound_llm(build_app(shipped_args()))
