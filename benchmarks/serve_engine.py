@@ -1,12 +1,13 @@
 """The engine alone, offline, with the engine settings a served config gives it: the ceiling that
 serve_bench.py compares the served tok/s against, measured in the same run while no server runs.
 
-    python benchmarks/serve_engine.py [--config cluster.yaml] [--batch 16] [--new-tokens 64] [--rounds 3]
+    python benchmarks/serve_engine.py [--config cluster.yaml] [--batch 16[,64,...]] [--new-tokens 64] [--rounds 3]
 
 Prints one JSON line per setting: `served` (the config's engine settings as they are: its torch
 threads, prefix cache, weights), `whole_steps` (the same with `parallel.cpu.half_step_tokens: 0`, when the
 config sets it: every step on the one thread) and `all_cores` (`parallel.cpu.threads_per_rank: 0`, as
-engine_bench.py runs by default). serve_bench.py runs this in a child process, before it starts any server.
+engine_bench.py runs by default); on a GPU only `served` (the others change CPU-only settings). serve_bench.py
+runs this in a child process, before it starts any server.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def engine_config(config_path: str):
         parallel=dataclasses.replace(engine.parallel, device=device))
 
 
-def measure(config_path: str, batch: int, new_tokens: int, rounds: int) -> list[dict]:
+def measure(config_path: str, batch: int | list[int], new_tokens: int, rounds: int) -> list[dict]:
     from engine_bench import bench_ours, prompts
     from transformers import AutoTokenizer
 
@@ -54,39 +55,42 @@ def measure(config_path: str, batch: int, new_tokens: int, rounds: int) -> list[
         tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    batch_prompts = prompts(tokenizer, batch)
+    batches = [batch] if isinstance(batch, int) else batch
     settings = {"served": base}
-    if base.parallel.cpu.half_step_tokens:  # the served settings with every step whole on one thread
-        settings["whole_steps"] = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel,
-                                                                                         cpu=dataclasses.replace(base.parallel.cpu, half_step_tokens=0)))
-    settings["all_cores"] = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, cpu=dataclasses.replace(base.parallel.cpu, threads_per_rank=0)))
+    if base.parallel.device == "cpu":  # the CPU-only variants (parallel.cpu is ignored on a GPU)
+        if base.parallel.cpu.half_step_tokens:  # the served settings with every step whole on one thread
+            settings["whole_steps"] = dataclasses.replace(base, parallel=dataclasses.replace(
+                base.parallel, cpu=dataclasses.replace(base.parallel.cpu, half_step_tokens=0)))
+        settings["all_cores"] = dataclasses.replace(base, parallel=dataclasses.replace(
+            base.parallel, cpu=dataclasses.replace(base.parallel.cpu, threads_per_rank=0)))
     lines = []
     for name, config in settings.items():
-        engine = LLMEngine(config)
+        engine = LLMEngine(config)  # one engine serves every batch size (an 8B model loads once)
         try:
-            runs = [bench_ours(engine, batch_prompts, new_tokens) for _ in range(rounds)]
+            for size in batches:
+                batch_prompts = prompts(tokenizer, size)
+                runs = sorted(bench_ours(engine, batch_prompts, new_tokens) for _ in range(rounds))
+                lines.append({"bench": "serve_engine", "setting": name, "config": os.path.relpath(config_path, REPO),
+                              "batch": size, "new_tokens": new_tokens, "rounds": rounds,
+                              "threads": config.parallel.cpu.threads_per_rank,
+                              "half_step_tokens": config.parallel.cpu.half_step_tokens,
+                              "device": config.parallel.device, "dtype": config.model.dtype,
+                              "engine_tok_s": round(runs[len(runs) // 2], 1),  # the median round
+                              "engine_runs": [round(x, 1) for x in runs]})
+                print(json.dumps(lines[-1]), flush=True)
         finally:
             engine.shutdown()
-        runs.sort()
-        lines.append({"bench": "serve_engine", "setting": name, "config": os.path.relpath(config_path, REPO),
-                      "batch": batch, "new_tokens": new_tokens, "rounds": rounds,
-                      "threads": config.parallel.cpu.threads_per_rank,
-                      "half_step_tokens": config.parallel.cpu.half_step_tokens,
-                      "device": config.parallel.device, "dtype": config.model.dtype,
-                      "engine_tok_s": round(runs[len(runs) // 2], 1),  # the median round
-                      "engine_runs": [round(x, 1) for x in runs]})
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(REPO, "cluster.yaml"))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", default="16", help="batch sizes, comma-separated (each on the same engine)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    for line in measure(args.config, args.batch, args.new_tokens, args.rounds):
-        print(json.dumps(line), flush=True)
+    measure(args.config, [int(b) for b in args.batch.split(",") if b.strip()], args.new_tokens, args.rounds)
     return 0
 
 

@@ -3,7 +3,8 @@
 `LLMEngine` is synchronous and single-threaded; an engine client (engine_client.py) drives it from a
 thread or a child process. A fault that belongs to one sequence (its sampling inputs, grammar matcher, adapter) aborts
 that sequence with an error for its request (`RequestOutput.error`); the step goes on for the others.
-Only a fault nobody owns (the model forward, a collective) escapes `step()` and ends the engine.
+The device running out of memory in a step (`StepOutOfMemory`) fails that step's requests alone. Any other
+fault nobody owns (the model forward, a collective) escapes `step()` and ends the engine.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayllm.common import startup_phases
-from rayllm.common.errors import describe
+from rayllm.common.errors import describe, first_line
 from rayllm.engine.block_manager import BlockManager
 from rayllm.engine.scheduler import ScheduledSeq, Scheduler
 from rayllm.engine.sequence import Sequence
-from rayllm.executor.executor import make_executor
+from rayllm.executor.executor import make_executor, resolve_local_device
 from rayllm.loader.loader import read_arch
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.models.registry import kv_window
 from rayllm.sample.guided import new_matcher, next_token_bitmask
 from rayllm.schema.config import EngineConfig
-from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
+from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError, StepOutOfMemory, TokenLogprob
 from rayllm.schema.sampling_params import SamplingParams
 from rayllm.schema.step import SeqStep, StepInput
 
@@ -48,6 +49,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
+        config = resolve_local_device(config)  # `auto` device and block size, as the executor sees them
         self.config = config
         t0 = time.perf_counter()
         with startup_phases.phase("download"):  # a remote source's fetch; a local path: a stat
@@ -175,7 +177,10 @@ class LLMEngine:
         step_input = StepInput([self._safe_seq_step(sc, errors) for sc in runnable], self._finished_ids)
         self._finished_ids = []
         t_exec = time.perf_counter()
-        result = self.executor.execute(step_input)
+        try:
+            result = self.executor.execute(step_input)
+        except StepOutOfMemory as exc:
+            return outputs + self._fail_step(runnable, step_input.finished_request_ids, first_line(exc))
         self.execute_seconds += time.perf_counter() - t_exec
         errors.update(result.errors)
         for sc, sampled in zip(runnable, samples, strict=True):
@@ -205,6 +210,16 @@ class LLMEngine:
             seq, start = sc.seq, sc.seq.num_computed_tokens
             return SeqStep(seq.request_id, seq.token_ids[start : start + sc.num_tokens], start, seq.block_table,
                            False, lora_slot=seq.lora_slot)
+
+    def _fail_step(self, runnable: list[ScheduledSeq], finished_ids: list[str], detail: str) -> list[RequestOutput]:
+        """The device ran out of memory in this step: its requests fail, the engine serves on. The step's
+        full blocks were hashed when scheduled but may hold no KV now, so the prefix cache forgets the freed
+        ones; the requests that finished before the step are still to be forgotten by the workers."""
+        self._finished_ids = finished_ids + self._finished_ids
+        error = f"OutOfMemoryError: the model step ran out of device memory ({detail}); retry the request"
+        outputs = [self._fail(sc.seq, error) for sc in runnable]
+        self.block_manager.reset_prefix_cache()
+        return outputs
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Abort one sequence with `error` for its request; the step goes on for the others."""

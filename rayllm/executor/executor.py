@@ -5,7 +5,6 @@ Each engine step is one `execute` per rank; rank 0's result carries the sampled 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -17,7 +16,7 @@ from rayllm.common import startup_phases
 from rayllm.executor.worker import Worker
 from rayllm.platforms.cpu.kernels import onednn_cache_env
 from rayllm.runner import kv_cache
-from rayllm.schema.config import EngineConfig, LlamaArch
+from rayllm.schema.config import EngineConfig, LlamaArch, for_device
 from rayllm.schema.step import StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -155,11 +154,12 @@ class RayExecutor:
 
 def resolve_local_device(config: EngineConfig) -> EngineConfig:
     """An engine started outside build_app (tests, benchmarks) decides `device: auto` here, once, from
-    this machine; under Serve the builder has already replaced it from the cluster's resources."""
-    if config.parallel.device != "auto":
-        return config
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device=device))
+    this machine, and the settings whose `auto` depends on it; under Serve the builder has already done so
+    from the cluster's resources."""
+    device = config.parallel.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return for_device(config, device)
 
 
 def make_executor(config: EngineConfig, model_path: str, arch: LlamaArch) -> LocalExecutor | RayExecutor:

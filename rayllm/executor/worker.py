@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from rayllm.attention.selector import make_attention_backend
 from rayllm.common import startup_phases
+from rayllm.common.errors import first_line
 from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.layers.linear import TPGroup, pack_small_batch_weights, prepack_onednn_weights
 from rayllm.loader.loader import load_weights
@@ -25,7 +26,8 @@ from rayllm.models.registry import model_class
 from rayllm.platforms.cpu.onednn import onednn_available
 from rayllm.runner import kv_cache
 from rayllm.runner.model_runner import ModelRunner
-from rayllm.schema.config import EngineConfig, LlamaArch
+from rayllm.schema.config import EngineConfig, LlamaArch, for_device
+from rayllm.schema.outputs import StepOutOfMemory
 from rayllm.schema.step import SeqStep, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -80,10 +82,11 @@ def select_device(choice: str) -> torch.device:
 
 class Worker:
     def __init__(self, config: EngineConfig, model_path: str, arch: LlamaArch, rank: int, dist_init: str | None):
+        device = select_device(config.parallel.device)
+        config = for_device(config, device.type)  # a worker built directly (tests) resolves its block size too
         self.config = config
         self.rank = rank
         world = config.parallel.tensor_parallel_size
-        device = select_device(config.parallel.device)
         self.step_threads = self.single_sequence_threads = self.wide_step_tokens = 0
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -142,6 +145,7 @@ class Worker:
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None
+        self.steps = 0  # execute calls (debug.fail_step_with_oom_after counts them)
         self.lora = (LoRAManager(self.model, config.lora, self.dtype, device,
                                  batch_invariant=invariant and onednn_available(device, self.dtype))
                      if config.lora.enabled else None)
@@ -242,7 +246,19 @@ class Worker:
             want = self.single_sequence_threads if wide else self.step_threads
             if torch.get_num_threads() != want:  # ~1 us; only when the batch crosses one sequence
                 torch.set_num_threads(want)
-        return self.runner.execute(step)
+        self.steps += 1
+        try:
+            if self.steps - 1 == self.config.debug.fail_step_with_oom_after:
+                raise torch.OutOfMemoryError("injected by debug.fail_step_with_oom_after")
+            return self.runner.execute(step)
+        except torch.OutOfMemoryError as exc:
+            message = first_line(exc)
+        # Outside the handler the failed step's frames, and the tensors they held, are gone: give the cached
+        # blocks back so that the next step finds the memory; the engine fails this step's requests only.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("out of memory in a step of %d sequences: %s", len(step.seqs), message)
+        raise StepOutOfMemory(message)
 
     def load_lora(self, slot: int, lora_id: int, path: str) -> int:
         """Put a PEFT adapter into `slot` for sequences tagged `lora_id`; returns its rank."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,14 @@ class ModelConfig:
         return "bfloat16" if self.dtype == "auto" else self.dtype
 
 
+# `cache.block_size: auto` per device: what each platform's benchmarks were measured with (docs/benchmarks.md);
+# on CUDA, xformers' split-k paged decode also wants 64 (docs/gpu.md).
+AUTO_BLOCK_SIZE = {"cpu": 16, "cuda": 64}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int | str = "auto"  # tokens per KV block (a power of two), or auto: AUTO_BLOCK_SIZE per device
     # CPU: bytes of KV cache per rank. GPU: ignored in favour of gpu_memory_utilization.
     kv_cache_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.85
@@ -63,8 +68,9 @@ class CacheConfig:
     num_blocks_override: int | None = None  # tests use a tiny cache to force preemption
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a power of two")
+        if self.block_size != "auto" and (not isinstance(self.block_size, int) or self.block_size < 1
+                                          or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be auto or a power of two, got {self.block_size!r}")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -219,24 +225,58 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests; everything off by default, never for production."""
+
+    # The worker raises torch.OutOfMemoryError in its step after this many steps (once): what a CUDA
+    # out-of-memory inside a step does to the step's requests, shown on any device. None = off.
+    fail_step_with_oom_after: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.fail_step_with_oom_after is not None and self.fail_step_with_oom_after < 0:
+            raise ValueError("debug.fail_step_with_oom_after must be >= 0 or null")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
         """Build from the nested mapping found in cluster.yaml (unknown keys are an error)."""
         known = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-                 "lora": LoRAConfig}
+                 "lora": LoRAConfig, "debug": DebugConfig}
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown engine config sections: {sorted(unknown)}")
         d = dict(d)
         parallel = _parallel_with_cpu(d)  # first: it takes the legacy CPU keys out of d's sections
         return cls(**{k: known[k](**(d.get(k) or {})) for k in known if k != "parallel"}, parallel=parallel)
+
+
+def for_device(config: EngineConfig, device: str) -> EngineConfig:
+    """The config on `device` (cpu or cuda, already decided): `parallel.device` set and every `auto`
+    that depends on the device replaced (cache.block_size). Idempotent; a set value is kept."""
+    if device not in AUTO_BLOCK_SIZE:
+        raise ValueError(f"device must be cpu or cuda here, got {device!r}")
+    cache, parallel = config.cache, config.parallel
+    if cache.block_size == "auto":
+        cache = replace(cache, block_size=AUTO_BLOCK_SIZE[device])
+    if parallel.device != device:
+        parallel = replace(parallel, device=device)
+    if cache is config.cache and parallel is config.parallel:
+        return config
+    return replace(config, cache=cache, parallel=parallel)
+
+
+def cpu_only_settings(config: EngineConfig) -> list[str]:
+    """The CPU-only settings this config sets away from their defaults (ignored on CUDA)."""
+    return ["engine.parallel.cpu"] if config.parallel.cpu != CpuConfig() else []
 
 
 @dataclass(frozen=True)

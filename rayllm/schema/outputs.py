@@ -49,3 +49,8 @@ class SequenceError(ValueError):
 
     def __reduce__(self) -> tuple:  # crosses the engine process's pipe: both arguments, not just args
         return SequenceError, (self.request_id, str(self))
+
+
+class StepOutOfMemory(RuntimeError):
+    """The device ran out of memory inside a step (torch.OutOfMemoryError in a worker, its cached blocks
+    given back): the engine fails that step's requests and serves on."""

@@ -16,6 +16,7 @@ from ray.serve import Application
 
 from rayllm.loader import model_sources
 from rayllm.loader.model_files import resolve_model_path
+from rayllm.schema.config import cpu_only_settings, for_device
 from rayllm.serve.config import ModelEntry, ServerConfig
 from rayllm.serve.ingress import Ingress
 from rayllm.serve.llm_server import LLMDeployment
@@ -48,14 +49,11 @@ def resolve_device(choice: str, resources: Mapping[str, float] | None = None) ->
 
 
 def with_resolved_device(config: ServerConfig, resources: Mapping[str, float] | None = None) -> ServerConfig:
-    """The config with every model's `parallel.device` resolved, so replicas and workers never re-decide."""
+    """The config with every model's `parallel.device` resolved, and the settings whose `auto` depends on it
+    (cache.block_size: schema.config.for_device), so replicas and workers never re-decide."""
     def resolved(entry: ModelEntry) -> ModelEntry:
-        parallel = entry.engine.parallel
-        device = resolve_device(parallel.device, resources)
-        if device == parallel.device:
-            return entry
-        engine = dataclasses.replace(entry.engine, parallel=dataclasses.replace(parallel, device=device))
-        return dataclasses.replace(entry, engine=engine)
+        engine = for_device(entry.engine, resolve_device(entry.engine.parallel.device, resources))
+        return entry if engine is entry.engine else dataclasses.replace(entry, engine=engine)
 
     models = tuple(resolved(m) for m in config.models)
     return config if models == config.models else dataclasses.replace(config, engine=models[0].engine, models=models)
@@ -133,6 +131,15 @@ def serving_nice(config: ServerConfig) -> int:
     return 0 if _on_gpu(config) else config.serving_nice
 
 
+def ignored_on_gpu(config: ServerConfig) -> list[str]:
+    """The CPU-only settings of a resolved config that a GPU app ignores (cluster.yaml's CPU tuning)."""
+    names = {name for entry in config.models if entry.engine.parallel.device == "cuda"
+             for name in cpu_only_settings(entry.engine)}
+    if config.serving_nice and all(entry.engine.parallel.device == "cuda" for entry in config.models):
+        names.add(f"serving_nice ({config.serving_nice})")
+    return sorted(names)
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application-builder entry: exactly one parameter, the `args` mapping from cluster.yaml."""
     return build_app_with(ServerConfig.from_args(args))
@@ -155,6 +162,9 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
     import ray
 
     config = with_resolved_device(config)
+    ignored = ignored_on_gpu(config)
+    if ignored:  # one line per app: cluster.yaml's CPU tuning is harmless on a GPU, but not silently dropped
+        log.info("device cuda: ignoring the CPU-only settings %s", ", ".join(ignored))
     nodes = ray.nodes() if ray.is_initialized() else []
     nice = serving_nice(config)
     llms: dict[str, Any] = {}

@@ -71,6 +71,16 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict
     ]
 
 
+def step_failure(exc: SequenceError) -> APIError:
+    """A request that failed inside a step, the engine serving on: a 503 to retry when the device ran out of
+    memory in the step (engine.LLMEngine._fail_step), else a 500."""
+    if str(exc).startswith("OutOfMemoryError:"):
+        return APIError(503, f"The request failed inside the model step: {exc}", type="server_error",
+                        code="out_of_memory")
+    return APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
+                    code="sequence_failed")
+
+
 def engine_failure(exc: Exception) -> Exception:
     """A dead engine (a TP actor died, a step raised) is a clear, retryable 503; anything else passes as is."""
     if isinstance(exc, EngineDeadError):
@@ -211,8 +221,7 @@ class LLMServer:
             log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
             raise
         except SequenceError as exc:  # this sequence's own fault inside a step; the others went on
-            out.put_nowait(APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
-                                    code="sequence_failed"))
+            out.put_nowait(step_failure(exc))
         except ValueError as exc:  # the engine refused the request (length, capacity)
             out.put_nowait(APIError(400, str(exc), param="max_tokens"))
         except Exception as exc:
@@ -289,8 +298,7 @@ class LLMServer:
         try:
             return list(await asyncio.gather(*tasks))
         except SequenceError as exc:
-            raise APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
-                           code="sequence_failed") from exc
+            raise step_failure(exc) from exc
         except ValueError as exc:  # the engine refused an input (length, capacity)
             raise APIError(400, str(exc), param="input") from exc
         except APIError:

@@ -1,12 +1,14 @@
 """Fault isolation on the real default model: a fault that belongs to one sequence fails that request
 alone (SequenceError), the others in its batch finish with exactly their solo output, and the engine
 keeps serving. Faults are injected into one sequence's own objects only (its parameters, its grammar
-matcher, its random generator, its adapter id), never into the model.
+matcher, its random generator, its adapter id), never into the model; and a device out-of-memory inside
+a step (the test-only debug.fail_step_with_oom_after) fails that step's requests, not the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -16,7 +18,14 @@ import torch
 from rayllm.engine.client.engine_client import EngineClient, InprocClient, ProcessClient
 from rayllm.engine.client.engine_process import EngineProcess
 from rayllm.engine.engine import LLMEngine, SequenceError
-from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rayllm.schema.config import (
+    CacheConfig,
+    DebugConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rayllm.schema.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -183,3 +192,25 @@ def test_engine_process_fails_only_the_faulty_request(gguf_path, eos, chat_promp
         engine.check_health()
     finally:
         engine.shutdown()
+
+
+def test_out_of_memory_in_a_step_fails_its_requests_and_the_engine_serves_on(gguf_path, eos, chat_prompts, solo):
+    """debug.fail_step_with_oom_after: the worker raises torch.OutOfMemoryError in the first step (as CUDA
+    would): that step's requests fail with an error naming it, and the engine serves the next ones exactly.
+    The step's prompt blocks were hashed when scheduled but never computed: a later request with the same
+    prompt must not reuse them (its output equals its solo output, with nothing cached)."""
+    base = config(gguf_path)
+    oom = LLMEngine(dataclasses.replace(base, debug=DebugConfig(fail_step_with_oom_after=0)), eos_token_ids=eos)
+    try:
+        for rid, (prompt, params) in good_requests(chat_prompts).items():
+            oom.add_request(rid, prompt, params)
+        tokens, errors = run_to_end(oom)
+        assert set(errors) == set(good_requests(chat_prompts)) and not any(tokens.values())
+        assert all(e.startswith("OutOfMemoryError:") and "injected" in e for e in errors.values())
+        assert not oom.seqs and oom.block_manager.usage == 0.0
+        oom.add_request("again", chat_prompts[0], GREEDY)
+        again, errors = run_to_end(oom)
+        assert not errors and again["again"] == solo["greedy0"]
+        assert oom.executor.worker.steps > 1
+    finally:
+        oom.shutdown()

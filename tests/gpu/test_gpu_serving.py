@@ -1,0 +1,255 @@
+"""The served system on a GPU, through the OpenAI SDK, against the `serve run` that tests/gpu/serve_device.sh
+starts (deploy/cluster-gpu.yaml with two random-weight models: tests/gpu/serve_device_models.py). Skipped
+without CUDA (tests/gpu/conftest.py) and without that server (RAYLLM_GPU_SERVE_URL).
+
+References, on the same GPU: transformers' fp32 model from the same files (logprobs, embeddings), PEFT on it
+(the adapter), jsonschema and the SDK's own parsing, and the server's own answers (streaming against not,
+a seed against itself). Placement: the engine processes hold GPU memory, on the GPU Ray assigned their
+replica; the ingress and tokenizer replicas hold none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+URL = os.environ.get("RAYLLM_GPU_SERVE_URL")
+MODELS = Path(os.environ.get("RAYLLM_GPU_MODELS", "/tmp/models"))
+TINY, BIG, ADAPTER = "tiny-llama", "llama-8b-shape", "gpu-lora"
+# fp32 on both sides; our attention and LoRA kernels reduce in another order than torch's (and Triton's dots
+# may use TF32): a few 1e-3 nats. A wrong token, position or adapter is off by whole nats.
+TOL, LORA_TOL = 0.02, 0.05
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+
+pytestmark = pytest.mark.skipif(not URL, reason="needs the server tests/gpu/serve_device.sh starts "
+                                                "(RAYLLM_GPU_SERVE_URL)")
+
+
+@pytest.fixture(scope="module")
+def client():
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{URL}/v1", api_key=os.environ.get("RAYLLM_GPU_API_KEY", "unused"), max_retries=0,
+                  timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODELS / "tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 on the reference side
+    return AutoModelForCausalLM.from_pretrained(MODELS / "tiny", dtype=torch.float32).cuda().eval()
+
+
+def gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet (the carried tokenizer is byte-level BPE): byte -> the character for it."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+@pytest.fixture(scope="module")
+def to_ids(tok):
+    """Chat logprobs give each token's raw bytes (a random model often picks part of a UTF-8 character,
+    whose text is not unique): back to ids through the tokenizer's own vocabulary."""
+    decode = {c: b for b, c in gpt2_bytes_to_unicode().items()}
+    added = set(tok.added_tokens_decoder)
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, piece in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))):
+        raw = piece.encode() if i in added else bytes(decode[c] for c in piece)
+        by_bytes.setdefault(raw, []).append(i)
+
+    def ids(entries) -> list[int]:
+        found = [by_bytes[bytes(e.bytes)] for e in entries]
+        assert all(len(f) == 1 for f in found), "two tokens with the same bytes"
+        return [f[0] for f in found]
+
+    return ids
+
+
+def chat_ids(tok, messages=QUESTION) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def reference_logprobs(model, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """The reference's log-softmax at each generated position ([len(ids) - n_prompt, V])."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda")).logits[0].float()
+    return logits.log_softmax(-1)[n_prompt - 1 : len(ids) - 1].cpu()
+
+
+def check_against(ref: torch.Tensor, out_ids: list[int], logprobs: list[float], tol: float) -> None:
+    for i, (t, lp) in enumerate(zip(out_ids, logprobs, strict=True)):
+        assert lp == pytest.approx(ref[i, t].item(), abs=tol), f"position {i}"
+
+
+def test_chat_logprobs_match_transformers_on_cuda_and_completions_agree(client, tok, hf_tiny, to_ids):
+    c = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=16, temperature=0, logprobs=True,
+                                       top_logprobs=3).choices[0]
+    out_ids = to_ids(c.logprobs.content)
+    prompt_ids = chat_ids(tok)
+    ref = reference_logprobs(hf_tiny, prompt_ids + out_ids, len(prompt_ids))
+    check_against(ref, out_ids, [t.logprob for t in c.logprobs.content], TOL)
+    for i, t in enumerate(out_ids):  # greedy: the reference's top token, unless two are within the tolerance
+        top2 = ref[i].topk(2).values
+        assert t == ref[i].argmax().item() or (top2[0] - top2[1]).item() < TOL
+    # The same tokens as a completion of the rendered prompt's ids: the same answer.
+    r = client.completions.create(model=TINY, prompt=prompt_ids, max_tokens=16, temperature=0)
+    assert r.choices[0].text == c.message.content and r.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_chat_streams_what_it_answers_and_n_choices_sample_the_reference(client, tok, hf_tiny, to_ids):
+    ask = dict(model=TINY, messages=QUESTION, max_tokens=16)
+    full = client.chat.completions.create(temperature=0, **ask).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(temperature=0, stream=True, **ask)
+             if c.choices]
+    assert "".join(parts) == full and len(parts) > 1
+    r = client.chat.completions.create(n=3, temperature=1.0, seed=7, logprobs=True, **ask)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2] and r.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in r.choices)
+    prompt_ids = chat_ids(tok)
+    for choice in r.choices:  # each sampled token's logprob is the reference model's (temperature 1)
+        out_ids = to_ids(choice.logprobs.content)
+        ref = reference_logprobs(hf_tiny, prompt_ids + out_ids, len(prompt_ids))
+        check_against(ref, out_ids, [t.logprob for t in choice.logprobs.content], TOL)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    ask = dict(model=TINY, messages=QUESTION, max_tokens=24, temperature=1.0, top_p=0.95)
+    same = [client.chat.completions.create(seed=123, **ask).choices[0].message.content for _ in range(2)]
+    other = client.chat.completions.create(seed=124, **ask).choices[0].message.content
+    assert same[0] == same[1] and other != same[0]
+
+
+def test_json_schema_and_tools_are_honoured(client):
+    import jsonschema
+
+    # Bounded values only: a random model need never end an open string within max_tokens.
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"},
+                                               "count": {"enum": [1, 2, 3]}},
+              "required": ["colour", "bright", "count"], "additionalProperties": False}
+    r = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=64, temperature=1.0, seed=1,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "c", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    tool = {"type": "function", "function": {"name": "set_light", "description": "Switch a light",
+                                             "parameters": schema}}
+    r = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=64, temperature=1.0, seed=2,
+                                       tools=[tool], tool_choice={"type": "function", "function": {"name": "set_light"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "set_light"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_lora_adapter_matches_peft(client, tok, hf_tiny, to_ids):
+    from peft import PeftModel
+
+    path = str(MODELS / "adapters" / ADAPTER)
+    ask = dict(model=TINY, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True)
+    c = client.chat.completions.create(extra_body={"lora_path": path}, **ask).choices[0]
+    out_ids = to_ids(c.logprobs.content)
+    prompt_ids = chat_ids(tok)
+    peft = PeftModel.from_pretrained(hf_tiny, path).eval()
+    try:
+        ref = reference_logprobs(peft, prompt_ids + out_ids, len(prompt_ids))
+        with peft.disable_adapter():
+            base = reference_logprobs(peft, prompt_ids + out_ids, len(prompt_ids))
+    finally:
+        peft.unload()  # the module's reference model is the base one again
+    check_against(ref, out_ids, [t.logprob for t in c.logprobs.content], LORA_TOL)
+    assert (ref - base).abs().max().item() > 10 * LORA_TOL  # the adapter changes the answer's distribution
+
+
+def test_embeddings_are_the_reference_final_hidden_state(client, tok, hf_tiny):
+    ids = tok("A sentence to embed.").input_ids
+    got = torch.tensor(client.embeddings.create(model=TINY, input=[ids]).data[0].embedding)
+    with torch.no_grad():  # LlamaModel's output: after the final norm, as our pooling reads it
+        hidden = hf_tiny.model(torch.tensor([ids], device="cuda")).last_hidden_state[0, -1]
+    ref = torch.nn.functional.normalize(hidden.float().cpu(), dim=0)
+    assert got.shape == ref.shape and torch.dot(got, ref).item() > 0.9999
+
+
+def test_responses_answers_as_chat_does(client):
+    chat = client.chat.completions.create(model=TINY, messages=QUESTION, max_tokens=12, temperature=0)
+    r = client.responses.create(model=TINY, input=QUESTION[0]["content"], max_output_tokens=12, temperature=0)
+    assert r.status in ("completed", "incomplete") and r.output_text == chat.choices[0].message.content
+
+
+def test_the_8b_shape_serves_long_prompts_and_batches(client):
+    """The speed model answers through the same config: a prompt over one 8k step budget (chunked prefill)
+    and a batch of concurrent requests, every one to its last token (random bf16 weights: greedy answers may
+    tie differently in another batch, so no text is compared)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    long = [{"role": "user", "content": "word " * 9000}]
+    r = client.chat.completions.create(model=BIG, messages=long, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens > 8192 and r.usage.completion_tokens == 4
+    ask = dict(model=BIG, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    prompts = [[{"role": "user", "content": f"Question number {i}?"}] for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda m: client.chat.completions.create(messages=m, **ask), prompts))
+    assert all(x.usage.completion_tokens == 16 and x.choices[0].finish_reason == "length" for x in together)
+
+
+def serve_processes() -> dict[str, list[int]]:
+    """Pids of this machine's Serve replicas by deployment (Ray titles them ray::ServeReplica:<app>:<name>)."""
+    import re
+
+    import psutil
+
+    found: dict[str, list[int]] = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        title = re.match(r"ray::ServeReplica:[^:]+:([A-Za-z0-9_-]+)", " ".join(p.info["cmdline"] or []))
+        if title:
+            found.setdefault(title.group(1), []).append(p.info["pid"])
+    return found
+
+
+def gpu_memory_by_pid() -> dict[int, tuple[str, int]]:
+    """pid -> (GPU uuid, MiB) of every process holding GPU memory, as the driver reports it."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split(", ") for line in out.strip().splitlines() if line.strip()]
+    return {int(pid): (uuid, int(mib)) for pid, uuid, mib in rows}
+
+
+def test_engine_processes_hold_the_assigned_gpu_and_serving_processes_none():
+    import psutil
+
+    procs = serve_processes()
+    assert {"ingress", "tokenizer", "llm", f"llm-{TINY}"} <= set(procs), procs
+    held = gpu_memory_by_pid()
+    uuids = dict(line.split(", ") for line in subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True,
+        check=True).stdout.strip().splitlines())
+    for name in ("llm", f"llm-{TINY}"):
+        for pid in procs[name]:
+            env = psutil.Process(pid).environ()
+            assigned = env["CUDA_VISIBLE_DEVICES"].split(",")
+            engines = [c.pid for c in psutil.Process(pid).children(recursive=True) if c.pid in held]
+            assert engines, f"{name}: no child of replica {pid} holds GPU memory ({held})"
+            for engine in engines:  # the engine child process, on the GPU Ray gave its replica
+                assert held[engine][0] in {uuids[a] for a in assigned}
+    for name in ("ingress", "tokenizer"):
+        for pid in procs[name]:
+            family = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            assert not [p for p in family if p in held], f"{name} replica {pid} holds GPU memory"
