@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 
 import pytest
 
@@ -19,8 +18,8 @@ from tests.serve.ops_apps import free_port, own_haproxy_env, wait_healthy
 os.environ.update(serving_env())
 
 
-# This session's HAProxy apart from any other Serve instance's on the machine (ports and files).
-os.environ.update(own_haproxy_env(tempfile.mkdtemp(prefix="haproxy-serve-")))
+# This session's HAProxy ports apart from any other Serve instance's on the machine.
+os.environ.update(own_haproxy_env())
 
 API_KEY = "test-key-123"
 # A second tenant, configured by its digest only (`sha256:<hex>`): isolation and hashed-key tests.

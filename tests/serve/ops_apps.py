@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
@@ -21,18 +20,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def own_haproxy_env(run_dir: str) -> dict[str, str]:
-    """What keeps one Serve instance's HAProxy apart from another's on this machine: free stats and
-    metrics ports, and its config, admin socket and state files in `run_dir` (Serve's defaults put every
-    instance's in /tmp/haproxy-serve, where one instance's reload would read another's config)."""
-    os.makedirs(run_dir, exist_ok=True)
-    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run_dir, "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run_dir, "admin.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run_dir,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run_dir, "server-state"),
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(run_dir, "metrics.sock")}
+def own_haproxy_env() -> dict[str, str]:
+    """Free HAProxy stats and metrics ports for one more Serve instance on this machine (Serve's fixed
+    defaults would clash; its config and socket files already sit in a per-instance folder)."""
+    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
 
 
 def wait_healthy(base: str, wait_s: float = 300) -> str:

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` s
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_replicas_on_several_nodes_survive_losing_one(tmp_path):
+def test_replicas_on_several_nodes_survive_losing_one():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     env.pop("RAY_ADDRESS", None)  # its own cluster, not one this process may have joined
-    env |= own_haproxy_env(str(tmp_path / "haproxy"))  # the session app's HAProxy holds conftest's
+    env |= own_haproxy_env()  # the session app's HAProxy holds conftest's
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multi_node_scenario.py"))], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)

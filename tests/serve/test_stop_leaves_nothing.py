@@ -44,8 +44,8 @@ def _launch(run_dir: Path) -> Run:
     port = free_port()
     config = (ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}")
     (run_dir / "cluster.yaml").write_text(config)
-    # HAProxy's ports and files its own (the defaults would clash with other Serve instances here).
-    env = os.environ | serving_env() | own_haproxy_env(str(run_dir / "haproxy"))
+    # HAProxy's ports its own (the defaults would clash with other Serve instances here).
+    env = os.environ | serving_env() | own_haproxy_env()
     env["PYTHONPATH"] = str(ROOT)
     env.pop("RAY_ADDRESS", None)
     log = run_dir / "serve.log"
