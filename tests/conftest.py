@@ -19,6 +19,21 @@ _RAY_BY_FIXTURE = False
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
+# The standalone Serve tests start Ray clusters of their own (`serve run`, a multi-node cluster): they join
+# the engine lane, which would otherwise finish long before the session app's lane.
+_OWN_CLUSTER = {"test_stop_leaves_nothing.py", "test_multi_node.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The two lanes of `make test` (`-n 2 --dist loadgroup`): tests/serve's, which share one Ray Serve app
+    (tests/serve/conftest.py starts it once per process), and the rest."""
+    serve = os.path.join(os.path.dirname(__file__), "serve")
+    for item in items:
+        path = str(item.path)
+        lane = "serve" if path.startswith(serve) and item.path.name not in _OWN_CLUSTER else "engine"
+        item.add_marker(pytest.mark.xdist_group(lane))
+
+
 @pytest.fixture
 def ray_local() -> None:
     """One local Ray instance for the tensor-parallel tests of a folder (Ray starts once, not per module)."""
