@@ -77,6 +77,10 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [candidates]
         matched = self.table.match(chain, list(loads))
         chosen = pick(matched, loads, self.block_size, self.config, self.rng)
+        if self._use_replica_queue_len_cache:
+            # Counted now, not when sent: requests routed in between must see it (the replica's count on
+            # accepting it then replaces this one).
+            self._replica_queue_len_cache.update(chosen, loads[chosen] + 1)
         rest = sorted((r for r in candidates if r.replica_id != chosen), key=lambda r: loads.get(r.replica_id, 1 << 30))
         return [[self._replicas[chosen]], rest] if rest else [[self._replicas[chosen]]]
 
@@ -106,9 +110,12 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        if not hasattr(self, "table"):  # before initialize_state
+            return
         for gone in set(self.table.lru) - self._replica_id_set:
             self.table.remove(gone)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.table.remove(replica_id)
+        if hasattr(self, "table"):
+            self.table.remove(replica_id)
