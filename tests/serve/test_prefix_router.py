@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` s
 
 BLOCK = 16  # the engine's (and so the router's) block size
 SYSTEM = ("You are the support assistant of a bicycle shop. You answer questions about repairs, parts, prices and "
-          "opening hours briefly and politely, and you never invent prices that you were not told about.")
+          "opening hours briefly and politely, and you never invent prices that you were not told about. The "
+          "shop opens at nine and closes at six, repairs take two days, and customers may rent a bicycle.")
 IMBALANCE = 1
 
 
