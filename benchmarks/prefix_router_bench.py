@@ -16,6 +16,7 @@ over --rounds; each round writes fresh words, so no variant finds another round'
 One JSON line per variant and round: the prefix-cache hit rate (cached / prompt tokens over every
 request, and at the last turn), time to first token at the last turn (p50, mean) and over all turns,
 requests per replica, and the share of turns that went to the replica of the conversation's previous turn.
+A first line (`router_cost`) times the router's own work per request on a 2048-token prompt, without Ray.
 """
 
 from __future__ import annotations
@@ -142,6 +143,28 @@ def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args
             "requests_per_replica": sorted(per_replica.values()), "wall_s": round(wall_s, 1)}
 
 
+def router_cost(prompt_tokens: int = 2048, n: int = 200) -> dict:
+    """The router's own work per request (no Ray): hashing a prompt's blocks, matching them against a table
+    of 64 such prompts on each of two replicas, the choice, and recording the blocks."""
+    from rayllm.serve.prefix_affinity import PrefixTable, RouterConfig, block_chain, pick
+
+    rng = random.Random(0)
+    table, config = PrefixTable(65536), RouterConfig()
+    prompts = [[rng.randrange(49152) for _ in range(prompt_tokens)] for _ in range(128)]
+    for i, p in enumerate(prompts):
+        table.insert(f"r{i % 2}", block_chain(p, 16, None))
+    times = []
+    for i in range(n):
+        p = prompts[i % len(prompts)][: prompt_tokens - 7] + [1, 2, 3, 4, 5, 6, 7]
+        t0 = time.perf_counter()
+        chain = block_chain(p, 16, None, config.max_prompt_blocks)
+        chosen = pick(table.match(chain, ["r0", "r1"]), {"r0": 3, "r1": 2}, 16, config)
+        table.insert(chosen, chain)
+        times.append(time.perf_counter() - t0)
+    return {"bench": "prefix_router", "variant": "router_cost", "prompt_tokens": prompt_tokens,
+            "p50_us": round(percentile(times, 50) * 1e6, 1), "p99_us": round(percentile(times, 99) * 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=64)
@@ -153,6 +176,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     args = ap.parse_args()
+    print(json.dumps(router_cost()), flush=True)
 
     import ray
     from ray import serve
