@@ -67,8 +67,8 @@ def test_load_spreads_over_both_replicas_within_the_bound(routed):
         c = client(routed)
         shared = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Hello number {i}."}]
                   for i in range(8)]
-        same = await asyncio.gather(*(turn(c, m, max_tokens=48) for m in shared))
-        short = await asyncio.gather(*(turn(c, [{"role": "user", "content": f"Hi {i}"}], max_tokens=24)
+        same = await asyncio.gather(*(turn(c, m, max_tokens=16) for m in shared))
+        short = await asyncio.gather(*(turn(c, [{"role": "user", "content": f"Hi {i}"}], max_tokens=4)
                                        for i in range(8)))
         return [r for r, _, _ in same], [r for r, _, _ in short]
 
