@@ -5,7 +5,8 @@
 
 Issue 38's workload: --conversations chats of --turns turns each, all under one shared system prompt of about
 --system-words words, each turn a fresh user message and the model's own reply (--max-tokens tokens) added
-to the history. The conversations run at once, each one turn after another (a closed loop per user).
+to the history. The conversations start at once, each one turn after another (a closed loop per user, with
+a random pause of mean --think-s before each next turn).
 On a 2-core machine, scale it down (e.g. --conversations 16); the JSON says what ran.
 
 Every variant is its own Serve app in one Ray session, deployed before any load starts: `power_of_two`
@@ -103,6 +104,7 @@ async def run_variant(base: str, name: str, args: argparse.Namespace, seed: int)
     url = f"{base}/{name}/v1/chat/completions"
 
     async def conversation(c: int, http) -> list[dict]:
+        rng_think = random.Random(seed * 1000 + c)
         messages = [{"role": "system", "content": system}]
         out = []
         for t in range(args.turns):
@@ -110,6 +112,7 @@ async def run_variant(base: str, name: str, args: argparse.Namespace, seed: int)
             result = await one_turn(http, url, messages, args.max_tokens)
             messages.append({"role": "assistant", "content": result["text"]})
             out.append(result)
+            await asyncio.sleep(rng_think.uniform(0, 2 * args.think_s))
         return out
 
     limits = httpx.Limits(max_connections=args.conversations + 4)
@@ -135,7 +138,7 @@ def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args
     last_ttft = [t["ttft"] for t in last]
     all_ttft = [t["ttft"] for t in flat]
     return {"bench": "prefix_router", "variant": variant, "round": rnd, "conversations": args.conversations,
-            "turns": args.turns, "max_tokens": args.max_tokens, "hit_rate": rate(flat), "hit_rate_last_turn": rate(last),
+            "turns": args.turns, "max_tokens": args.max_tokens, "think_s": args.think_s, "hit_rate": rate(flat), "hit_rate_last_turn": rate(last),
             "ttft_last_turn_p50_ms": ms(last_ttft, 50), "ttft_last_turn_mean_ms": ms(last_ttft),
             "ttft_all_p50_ms": ms(all_ttft, 50), "ttft_all_p90_ms": ms(all_ttft, 90),
             "prompt_tokens_last_turn_mean": round(sum(t["prompt"] for t in last) / len(last)),
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="reply tokens per turn (ignore_eos)")
     ap.add_argument("--system-words", type=int, default=200, help="shared system prompt length in words")
     ap.add_argument("--user-words", type=int, default=24)
+    ap.add_argument("--think-s", type=float, default=1.0, help="mean pause between a reply and the next turn "
+                    "(uniform 0..2x): users do not answer in lockstep")
     ap.add_argument("--variants", default="power_of_two,prefix,single")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)

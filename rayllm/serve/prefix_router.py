@@ -12,8 +12,9 @@ that carry no prompt (stats, model_info, embeddings, adapter loads) go through S
 
 from __future__ import annotations
 
-import logging
 import random
+import time
+from collections import deque
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -29,9 +30,8 @@ from ray.serve.request_router import (
 from rayllm.protocol.io_struct import GenerateRequest
 from rayllm.serve.prefix_affinity import PrefixTable, RouterConfig, block_chain, pick
 
-log = logging.getLogger("ray.serve")
-
 ROUTER_CLASS = "rayllm.serve.prefix_router:PrefixRouter"
+RESERVATION_S = 1.0  # a choice Serve did not send (the replica was full) stops counting after this
 
 
 def request_router_config(router: RouterConfig, block_size: int) -> dict[str, Any]:
@@ -59,6 +59,9 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.config = RouterConfig.from_value({"policy": "prefix", **kwargs})
         self.table = PrefixTable(self.config.max_blocks_per_replica)
         self.rng = random.Random()
+        # Choices not yet sent, per replica (times; one is dropped as each request is sent, or after
+        # RESERVATION_S if Serve sent it elsewhere), so that a burst routed at once sees itself.
+        self.reserved: dict[ReplicaID, deque[float]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -77,10 +80,8 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [candidates]
         matched = self.table.match(chain, list(loads))
         chosen = pick(matched, loads, self.block_size, self.config, self.rng)
-        if self._use_replica_queue_len_cache:
-            # Counted now, not when sent: requests routed in between must see it (the replica's count on
-            # accepting it then replaces this one).
-            self._replica_queue_len_cache.update(chosen, loads[chosen] + 1)
+        # Counted from now, not from when it is sent: requests routed in between must see it.
+        self.reserved.setdefault(chosen, deque()).append(time.monotonic())
         rest = sorted((r for r in candidates if r.replica_id != chosen), key=lambda r: loads.get(r.replica_id, 1 << 30))
         return [[self._replicas[chosen]], rest] if rest else [[self._replicas[chosen]]]
 
@@ -99,7 +100,20 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             for r, q in await self._probe_queue_lens(unknown, 0):
                 if q is not None and q < r.max_ongoing_requests:
                     loads[r.replica_id] = q
+        now = time.monotonic()
+        for rid in loads:
+            pending = self.reserved.get(rid)
+            while pending and now - pending[0] > RESERVATION_S:
+                pending.popleft()
+            loads[rid] += len(pending or ())
         return {rid: q for rid, q in loads.items() if rid in self._replicas}
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        """Serve's count now includes the request: its reservation goes."""
+        pending = self.reserved.get(replica_id)
+        if pending:
+            pending.popleft()
+        super().on_send_request(replica_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
@@ -114,6 +128,8 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         for gone in set(self.table.lru) - self._replica_id_set:
             self.table.remove(gone)
+        for gone in set(self.reserved) - self._replica_id_set:
+            del self.reserved[gone]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
