@@ -20,6 +20,7 @@ from rayllm.schema.config import cpu_only_settings, for_device
 from rayllm.serve.config import ModelEntry, ServerConfig
 from rayllm.serve.ingress import Ingress
 from rayllm.serve.llm_server import LLMDeployment
+from rayllm.serve.prefix_router import request_router_config
 from rayllm.serve.tokenizer import TokenizerDeployment
 
 log = logging.getLogger("ray.serve")
@@ -152,6 +153,9 @@ def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = 
     bundles = placement_bundles(config)
     if bundles:
         options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
+    cache = config.engine.cache
+    if config.router.policy == "prefix" and cache.enable_prefix_caching:  # no cache: nothing to be near
+        options["request_router_config"] = request_router_config(config.router, cache.block_size)
     # queue bounds, autoscaling, drain (cluster.yaml's `deployments` section overrides all of these)
     return options | config.llm_deployment_options | config.models[0].deployment
 

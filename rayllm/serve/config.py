@@ -9,6 +9,7 @@ from typing import Any
 from rayllm.attention.registry import BACKENDS
 from rayllm.schema.config import EngineConfig
 from rayllm.serve.auth import parse_key
+from rayllm.serve.prefix_affinity import RouterConfig
 
 
 def default_storage_url() -> str:
@@ -125,6 +126,8 @@ class ServerConfig:
     # The base models (cluster.yaml `models:`); the first answers requests that name no model. Empty: the
     # single model of `engine` (its deployment options are llm_deployment_options).
     models: tuple[ModelEntry, ...] = ()
+    # How the ingress picks a model replica (cluster.yaml `router`; docs/routing-priority-tracing.md).
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -169,6 +172,7 @@ class ServerConfig:
         admin += tuple(k.strip() for k in os.environ.get("ADMIN_API_KEYS", "").split(",") if k.strip())
         if admin:
             args["admin_api_keys"] = admin
+        args["router"] = RouterConfig.from_value(args.get("router"))
         url = args.pop("storage_url", None) or os.environ.get("STORAGE_URL")
         if url:
             args["storage_url"] = url
