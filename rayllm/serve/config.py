@@ -9,6 +9,7 @@ from typing import Any
 from rayllm.attention.registry import BACKENDS
 from rayllm.schema.config import EngineConfig
 from rayllm.serve.auth import parse_key
+from rayllm.serve.tracing import TracingConfig
 
 
 def default_storage_url() -> str:
@@ -125,6 +126,8 @@ class ServerConfig:
     # The base models (cluster.yaml `models:`); the first answers requests that name no model. Empty: the
     # single model of `engine` (its deployment options are llm_deployment_options).
     models: tuple[ModelEntry, ...] = ()
+    # OpenTelemetry traces of requests, exported over OTLP (off by default; rayllm.serve.tracing).
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -172,6 +175,8 @@ class ServerConfig:
         url = args.pop("storage_url", None) or os.environ.get("STORAGE_URL")
         if url:
             args["storage_url"] = url
+        if "tracing" in args:
+            args["tracing"] = TracingConfig.from_dict(args["tracing"])
         cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
         if cfg.reasoning_parser not in ("auto", "think", "none"):
             raise ValueError(f"reasoning_parser must be auto, think or none, got {cfg.reasoning_parser!r}")

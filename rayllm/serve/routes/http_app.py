@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from rayllm.protocol import protocol as P
 from rayllm.protocol.errors import APIError, from_validation_error
 from rayllm.serve.request_guards import body_limit, too_large
+from rayllm.serve.tracing import span
 
 log = logging.getLogger("ray.serve")
 
@@ -113,12 +114,13 @@ async def read_body(request: Request) -> bytes:
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    body = await read_body(request)
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
-        raise from_validation_error(errors) from None
+    with span("validate"):  # the request's trace (rayllm.serve.tracing; nothing while it is off)
+        body = await read_body(request)
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            errors = exc.errors()
+            if errors and errors[0].get("type") == "json_invalid":
+                raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
+            raise from_validation_error(errors) from None
 
