@@ -45,8 +45,8 @@ from rayllm.serve.routes.playground import PlaygroundRoutes
 from rayllm.serve.routes.responses_routes import ResponsesRoutes
 from rayllm.serve.stores.completion_store import completion_store
 from rayllm.serve.stores.conversation_store import ConversationStore
-from rayllm.serve.tracing import client_span
-from rayllm.serve.tracing_spans import dispatch, install, traced_storage
+from rayllm.serve.tracing import client_span, configure
+from rayllm.serve.tracing_spans import dispatch, traced_storage
 
 log = logging.getLogger("ray.serve")
 
@@ -66,7 +66,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
         self.model_status = ServeModelStatus(serve.get_replica_context().app_name)
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
-        install(app, config.tracing)  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
+        configure(config.tracing, "ingress")  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
 
     # The model this request selected (check_model; rayllm.serve.routes.model_routes): its deployment, tokenizer...
     llm = property(lambda self: self.routes.current.llm)

@@ -79,14 +79,6 @@ class TracingMiddleware:
             span.end()
 
 
-def install(app: Any, config: tracing.TracingConfig | None) -> None:
-    """The ingress's tracing: on when the config says so; the middleware is added once per process."""
-    if not tracing.configure(config, "ingress"):
-        return
-    if not any(m.cls is TracingMiddleware for m in app.user_middleware):
-        app.add_middleware(TracingMiddleware)
-
-
 def dispatch(greq: GenerateRequest, model: str) -> str | None:
     """At the call to the model: the request's ids on its span; the traceparent the replica continues."""
     span = tracing.current_span()
