@@ -187,9 +187,14 @@ def main(argv=None) -> int:
         urls = deploy(base_args, sink.server_port, port)
         rows = asyncio.run(measure(args, urls))
         time.sleep(7)  # the last batch of spans (every 5 s)
+        summarize(args, rows, sink, hooks_ns)
     finally:
         serve.shutdown()
         ray.shutdown()
+    return 0
+
+
+def summarize(args, rows: list[dict], sink: Sink, hooks_ns: float) -> None:
     tps = {v: [r["output_tokens_per_s"] for r in rows if r["variant"] == v] for v in ("off", "on")}
     ttft = {v: [r["ttft_p50_s"] for r in rows if r["variant"] == v] for v in ("off", "on")}
     on_requests = sum(r["completed"] for r in rows if r["variant"] == "on") + 2
@@ -202,9 +207,10 @@ def main(argv=None) -> int:
                "spans_received": sink.span_count(), "spans_per_traced_request": None,
                "off_hooks_ns_per_request": round(hooks_ns, 1),
                "errors": sum(r["errors"] for r in rows)}
+    pairs = [round(on / off, 4) for on, off in zip(tps["on"], tps["off"], strict=True)]  # each round's own
+    summary |= {"round_on_over_off": pairs, "median_round_on_over_off": statistics.median(pairs)}
     summary["spans_per_traced_request"] = round(summary["spans_received"] / on_requests, 2)
     print(json.dumps(summary), flush=True)
-    return 0
 
 
 if __name__ == "__main__":
