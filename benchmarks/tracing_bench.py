@@ -106,14 +106,15 @@ async def middleware_ns(n: int = 200_000) -> float:
     return max(best, 0.0) / n * 1e9
 
 
-def deploy(base_args: dict, sink_port: int, port: int) -> dict[str, str]:
+def deploy(base_args: dict, sink_port: int, port: int, order: list[str]) -> dict[str, str]:
     import httpx
     from ray import serve
 
     from rayllm.serve.builder import build_app
 
     urls = {}
-    for name, enabled in (("off", False), ("on", True)):
+    for name in order:  # deployed in this order (a check that the app deployed first has no edge)
+        enabled = name == "on"
         args = json.loads(json.dumps(base_args))
         args["tracing"] = {"enabled": enabled, "otlp_endpoint": f"http://127.0.0.1:{sink_port}/v1/traces"}
         serve.run(build_app(args), name=name, route_prefix=f"/{name}", blocking=False)
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=64, help="requests per round and variant")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="per app (two apps run)")
+    ap.add_argument("--deploy-order", default="off,on", choices=["off,on", "on,off"])
     args = ap.parse_args(argv)
 
     import ray
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
         base_args = yaml.safe_load(f)["applications"][0]["args"]
     base_args["engine"]["cache"]["kv_cache_bytes"] = args.kv_cache_bytes
     try:
-        urls = deploy(base_args, sink.server_port, port)
+        urls = deploy(base_args, sink.server_port, port, args.deploy_order.split(","))
         rows = asyncio.run(measure(args, urls))
         time.sleep(7)  # the last batch of spans (every 5 s)
         summarize(args, rows, sink, hooks_ns)
@@ -199,6 +201,7 @@ def summarize(args, rows: list[dict], sink: Sink, hooks_ns: float) -> None:
     ttft = {v: [r["ttft_p50_s"] for r in rows if r["variant"] == v] for v in ("off", "on")}
     on_requests = sum(r["completed"] for r in rows if r["variant"] == "on") + 2
     summary = {"bench": "tracing", "summary": True, "concurrency": args.concurrency, "rounds": args.rounds,
+               "deploy_order": args.deploy_order,
                "tok_s_off": tps["off"], "tok_s_on": tps["on"],
                "median_tok_s_off": statistics.median(tps["off"]), "median_tok_s_on": statistics.median(tps["on"]),
                "on_over_off": round(statistics.median(tps["on"]) / statistics.median(tps["off"]), 4),
