@@ -26,7 +26,14 @@ from rayllm.loader.model_files import resolve_model_path
 from rayllm.models.registry import kv_window
 from rayllm.sample.guided import new_matcher, next_token_bitmask
 from rayllm.schema.config import EngineConfig
-from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError, StepOutOfMemory, TokenLogprob
+from rayllm.schema.outputs import (
+    EngineDeadError,
+    EngineTimings,
+    RequestOutput,
+    SequenceError,
+    StepOutOfMemory,
+    TokenLogprob,
+)
 from rayllm.schema.sampling_params import SamplingParams
 from rayllm.schema.step import SeqStep, StepInput
 
@@ -94,7 +101,8 @@ class LLMEngine:
                              f"exceeds max_model_len {self.max_model_len}")
         if self.block_manager.max_blocks_held(total, self.config.scheduler.max_num_batched_tokens) > self.executor.num_blocks:
             raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
-        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, lora_slot)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, lora_slot,
+                       arrival_ns=time.time_ns())
         if params.embed:
             seq.pooling = self.config.model.pooling
         elif grammar is not None:
@@ -170,6 +178,10 @@ class LLMEngine:
                 runnable.append(sc)
         if not runnable:
             return outputs
+        now = time.time_ns()
+        for sc in runnable:
+            if not sc.seq.scheduled_ns:
+                sc.seq.scheduled_ns = now
         # Decode sequences first: the attention backends batch them together.
         runnable.sort(key=lambda sc: sc.num_tokens != 1)
         samples = [sc.samples for sc in runnable]
@@ -248,6 +260,8 @@ class LLMEngine:
             return self._output(seq, [], None, prompt_lps) if prompt_lps is not None else None
         token = result.sampled[seq.request_id]
         seq.token_ids.append(token)
+        if not seq.first_token_ns:
+            seq.first_token_ns = time.time_ns()
         if seq.matcher is not None and not seq.matcher.accept_token(token):
             log.warning("request %s: token %d rejected by its grammar", seq.request_id, token)
         self._check_stop(seq, token)
@@ -306,6 +320,8 @@ class LLMEngine:
             stop_token_id=seq.stop_token_id,
             logprobs=[lp] if lp is not None else None,
             prompt_logprobs=prompt_lps,
+            timings=EngineTimings(seq.arrival_ns, seq.scheduled_ns, seq.first_token_ns, time.time_ns())
+            if seq.is_finished else None,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -38,6 +38,10 @@ class Sequence:
     pooling: str | None = None  # a pooling request's "last" | "mean" (never samples)
     pool_sum: list[float] | None = None  # mean pooling: the sum of the rows computed so far
     rank: tuple[int, int] | None = None  # its place in the wait queue's order, set when first queued
+    # time.time_ns() of its arrival, first scheduling and first token (schema.outputs.EngineTimings)
+    arrival_ns: int = 0
+    scheduled_ns: int = 0
+    first_token_ns: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -39,6 +39,7 @@ class GenerateRequest:
     guided: GuidedSpec | None = None  # grammar constraint (structured output, forced tool calls)
     best_of: int | None = None  # completions: sample best_of per prompt, return the n most likely
     trace_id: str = ""  # the HTTP request's X-Request-Id: prefixes engine ids, so aborts and logs carry it
+    traceparent: str | None = None  # W3C trace context of the ingress's span when tracing is on (rayllm.serve.tracing)
 
 
 class TopLogprob(TypedDict):

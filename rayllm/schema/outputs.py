@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -12,6 +13,16 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class EngineTimings(NamedTuple):
+    """A request's way through the engine, in time.time_ns() (0: not reached): on its last output only,
+    where the model replica turns them into trace spans (rayllm.serve.tracing_spans)."""
+
+    arrival_ns: int
+    scheduled_ns: int  # first scheduled: the end of its queue wait
+    first_token_ns: int  # its prefill's end
+    finished_ns: int
 
 
 @dataclass
@@ -33,6 +44,7 @@ class RequestOutput:
     embedding: list[float] | None = None
     # Set when this request failed on its own (finish_reason "abort"); the engine serves the others on.
     error: str | None = None
+    timings: EngineTimings | None = None  # on the finished output
 
 
 class EngineDeadError(RuntimeError):

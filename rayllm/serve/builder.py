@@ -184,6 +184,6 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
         options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
         llms[entry.name] = LLMDeployment.options(**options).bind(
             entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
-            serving_nice(one))
-    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, nice)
+            serving_nice(one), config.tracing)
+    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, nice, config.tracing)
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms, nice)

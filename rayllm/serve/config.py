@@ -10,6 +10,7 @@ from rayllm.attention.registry import BACKENDS
 from rayllm.schema.config import EngineConfig
 from rayllm.serve.auth import parse_key
 from rayllm.serve.prefix_affinity import RouterConfig
+from rayllm.serve.tracing import TracingConfig
 
 
 def default_storage_url() -> str:
@@ -128,6 +129,8 @@ class ServerConfig:
     models: tuple[ModelEntry, ...] = ()
     # How the ingress picks a model replica (cluster.yaml `router`; docs/routing-priority-tracing.md).
     router: RouterConfig = field(default_factory=RouterConfig)
+    # OpenTelemetry traces of requests, exported over OTLP (off by default; rayllm.serve.tracing).
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -176,6 +179,8 @@ class ServerConfig:
         url = args.pop("storage_url", None) or os.environ.get("STORAGE_URL")
         if url:
             args["storage_url"] = url
+        if "tracing" in args:
+            args["tracing"] = TracingConfig.from_dict(args["tracing"])
         cfg = cls(engine=engine, api_keys=keys + env_keys, **args)
         if cfg.reasoning_parser not in ("auto", "think", "none"):
             raise ValueError(f"reasoning_parser must be auto, think or none, got {cfg.reasoning_parser!r}")

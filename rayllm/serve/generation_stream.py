@@ -14,6 +14,8 @@ from rayllm.protocol.io_struct import DeltaBatch
 from rayllm.protocol.sse import WireFormat
 from rayllm.serve.metrics import ServerMetrics
 from rayllm.serve.request_guards import cancel, next_batch
+from rayllm.serve.tracing import current_span
+from rayllm.serve.tracing_spans import finish_request
 
 OnComplete = Callable[[GenerationState], Awaitable[None]]
 
@@ -37,6 +39,7 @@ class Generation:
         self.on_complete = on_complete
         self.first: DeltaBatch | None = None
         self.replica_id: str | None = None  # set on the first delta by the serving replica
+        self.span = current_span()  # the request's span (rayllm.serve.tracing_spans), None unless traced
 
     @property
     def headers(self) -> dict[str, str]:
@@ -55,6 +58,8 @@ class Generation:
     def _close(self, outcome: str) -> None:
         cancel(self.call)  # a no-op once the call ended; otherwise it aborts the request upstream
         self.metrics.request_done(self.state, self.model, self.t0, outcome)
+        if self.span is not None:
+            finish_request(self.span, self.state, outcome)
 
     async def body(self) -> Any:
         """The whole response (a non-streamed request)."""

@@ -45,6 +45,8 @@ from rayllm.serve.routes.playground import PlaygroundRoutes
 from rayllm.serve.routes.responses_routes import ResponsesRoutes
 from rayllm.serve.stores.completion_store import completion_store
 from rayllm.serve.stores.conversation_store import ConversationStore
+from rayllm.serve.tracing import client_span, configure
+from rayllm.serve.tracing_spans import dispatch, traced_storage
 
 log = logging.getLogger("ray.serve")
 
@@ -64,6 +66,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
         self.model_status = ServeModelStatus(serve.get_replica_context().app_name)
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
+        configure(config.tracing, "ingress")  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
 
     # The model this request selected (check_model; rayllm.serve.routes.model_routes): its deployment, tokenizer...
     llm = property(lambda self: self.routes.current.llm)
@@ -94,9 +97,12 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     async def render(self, messages: list[dict], chat_template: str | None = None, **kw) -> tuple[str, list[int]]:
         try:
-            if chat_template is None:  # the model's own template: coalesced with other requests' renders
-                return await self.routes.current.renderer.render(messages, **kw)
-            return await self.tokenizer.render_chat.remote(messages, chat_template=chat_template, **kw)
+            with client_span("render") as traceparent:  # None unless this request is traced
+                if traceparent is not None:
+                    kw["traceparent"] = traceparent
+                if chat_template is None:  # the model's own template: coalesced with other requests' renders
+                    return await self.routes.current.renderer.render(messages, **kw)
+                return await self.tokenizer.render_chat.remote(messages, chat_template=chat_template, **kw)
         except ValueError as exc:  # template or message-shape problems are the client's
             raise APIError(400, str(exc).splitlines()[-1] if str(exc) else "invalid messages",
                            param="messages") from None
@@ -113,10 +119,11 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         """One generation, streamed or whole (rayllm.serve.generation_stream); `on_complete` (storage) runs
         after the last delta, before the response ends."""
         t0 = time.monotonic()
+        greq.traceparent = dispatch(greq, self.model_name)  # None unless this request is traced
         call = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
         gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
                          self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
-                         retry_after_s=self.config.retry_after_s, on_complete=on_complete)
+                         retry_after_s=self.config.retry_after_s, on_complete=traced_storage(on_complete))
         if not req.stream:
             body = await gen.body()
             return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import replace
 
 from ray import serve
@@ -33,6 +34,8 @@ from rayllm.serve.generation_modes import best_of, choose
 from rayllm.serve.lora.lora_registry import AdapterEntry, LoRARegistry
 from rayllm.serve.metrics import publish_engine_stats
 from rayllm.serve.tokenizer import TokenizerService
+from rayllm.serve.tracing import TracingConfig, configure
+from rayllm.serve.tracing_spans import ModelTrace, model_trace
 
 log = logging.getLogger("ray.serve")
 
@@ -101,10 +104,11 @@ def cold_start_record(model: str, engine_phases: dict[str, float], fetch_s: floa
 
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, stream_interval_s: float = 0.0,
-                 engine_process: bool = False, serving_nice: int = 0):
+                 engine_process: bool = False, serving_nice: int = 0, tracing: TracingConfig | None = None):
         from rayllm.engine.client.engine_client import make_engine_client
 
         t0 = time.perf_counter()
+        configure(tracing, "llm")  # spans of the requests that arrive with a traceparent
         self.stream_interval_s = stream_interval_s
         local_path = resolve_model_path(model_path)  # a remote spec: fetched to this node's cache here
         fetch_s = time.perf_counter() - t0
@@ -160,7 +164,7 @@ class LLMServer:
         await asyncio.to_thread(self.engine.check_health)
 
     async def _choice(self, req: GenerateRequest, index: int, prompt: list[int], out: asyncio.Queue,
-                      grammar=None, lora_id: int = 0) -> None:
+                      grammar=None, lora_id: int = 0, trace: ModelTrace | None = None) -> None:
         """Run one choice to its end, pushing GenerationDelta objects into the shared queue."""
         params = req.params
         choice = index % req.n
@@ -192,6 +196,8 @@ class LLMServer:
                 if matched is not None:
                     finish, matched_stop = "stop", matched
                 elif o.finished:
+                    if trace is not None:
+                        trace.engine_phases(index, o, completion_tokens)
                     text += detok.flush()
                     if o.finish_reason == "stop" and o.stop_token_id is not None:
                         matched_stop = o.stop_token_id
@@ -238,6 +244,14 @@ class LLMServer:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]:
         """Yields batches of deltas (whatever all choices produced since the last yield)."""
+        with model_trace(req, self.config.model.served_model_name) as trace:  # None unless it is traced
+            async with aclosing(self._generate(req, trace)) as batches:  # closed (aborted) with this one
+                async for batch in batches:
+                    if trace is not None:
+                        trace.observe(batch)
+                    yield batch
+
+    async def _generate(self, req: GenerateRequest, trace: ModelTrace | None) -> AsyncIterator[list[GenerationDelta]]:
         if req.best_of is not None and req.best_of > req.n:
             yield await best_of(self, req)
             return
@@ -251,7 +265,7 @@ class LLMServer:
         lora_id = adapter.lora_id if adapter is not None else 0
         total = len(req.prompts) * req.n
         tasks = [
-            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar, lora_id))
+            asyncio.create_task(self._choice(req, i, req.prompts[i // req.n], queue, grammar, lora_id, trace))
             for i in range(total)
         ]
         finished = 0

@@ -20,6 +20,8 @@ import tempfile
 import threading
 from typing import Any, Protocol
 
+from rayllm.serve.tracing import remote_span
+
 RenderResult = tuple[str, list[int]]
 # What a channel render may carry: the model's own template only (a request's template renders in the sandbox).
 RENDER_KWARGS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
@@ -68,7 +70,8 @@ class RenderServer:
         if service is None:
             return [None, None, f"no tokenizer for model {model!r}"]
         try:
-            text, ids = service.render_chat(messages, **{k: v for k, v in kw.items() if k in RENDER_KWARGS})
+            with remote_span("tokenizer.render", kw.get("traceparent"), **{"gen_ai.request.model": model}):
+                text, ids = service.render_chat(messages, **{k: v for k, v in kw.items() if k in RENDER_KWARGS})
         except ValueError as exc:  # the client's (template or message shape): its request gets a 400
             return [None, None, str(exc)]
         return [text, ids, None]

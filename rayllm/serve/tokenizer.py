@@ -22,6 +22,7 @@ from rayllm.serve.chat_template import END_OF_TURN_TOKENS, FIM_TOKEN_SETS, ChatR
 from rayllm.serve.detokenizer import fast_backend
 from rayllm.serve.render_channel import RenderServer
 from rayllm.serve.template_sandbox import TemplateSandbox
+from rayllm.serve.tracing import TracingConfig, configure, remote_span
 
 
 # Roles some chat templates do not know, mapped onto ones they do.
@@ -154,8 +155,9 @@ class TokenizerDeployment:
     replicas' cores; each call names its model (a served model name). Every method is async though only
     the sandbox path awaits: Serve runs plain methods in a thread pool, one more thread hop per call."""
 
-    def __init__(self, model_paths: dict[str, str], serving_nice: int = 0):
+    def __init__(self, model_paths: dict[str, str], serving_nice: int = 0, tracing: TracingConfig | None = None):
         lower_process_priority(serving_nice)
+        configure(tracing, "tokenizer")  # spans of the renders that arrive with a traceparent
         model_paths = {name: resolve_model_path(path) for name, path in model_paths.items()}  # this node's copies
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
         # Each sandbox's process starts with the first request template for its model.
@@ -202,7 +204,8 @@ class TokenizerDeployment:
         out: list[tuple[str, list[int]] | ValueError] = []
         for messages, kw in calls:
             try:
-                out.append(service.render_chat(messages, **kw))
+                with remote_span("tokenizer.render", kw.pop("traceparent", None), **{"gen_ai.request.model": model}):
+                    out.append(service.render_chat(messages, **kw))
             except ValueError as exc:
                 out.append(exc)
         return out
@@ -210,13 +213,14 @@ class TokenizerDeployment:
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,
                           continue_final_message: bool = False, chat_template: str | None = None,
                           chat_template_kwargs: dict | None = None,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                          tools: list[dict] | None = None, traceparent: str | None = None) -> tuple[str, list[int]]:
         """The model's template renders here; a request's own (the ingress lets one through only when the
         operator allows it) renders in the sandbox, off this replica's event loop."""
         service = self.service(model)
         kw = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                   chat_template_kwargs=chat_template_kwargs, tools=tools)
-        if chat_template is None:
-            return service.render_chat(messages, **kw)
-        text = await asyncio.to_thread(self.sandboxes[model].render, messages, chat_template=chat_template, **kw)
-        return text, service.encode(text, add_special_tokens=False)
+        with remote_span("tokenizer.render", traceparent, **{"gen_ai.request.model": model}):
+            if chat_template is None:
+                return service.render_chat(messages, **kw)
+            text = await asyncio.to_thread(self.sandboxes[model].render, messages, chat_template=chat_template, **kw)
+            return text, service.encode(text, add_special_tokens=False)

@@ -266,3 +266,28 @@ def test_steps_in_two_halves_match_transformers(gguf_path, eos, hf_model, chat_p
     finally:
         eng.shutdown()
         torch.set_num_threads(before)
+
+
+def test_timings_mark_the_queue_prefill_and_decode_steps(engine, chat_prompts):
+    """EngineTimings (the engine's spans when tracing is on) fall in the steps where each phase ended: the
+    first scheduling in an earlier step than the first token when the prompt is prefilled in chunks."""
+    import time
+
+    ids = [t for p in chat_prompts for t in p][::-1][:150]  # > 64 tokens, none cached: three prefill chunks
+    before = time.time_ns()
+    engine.add_request("timed", ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    after = time.time_ns()
+    steps, last = [], None
+    while engine.has_work():
+        t0 = time.time_ns()
+        outs = [o for o in engine.step() if o.request_id == "timed"]
+        steps.append((t0, time.time_ns(), outs))
+        assert all((o.timings is not None) == o.finished for o in outs)  # on the last output only
+        last = outs[-1] if outs and outs[-1].finished else last
+    t = last.timings
+    assert before <= t.arrival_ns <= after
+    first_token_step = next(i for i, (_, _, outs) in enumerate(steps) if any(o.new_token_ids for o in outs))
+    assert first_token_step == 2  # 150 prompt tokens, 64 a step
+    assert steps[0][0] <= t.scheduled_ns <= steps[0][1]
+    assert steps[first_token_step][0] <= t.first_token_ns <= steps[first_token_step][1]
+    assert steps[-1][0] <= t.finished_ns <= steps[-1][1] and len(steps) == first_token_step + 3

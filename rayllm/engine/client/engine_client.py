@@ -55,6 +55,7 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.finished, a.finish_reason, a.stop_token_id = b.finished, b.finish_reason, b.stop_token_id
     a.num_cached_tokens = b.num_cached_tokens
     a.error = b.error
+    a.timings = b.timings
     return a
 
 

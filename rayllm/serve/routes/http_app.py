@@ -14,12 +14,17 @@ from starlette.exceptions import HTTPException
 from rayllm.protocol import protocol as P
 from rayllm.protocol.errors import APIError, from_validation_error
 from rayllm.serve.request_guards import body_limit, too_large
+from rayllm.serve.tracing import span
+from rayllm.serve.tracing_spans import TracingMiddleware
 
 log = logging.getLogger("ray.serve")
 
 # /openapi.json is the ingress's own route (rayllm/serve/routes/ops_routes.py: off with API keys on);
 # `app.openapi()` builds the schema in-process either way.
 app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None, openapi_url=None)
+# Here, not in the ingress's constructor: serve.ingress serves a copy of this app made at import. It passes
+# requests straight on until the ingress turns tracing on (rayllm.serve.tracing.configure).
+app.add_middleware(TracingMiddleware)
 
 
 # Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
@@ -113,12 +118,13 @@ async def read_body(request: Request) -> bytes:
 
 
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    body = await read_body(request)
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors()
-        if errors and errors[0].get("type") == "json_invalid":
-            raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
-        raise from_validation_error(errors) from None
+    with span("validate"):  # the request's trace (rayllm.serve.tracing; nothing while it is off)
+        body = await read_body(request)
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            errors = exc.errors()
+            if errors and errors[0].get("type") == "json_invalid":
+                raise APIError(400, f"request body is not valid JSON: {errors[0].get('msg')}") from None
+            raise from_validation_error(errors) from None
 

@@ -1,0 +1,176 @@
+"""Tracing through the real app (Ray Serve, the model, the tokenizer, SQLite storage): each process exports
+its spans with the real OTLP/HTTP exporter to a small OTLP receiver in this test process, which decodes them
+with OpenTelemetry's own protobuf messages. One trace per request across the ingress, the tokenizer replica
+and the model replica (with the engine's phases), continuing the client's `traceparent`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from tests.serve.conftest import API_KEY
+from tests.serve.ops_apps import MODEL, QUESTION, deploy
+
+pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _value(v) -> object:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_value(x) for x in v.array_value.values)
+    return getattr(v, kind) if kind else None
+
+
+class Receiver(ThreadingHTTPServer):
+    """POST /v1/traces (OTLP/HTTP protobuf): every span, as a dict, with its process's resource attributes."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(handler) -> None:  # noqa: N805
+                body = handler.rfile.read(int(handler.headers["Content-Length"]))
+                self.add(ExportTraceServiceRequest.FromString(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/x-protobuf")
+                handler.send_header("Content-Length", str(len(reply)))
+                handler.end_headers()
+                handler.wfile.write(reply)
+
+            def log_message(handler, *args) -> None:  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def add(self, req: ExportTraceServiceRequest) -> None:
+        for rs in req.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    with self.lock:
+                        self.spans.append({
+                            "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
+                            "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
+                            "end": s.end_time_unix_nano, "status": s.status.code,
+                            "attrs": {a.key: _value(a.value) for a in s.attributes}, "resource": resource})
+
+    def wait_for(self, match, names: set[str], timeout: float = 60) -> dict[str, list[dict]]:
+        """The spans `match` picks, by name, once every name in `names` has arrived."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                got: dict[str, list[dict]] = {}
+                for s in self.spans:
+                    if match(s):
+                        got.setdefault(s["name"], []).append(s)
+            if names <= set(got) or time.monotonic() > deadline:
+                assert names <= set(got), f"missing spans {names - set(got)}; got {sorted(got)}"
+                return got
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    threading.Thread(target=r.serve_forever, daemon=True).start()
+    yield r
+    r.shutdown()
+
+
+@pytest.fixture(scope="module")
+def traced(server, apps, receiver) -> str:
+    apps.append("traced")
+    return deploy(server, "traced", {
+        "api_keys": [API_KEY],
+        "tracing": {"enabled": True, "otlp_endpoint": f"http://127.0.0.1:{receiver.server_port}/v1/traces",
+                    "export_interval_s": 0.2, "service_name": "rayllm-test"}})
+
+
+def test_one_trace_across_ingress_tokenizer_and_model(traced, receiver):
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    xrid = f"trace-test-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "store": True}
+    headers = AUTH | {"traceparent": f"00-{trace_id}-{client_span}-01", "x-request-id": xrid}
+    with httpx.stream("POST", f"{traced}/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    last = json.loads(chunks[-1][6:])
+    usage, rid = last["usage"], last["id"]
+    assert usage["completion_tokens"] == 4
+
+    spans = receiver.wait_for(lambda s: s["trace"] == trace_id, {
+        "POST /v1/chat/completions", "validate", "render", "tokenizer.render", "llm.generate", "engine.queue",
+        "engine.prefill", "engine.decode", "storage.write"})
+    one = {name: only for name, (only,) in spans.items()}  # one span of each: one request, one choice
+    root = one["POST /v1/chat/completions"]
+    assert root["parent"] == client_span  # the client's traceparent is honoured
+    parents = {"validate": root, "render": root, "storage.write": root, "llm.generate": root,
+               "tokenizer.render": one["render"], "engine.queue": one["llm.generate"],
+               "engine.prefill": one["llm.generate"], "engine.decode": one["llm.generate"]}
+    for name, parent in parents.items():
+        assert one[name]["parent"] == parent["id"], name
+        assert parent["start"] <= one[name]["start"] <= one[name]["end"], name  # one wall clock on this node
+    for name in ("validate", "render", "storage.write"):  # the ingress's own: inside the request's span
+        assert one[name]["end"] <= root["end"]
+    llm, queue, prefill, decode = (one[n] for n in ("llm.generate", "engine.queue", "engine.prefill",
+                                                    "engine.decode"))
+    assert queue["end"] == prefill["start"] and prefill["end"] == decode["start"] and decode["end"] <= llm["end"]
+
+    # Three processes: the ingress, the tokenizer replica, the model replica (the engine's child exports nothing).
+    component = {name: s["resource"]["rayllm.component"] for name, s in one.items()}
+    assert {component[n] for n in ("POST /v1/chat/completions", "validate", "render", "storage.write")} == {"ingress"}
+    assert component["tokenizer.render"] == "tokenizer"
+    assert {component[n] for n in ("llm.generate", "engine.queue", "engine.prefill", "engine.decode")} == {"llm"}
+    pids = {one[n]["resource"]["process.pid"] for n in ("validate", "tokenizer.render", "llm.generate")}
+    assert len(pids) == 3 and root["resource"]["service.name"] == "rayllm-test"
+
+    for span in (root, llm):  # the request's ids, model and token counts, as the client saw them
+        attrs = span["attrs"]
+        assert attrs["gen_ai.response.id"] == rid and attrs["rayllm.x_request_id"] == xrid
+        assert attrs["gen_ai.request.model"] == MODEL
+        assert attrs["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+        assert attrs["gen_ai.usage.output_tokens"] == 4 and attrs["gen_ai.response.finish_reasons"] == ("length",)
+    assert root["attrs"]["http.response.status_code"] == 200
+    assert prefill["attrs"]["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert decode["attrs"]["gen_ai.usage.output_tokens"] == 4
+
+
+def test_new_traces_per_choice_phases_and_a_client_that_samples_out(traced, receiver):
+    unsampled = uuid.uuid4().hex
+    r = httpx.post(f"{traced}/v1/chat/completions", headers=AUTH | {"traceparent": f"00-{unsampled}-"
+                   f"{uuid.uuid4().hex[:16]}-00"}, json={"model": MODEL, "messages": QUESTION, "max_tokens": 2},
+                   timeout=120)
+    assert r.status_code == 200
+    r = httpx.post(f"{traced}/v1/completions", headers=AUTH, timeout=120, json={
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "n": 2, "temperature": 1,
+        "seed": 1, "ignore_eos": True})
+    assert r.status_code == 200
+    rid = r.json()["id"]
+    (llm,) = receiver.wait_for(lambda s: s["attrs"].get("gen_ai.response.id") == rid, {"llm.generate"})[
+        "llm.generate"]
+    spans = receiver.wait_for(lambda s: s["trace"] == llm["trace"], {
+        "POST /v1/completions", "validate", "llm.generate", "engine.queue", "engine.prefill", "engine.decode"})
+    (root,) = spans["POST /v1/completions"]
+    assert root["parent"] == "" and llm["parent"] == root["id"]  # no traceparent: a trace of its own
+    assert "render" not in spans  # a completion renders no chat template
+    for phase in ("engine.queue", "engine.prefill", "engine.decode"):  # one per choice
+        assert sorted(s["attrs"]["rayllm.choice"] for s in spans[phase]) == [0, 1]
+        assert all(s["parent"] == llm["id"] for s in spans[phase])
+    assert root["attrs"]["gen_ai.usage.output_tokens"] == 6 == llm["attrs"]["gen_ai.usage.output_tokens"]
+    # The first request's spans went out before the second's, through the same exporters: none were kept.
+    assert not [s for s in receiver.spans if s["trace"] == unsampled]
