@@ -77,11 +77,11 @@ def _tokenizer_from_gguf(model_path: str) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
     if not getattr(tok, "chat_template", None):
         # Older transformers did not copy `tokenizer.chat_template` from the GGUF metadata.
-        from gguf import GGUFReader  # numpy only, no torch
+        from rayllm.loader.gguf_file import GGUFFile  # numpy only, no torch
 
-        field = GGUFReader(model_path).fields.get("tokenizer.chat_template")
-        if field is not None:
-            tok.chat_template = field.contents()
+        template = GGUFFile(model_path).get("tokenizer.chat_template")
+        if template is not None:
+            tok.chat_template = template
     return tok
 
 
