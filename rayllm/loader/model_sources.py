@@ -209,11 +209,14 @@ def _listing(fs, root: str, single: bool) -> dict[str, dict]:
 
 
 def _etag(info: dict) -> str | None:
-    """The object's MD5 in hex: an S3 ETag that is one (single-part uploads), or GCS's base64 md5Hash
-    (composite objects have none); else None."""
+    """The object's MD5 in hex: an S3 ETag that is one (single-part uploads), GCS's base64 md5Hash (composite
+    objects have none) or Azure's Content-MD5 (set by single-shot uploads); else None."""
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
     if re.fullmatch(r"[0-9a-f]{32}", etag):
         return etag
+    azure_md5 = (info.get("content_settings") or {}).get("content_md5")
+    if isinstance(azure_md5, (bytes, bytearray)) and len(azure_md5) == 16:
+        return bytes(azure_md5).hex()
     try:
         raw = base64.b64decode(str(info.get("md5Hash") or ""), validate=True)
     except ValueError:

@@ -13,6 +13,7 @@ clear error naming the source. The cache's crash safety and per-node lock are th
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -24,7 +25,9 @@ import pytest
 
 from rayllm.loader import model_sources
 
-pytest.importorskip("gcsfs", reason="the storage extra (gcsfs) is not installed")
+# Not imported here: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when first imported (in the fixture).
+if importlib.util.find_spec("gcsfs") is None:
+    pytest.skip("the storage extra (gcsfs) is not installed", allow_module_level=True)
 
 
 def _free_port() -> int:
