@@ -8,7 +8,8 @@ Each round runs in a fresh process (fresh imports, a fresh Ray), then one stream
 --mode cli: the real `serve run` on a copy of cluster.yaml (its port and KV size changed), the
 application built by Serve's own build task, as an operator starts it.
 --trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree);
-each runs with PYTHONPATH=DIR, which Ray's workers and the engine child inherit.
+another tree runs in a venv layered on this interpreter's site-packages with that tree first (Ray's workers
+and the engine child run the driver's interpreter, with its working directory, the tree, first on sys.path).
 
 Prints one JSON line per round and tree: wall seconds from the start to Ray up, to /health 200 and to
 the first token; `timeline`: when each deployment's replica was added by Serve's controller, began and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import hashlib
 import json
 import os
 import re
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -187,6 +190,25 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
             "timeline": timeline(session, t0), "replica": _relative(record, t0)}
 
 
+def python_for(tree: str) -> str:
+    """An interpreter that imports rayllm from `tree` (see --trees)."""
+    if os.path.realpath(tree) == os.path.realpath(HERE):
+        return sys.executable
+    venv = os.path.join(tempfile.gettempdir(), "rayllm-bench-" + hashlib.sha1(os.path.realpath(tree).encode()).hexdigest()[:10])
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", venv], check=True)  # type: ignore[attr-defined]
+        paths = [os.path.realpath(tree)] + [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+        site_dir = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
+        with open(os.path.join(site_dir, "00-tree.pth"), "w") as f:
+            f.write("\n".join(paths) + "\n")
+        serve_cli = os.path.join(venv, "bin", "serve")
+        with open(serve_cli, "w") as f:
+            f.write(f"#!{py}\nimport sys\nfrom ray.serve.scripts import cli\nsys.exit(cli())\n")
+        os.chmod(serve_cli, 0o755)
+    return py
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -203,10 +225,10 @@ def main() -> None:
         return
     for r in range(a.rounds):
         for tree in a.trees.split(","):
-            cmd = [sys.executable, __file__, "--child", tree, "--mode", a.mode,
+            cmd = [python_for(tree), __file__, "--child", tree, "--mode", a.mode,
                    "--kv-cache-bytes", str(a.kv_cache_bytes)] + (["--model", a.model] if a.model else [])
-            env = dict(os.environ, PYTHONPATH=tree)
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            # cwd too: Ray puts the driver's working directory on its workers' sys.path, first.
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
             print(lines[-1] if lines else json.dumps({"bench": "cold_start", "tree": tree, "round": r,
                                                       "error": out.stderr[-2000:]}), flush=True)
