@@ -157,3 +157,24 @@ class GGUFFile:
             out.append(str(buf[offs + 8:offs + 8 + n], "utf-8"))
             offs += 8 + n
         return out
+
+
+# Values per call of a quant type's row dequantizer: ~16 MB of float32 (and a few times that in temporaries).
+_DEQUANT_CHUNK = 1 << 22
+
+
+def dequantize(data: np.ndarray, qtype: Any) -> np.ndarray:
+    """`gguf.quants.dequantize`, in chunks of ~4M values rather than of 16 rows: the same per-block arithmetic
+    (bit-equal results), without the per-group overhead that made it most of a small model's load time."""
+    import gguf.quants
+
+    cls = getattr(gguf.quants, qtype.name, None)
+    if cls is None or not hasattr(cls, "dequantize_rows") or data.ndim < 1:
+        return gguf.quants.dequantize(data, qtype)
+    cls.init_grid()
+    rows = np.asarray(data).reshape(-1, data.shape[-1])  # a plain view: memmap slicing costs per call
+    out = np.empty((rows.shape[0], rows.shape[1] // cls.type_size * cls.block_size), dtype=np.float32)
+    step = max(1, _DEQUANT_CHUNK // max(1, out.shape[1]))
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = cls.dequantize_rows(rows[start:start + step])
+    return out.reshape(*data.shape[:-1], out.shape[1])

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rayllm.loader.fp8 import iter_fp8_dequantized
-from rayllm.loader.gguf_file import GGUFFile
+from rayllm.loader.gguf_file import GGUFFile, dequantize
 from rayllm.models.registry import check_supported
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.schema.config import LlamaArch
@@ -157,8 +157,6 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
               raw_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
     """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF.
     raw_types: GGUF type names (e.g. "Q4_K") of 2-D tensors yielded as RawBlocks, not dequantized."""
-    from gguf.quants import dequantize
-
     names = GGUF_TO_HF | (extra_names or {})
     reader = open_gguf(path)
     for t in reader.tensors:

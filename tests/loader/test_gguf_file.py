@@ -80,3 +80,32 @@ def test_rejects_a_file_that_is_not_gguf(tmp_path):
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="magic"):
         GGUFFile(str(bad))
+
+
+def test_dequantize_equals_gguf_py_bit_for_bit(monkeypatch):
+    """The chunked dequantizer against gguf-py's own: the default model's tensors, and random blocks of every
+    quant type gguf-py dequantizes, with chunks small enough that rows split across several calls."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize as reference
+
+    from rayllm.loader import gguf_file
+
+    model = GGUFFile(default_model_path())
+    for t in model.tensors:
+        assert np.array_equal(gguf_file.dequantize(t.data, t.tensor_type), reference(t.data, t.tensor_type)), t.name
+    monkeypatch.setattr(gguf_file, "_DEQUANT_CHUNK", 1000)
+    rng = np.random.default_rng(3)  # random bytes: every bit pattern of scales and quants
+    for qtype in gguf.GGMLQuantizationType:
+        cls = getattr(gguf.quants, qtype.name, None)
+        if cls is None or not hasattr(cls, "dequantize_rows"):
+            continue
+        block, size = GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (7, 3 * size), dtype=np.uint8)  # 7 rows of 3 blocks
+        with np.errstate(all="ignore"):  # random scales include NaN and inf
+            try:
+                want = reference(data, qtype)
+            except NotImplementedError:
+                continue
+            got = gguf_file.dequantize(data, qtype)
+        assert got.shape == want.shape == (7, 3 * block) and got.dtype == want.dtype, qtype.name
+        assert np.array_equal(got, want, equal_nan=True), qtype.name
