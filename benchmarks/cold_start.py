@@ -143,19 +143,15 @@ def _cluster_of(pid: int) -> tuple[str, str]:
     """(GCS address, session dir) of the local Ray that the `serve run` process `pid` started."""
     import psutil
 
-    gcs = session = None
     for child in psutil.Process(pid).children(recursive=True):
         cmd = " ".join(child.cmdline())
-        port = re.search(r"--gcs_server_port=(\d+)", cmd)
-        ip = re.search(r"--node-ip-address=(\S+)|--node_ip_address=(\S+)", cmd)
-        sd = re.search(r"--session-dir=(\S+)|--session_dir=(\S+)", cmd)
-        if port and ip:
-            gcs = f"{ip.group(1) or ip.group(2)}:{port.group(1)}"
-        if sd:
-            session = sd.group(1) or sd.group(2)
-    if gcs is None or session is None:
-        raise RuntimeError("the Ray cluster started by `serve run` was not found")
-    return gcs, session
+        ip, sd = re.search(r"--node-ip-address=(\S+)", cmd), re.search(r"--session-dir=(\S+)", cmd)
+        if "gcs_server" in cmd and ip and sd:
+            ports = glob.glob(os.path.join(sd.group(1), "gcs_server_port_*"))  # the port GCS picked
+            if ports:
+                with open(ports[0]) as f:
+                    return f"{ip.group(1)}:{f.read().strip()}", sd.group(1)
+    raise RuntimeError("the Ray cluster started by `serve run` was not found")
 
 
 def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
