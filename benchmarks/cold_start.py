@@ -78,6 +78,8 @@ def first_token(base: str, t0: float) -> tuple[float, float]:
                 break
         except httpx.HTTPError:
             pass
+        if time.time() - t0 > 300:
+            raise TimeoutError("the app was not healthy within 300 s")
         time.sleep(0.05)
     healthy = time.time() - t0
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
@@ -215,6 +217,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still runs round_cli's clean-up
         run = round_api if a.mode == "api" else round_cli
         print(json.dumps({"bench": "cold_start", "tree": a.child} | run(a.child, a.model, a.kv_cache_bytes)),
               flush=True)
