@@ -1,90 +1,238 @@
 """Cold start of the whole app, as `serve run cluster.yaml` does it, to the first streamed token.
 
-    python benchmarks/cold_start.py [--rounds 2] [--model SOURCE] [--kv-cache-bytes N]
+    python benchmarks/cold_start.py [--rounds 2] [--mode api|cli] [--trees DIR,DIR] [--model SOURCE]
+                                    [--kv-cache-bytes N]
 
-Each round runs in a fresh process (fresh imports, a fresh Ray): Ray start, then Serve deploys cluster.yaml's
-own application (the default model unless --model), then one streamed chat request. Prints one JSON line per
-round: wall seconds from the process start to Ray up, to the app healthy, and to the first token; and the
-model replica's own `cold start` record (download, load to device, KV cache sizing and allocation, CUDA-graph
-capture, the engine, the replica constructor: rayllm.serve.llm_server.cold_start_record).
+Each round runs in a fresh process (fresh imports, a fresh Ray), then one streamed chat request.
+--mode api (default): this process starts Ray and Serve and deploys build_app(cluster.yaml's args);
+--mode cli: the real `serve run` on a copy of cluster.yaml (its port and KV size changed), the
+application built by Serve's own build task, as an operator starts it.
+--trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree);
+another tree runs in a venv layered on this interpreter's site-packages with that tree first (Ray's workers
+and the engine child run the driver's interpreter, with its working directory, the tree, first on sys.path).
+
+Prints one JSON line per round and tree: wall seconds from the start to Ray up, to /health 200 and to
+the first token; `timeline`: when each deployment's replica was added by Serve's controller, began and
+finished its constructor, and was reported running (Serve's own logs); and the model replica's `cold start`
+record (rayllm.serve.llm_server.cold_start_record: download, engine child's imports, GGUF/config header,
+load to device, KV cache, CUDA graphs, tokenizer, constructor, process age at the constructor's start).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import glob
+import hashlib
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LINE = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?-- (.*)$")
+_EVENTS = {
+    "added": re.compile(r"Adding \d+ replicas? to Deployment\(name='([^']+)'"),
+    "running": re.compile(r"Replica\(id='[^']+', deployment='([^']+)', app='llm'\) started successfully"),
+}
 
 
-def one_round(model: str | None, kv_cache_bytes: int) -> dict:
-    t0 = time.perf_counter()
+def _epoch(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()  # Ray logs local time
+
+
+def timeline(session_dir: str, t0: float) -> dict[str, dict[str, float]]:
+    """{deployment: {added, init_start, init_end, running}} in seconds since t0, from Serve's logs."""
+    out: dict[str, dict[str, float]] = {}
+    logs = os.path.join(session_dir, "logs", "serve")
+    for path in glob.glob(os.path.join(logs, "controller_*.log")):
+        for line in open(path, errors="replace"):
+            m = _LINE.match(line)
+            for name, pat in _EVENTS.items():
+                e = pat.search(m.group(2)) if m else None
+                if e and "app='llm'" in m.group(2):  # type: ignore[union-attr]
+                    out.setdefault(e.group(1), {}).setdefault(name, round(_epoch(m.group(1)) - t0, 2))  # type: ignore[union-attr]
+    for path in glob.glob(os.path.join(logs, "replica_llm_*.log")):
+        dep = os.path.basename(path)[len("replica_llm_"):].rsplit("_", 1)[0]
+        for line in open(path, errors="replace"):
+            m = _LINE.match(line)
+            if m and m.group(2).startswith(("Started initializing replica", "Finished initializing replica")):
+                key = "init_start" if m.group(2).startswith("Started") else "init_end"
+                out.setdefault(dep, {}).setdefault(key, round(_epoch(m.group(1)) - t0, 2))
+    return out
+
+
+def first_token(base: str, t0: float) -> tuple[float, float]:
+    """Poll /health until 200, then stream one chat request: (healthy, first token) seconds since t0."""
     import httpx
-    import ray
-    import yaml
-    from ray import serve
 
-    sys.path.insert(0, ROOT)
-    from rayllm.serve.builder import build_app
-    from rayllm.serve.serving_env import serving_env
-
-    os.environ.update(serving_env())
-    t_import = time.perf_counter() - t0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    t_ray = time.perf_counter() - t0
-    with open(os.path.join(ROOT, "cluster.yaml")) as f:
-        args = yaml.safe_load(f)["applications"][0]["args"]
-    args["engine"]["cache"]["kv_cache_bytes"] = kv_cache_bytes
-    if model:
-        args["engine"]["model"]["model"] = model
-    serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
     while True:
         try:
             if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
+        if time.time() - t0 > 300:
+            raise TimeoutError("the app was not healthy within 300 s")
         time.sleep(0.05)
-    t_healthy = time.perf_counter() - t0
+    healthy = time.time() - t0
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and '"content"' in line:
                 break
-    t_first = time.perf_counter() - t0
+    return healthy, time.time() - t0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_args(root: str, model: str | None, kv_cache_bytes: int) -> dict:
+    import yaml
+
+    with open(os.path.join(root, "cluster.yaml")) as f:
+        config = yaml.safe_load(f)
+    args = config["applications"][0]["args"]
+    args["engine"]["cache"]["kv_cache_bytes"] = kv_cache_bytes
+    if model:
+        args["engine"]["model"]["model"] = model
+    return config
+
+
+def round_api(root: str, model: str | None, kv_cache_bytes: int) -> dict:
+    t0 = time.time()
+    import ray
+    from ray import serve
+
+    sys.path.insert(0, root)
+    from rayllm.serve.builder import build_app
+    from rayllm.serve.serving_env import serving_env
+
+    os.environ.update(serving_env())
+    t_import = time.time() - t0
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    t_ray = time.time() - t0
+    serve.run(build_app(app_args(root, model, kv_cache_bytes)["applications"][0]["args"]), name="llm",
+              route_prefix="/", blocking=False)
+    healthy, first = first_token(f"http://127.0.0.1:{port}", t0)
     record = serve.get_deployment_handle("llm", "llm").cold_start.remote().result()
+    session = ray._private.worker._global_node.get_session_dir_path()
     serve.shutdown()
     ray.shutdown()
-    return {"bench": "cold_start", "imports_s": round(t_import, 2), "ray_up_s": round(t_ray, 2),
-            "healthy_s": round(t_healthy, 2), "first_token_s": round(t_first, 2), "replica": record}
+    return {"mode": "api", "imports_s": round(t_import, 2), "ray_up_s": round(t_ray, 2),
+            "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
+            "timeline": timeline(session, t0), "replica": _relative(record, t0)}
+
+
+def _relative(record: dict, t0: float) -> dict:
+    if record.get("started_at"):
+        record = dict(record, started_at=round(record["started_at"] - t0, 2))
+    return record
+
+
+def _session_of(pid: int) -> str:
+    """The session dir of the local Ray that the `serve run` process `pid` started."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        m = re.search(r"--session-dir=(\S+)", " ".join(child.cmdline()))
+        if m:
+            return m.group(1)
+    raise RuntimeError("the Ray cluster started by `serve run` was not found")
+
+
+def _logged_record(session_dir: str) -> dict:
+    """The model replica's `cold start` log line (logged at INFO, which round_cli sets)."""
+    for path in glob.glob(os.path.join(session_dir, "logs", "serve", "replica_llm_llm_*.log")):
+        for line in open(path, errors="replace"):
+            if "cold start {" in line:
+                return json.loads(line[line.index("cold start {") + len("cold start "):].strip())
+    return {}
+
+
+def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
+    import yaml
+
+    port = free_port()
+    config = app_args(root, model, kv_cache_bytes)
+    config["http_options"]["port"] = port
+    # The replica's `cold start` line goes to its log, in the text form that timeline() reads.
+    config["logging_config"].update(log_level="INFO", encoding="TEXT")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(config, f)
+    serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    t0 = time.time()
+    proc = subprocess.Popen([serve_cli, "run", f.name], cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        healthy, first = first_token(f"http://127.0.0.1:{port}", t0)
+        session = _session_of(proc.pid)
+        record = _logged_record(session)
+    finally:
+        proc.send_signal(signal.SIGINT)  # serve run tears the app and its local Ray down on Ctrl-C
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        os.unlink(f.name)
+    return {"mode": "cli", "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
+            "timeline": timeline(session, t0), "replica": _relative(record, t0)}
+
+
+def python_for(tree: str) -> str:
+    """An interpreter that imports rayllm from `tree` (see --trees)."""
+    if os.path.realpath(tree) == os.path.realpath(HERE):
+        return sys.executable
+    venv = os.path.join(tempfile.gettempdir(), "rayllm-bench-" + hashlib.sha1(os.path.realpath(tree).encode()).hexdigest()[:10])
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", venv], check=True)  # type: ignore[attr-defined]
+        paths = [os.path.realpath(tree)] + [p for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
+        site_dir = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
+        with open(os.path.join(site_dir, "00-tree.pth"), "w") as f:
+            f.write("\n".join(paths) + "\n")
+        serve_cli = os.path.join(venv, "bin", "serve")
+        with open(serve_cli, "w") as f:
+            f.write(f"#!{py}\nimport sys\nfrom ray.serve.scripts import cli\nsys.exit(cli())\n")
+        os.chmod(serve_cli, 0o755)
+    return py
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mode", choices=("api", "cli"), default="api")
+    ap.add_argument("--trees", default=HERE, help="comma-separated source trees, alternated each round")
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(one_round(a.model, a.kv_cache_bytes)), flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still runs round_cli's clean-up
+        run = round_api if a.mode == "api" else round_cli
+        print(json.dumps({"bench": "cold_start", "tree": a.child} | run(a.child, a.model, a.kv_cache_bytes)),
+              flush=True)
         return
-    for _ in range(a.rounds):
-        cmd = [sys.executable, __file__, "--child", "--kv-cache-bytes", str(a.kv_cache_bytes)]
-        cmd += ["--model", a.model] if a.model else []
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-        print(lines[-1] if lines else json.dumps({"bench": "cold_start", "error": out.stderr[-2000:]}), flush=True)
+    for r in range(a.rounds):
+        for tree in a.trees.split(","):
+            cmd = [python_for(tree), __file__, "--child", tree, "--mode", a.mode,
+                   "--kv-cache-bytes", str(a.kv_cache_bytes)] + (["--model", a.model] if a.model else [])
+            # cwd too: Ray puts the driver's working directory on its workers' sys.path, first.
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+            print(lines[-1] if lines else json.dumps({"bench": "cold_start", "tree": tree, "round": r,
+                                                      "error": out.stderr[-2000:]}), flush=True)
 
 
 if __name__ == "__main__":

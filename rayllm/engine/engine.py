@@ -61,7 +61,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         with startup_phases.phase("download"):  # a remote source's fetch; a local path: a stat
             self.model_path = resolve_model_path(config.model.model, config.model.revision)
-        self.arch = read_arch(self.model_path)
+        with startup_phases.phase("arch"):  # the checkpoint's header: config.json or the GGUF's metadata
+            self.arch = read_arch(self.model_path)
         self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.executor = make_executor(config, self.model_path, self.arch)

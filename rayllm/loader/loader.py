@@ -17,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from rayllm.loader.fp8 import iter_fp8_dequantized
+from rayllm.loader.gguf_file import GGUFFile, dequantize
 from rayllm.models.registry import check_supported
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.schema.config import LlamaArch
@@ -38,19 +39,13 @@ GGUF_TO_HF = {
 
 
 @functools.lru_cache(maxsize=2)
-def open_gguf(path: str):
-    """Parsing a GGUF's metadata (its vocabulary above all) takes seconds: do it once per file."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """A GGUF's header and tensor index, parsed once per file."""
+    return GGUFFile(path)
 
 
-def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+def _gguf_field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
 def read_arch(model_path: str) -> LlamaArch:
@@ -129,7 +124,7 @@ def _sorted_items(cfg: dict) -> tuple[tuple[str, object], ...]:
     return tuple(sorted(cfg.items()))
 
 
-def gguf_hf_config(reader, arch: str) -> dict:
+def gguf_hf_config(reader: GGUFFile, arch: str) -> dict:
     """The GGUF's `<arch>.*` metadata under its own key names (minus the prefix), for `LlamaArch.cfg`:
     families read what they need from it (e.g. `expert_count`, `attention.sliding_window`)."""
     prefix = f"{arch}."
@@ -162,8 +157,6 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
               raw_types: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | RawBlocks]]:
     """extra_names: a family's own GGUF -> Hugging Face name fragments, on top of GGUF_TO_HF.
     raw_types: GGUF type names (e.g. "Q4_K") of 2-D tensors yielded as RawBlocks, not dequantized."""
-    from gguf.quants import dequantize
-
     names = GGUF_TO_HF | (extra_names or {})
     reader = open_gguf(path)
     for t in reader.tensors:

@@ -14,6 +14,7 @@ redone. A file lock makes replicas on one node download once; the others wait an
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import hashlib
 import json
@@ -208,9 +209,19 @@ def _listing(fs, root: str, single: bool) -> dict[str, dict]:
 
 
 def _etag(info: dict) -> str | None:
-    """An S3 ETag that is the object's MD5 (single-part uploads), else None."""
+    """The object's MD5 in hex: an S3 ETag that is one (single-part uploads), GCS's base64 md5Hash (composite
+    objects have none) or Azure's Content-MD5 (set by single-shot uploads); else None."""
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-    return etag if re.fullmatch(r"[0-9a-f]{32}", etag) else None
+    if re.fullmatch(r"[0-9a-f]{32}", etag):
+        return etag
+    azure_md5 = (info.get("content_settings") or {}).get("content_md5")
+    if isinstance(azure_md5, (bytes, bytearray)) and len(azure_md5) == 16:
+        return bytes(azure_md5).hex()
+    try:
+        raw = base64.b64decode(str(info.get("md5Hash") or ""), validate=True)
+    except ValueError:
+        return None
+    return raw.hex() if len(raw) == 16 else None
 
 
 def _download(fs, info: dict, dest: str, uri: str) -> None:

@@ -73,7 +73,7 @@ def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool =
     number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
     if not path.endswith(".gguf"):
         raise ValueError("model.weights: quantized needs a GGUF checkpoint")
-    from gguf.quants import dequantize
+    from rayllm.loader.gguf_file import dequantize
 
     arch = model.arch  # type: ignore[attr-defined]
     params = dict(model.named_parameters())

@@ -9,11 +9,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from rayllm.layers.moe import sparse_layer_ids
 from rayllm.schema.config import LlamaArch
+
+if TYPE_CHECKING:  # imported where tensors are read: the model replica validates adapters without torch at start
+    import torch
 
 # PEFT module name -> (attribute path of our parallel layer, index of the sub-projection in it).
 TARGETS: dict[str, tuple[str, str, int]] = {
@@ -139,6 +140,8 @@ def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
     """Read and validate a PEFT LoRA adapter against the base model; raises LoRAError."""
     from safetensors import SafetensorError, safe_open
 
+    from rayllm.layers.moe import sparse_layer_ids
+
     cfg = read_peft_config(path)
     rank = cfg["r"]
     if rank > max_rank:
@@ -193,6 +196,7 @@ def read_peft_adapter(path: str, arch: LlamaArch, max_rank: int) -> PeftAdapter:
 def random_peft_adapter(path: str, arch: LlamaArch, rank: int, seed: int, *, alpha: float | None = None,
                         targets: tuple[str, ...] = tuple(TARGETS), std: float = 0.2) -> str:
     """Write a PEFT-format adapter with fixed-seed random A and B (tests and benchmarks); returns path."""
+    import torch
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from rayllm.sample.grammar_worker import CompilerBusy, CompileTimeout, CompileWorker, compile_spec
 from rayllm.schema.sampling_params import GuidedSpec
+
+if TYPE_CHECKING:  # the serving side (the model replica) never needs torch itself
+    import torch
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; clients need only the message.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")

@@ -8,11 +8,13 @@ import json
 import os
 import shutil
 import tempfile
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from rayllm.protocol.messages import text_of
 from rayllm.protocol.tools import inline_tools, template_knows_tools
+
+if TYPE_CHECKING:  # imported when a tokenizer loads: importing this module (Serve's app builder does) stays light
+    from transformers import PreTrainedTokenizerBase
 
 # Roles some chat templates do not know, mapped onto ones they do.
 ROLE_FALLBACK = {"developer": "system", "function": "tool"}
@@ -53,6 +55,8 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
 
     Rebuilding from GGUF metadata takes seconds of CPU in every process that loads it (each replica, each
     template sandbox); the result is saved once as a Hugging Face tokenizer directory and loaded from there."""
+    from transformers import AutoTokenizer
+
     if not model_path.endswith(".gguf"):
         return AutoTokenizer.from_pretrained(model_path)
     cached = _gguf_tokenizer_cache(model_path)
@@ -74,14 +78,16 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
 
 
 def _tokenizer_from_gguf(model_path: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
     if not getattr(tok, "chat_template", None):
         # Older transformers did not copy `tokenizer.chat_template` from the GGUF metadata.
-        from gguf import GGUFReader  # numpy only, no torch
+        from rayllm.loader.gguf_file import GGUFFile  # numpy only, no torch
 
-        field = GGUFReader(model_path).fields.get("tokenizer.chat_template")
-        if field is not None:
-            tok.chat_template = field.contents()
+        template = GGUFFile(model_path).get("tokenizer.chat_template")
+        if template is not None:
+            tok.chat_template = template
     return tok
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import re2  # google-re2: linear-time matching, so no pattern can stall the replica's event loop
-from transformers import PreTrainedTokenizerBase
 
 from rayllm.protocol.holdback import HeldSuffix
 from rayllm.protocol.request_models import re2_options
+
+if TYPE_CHECKING:  # transformers (and the torch it pulls in) load with the tokenizer, not with this module
+    from transformers import PreTrainedTokenizerBase
 
 # Text held back while stop_regex is set: a regex match can start anywhere, so no exact hold-back
 # exists; this window makes typical (short) matches stop cleanly. Longer matches still stop

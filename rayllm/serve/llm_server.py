@@ -91,15 +91,27 @@ def engine_failure(exc: Exception) -> Exception:
     return exc
 
 
-def cold_start_record(model: str, engine_phases: dict[str, float], fetch_s: float, replica_s: float) -> dict:
+def cold_start_record(model: str, engine_phases: dict[str, float], fetch_s: float, replica_s: float,
+                      tokenizer_s: float | None = None, started_at: float | None = None) -> dict:
     """One replica's start-up split into phases (seconds; cuda_graphs_s null where none were captured).
-    replica_s is the replica's constructor; Serve marks it ready on its next health poll."""
+    replica_s is the replica's constructor; Serve marks it ready on its next health poll. engine_imports_s:
+    the engine child's imports (null in-process); tokenizer_s runs beside them and the load. started_at:
+    the constructor's start (epoch s), process_age_s: how long the replica's process had been up by then."""
     phases = dict(engine_phases)
     return {"event": "cold_start", "model": model,
             "download_s": round(phases.pop("download", 0.0) + fetch_s, 3),
+            "engine_imports_s": phases.pop("imports", None), "arch_s": phases.pop("arch", None),
             "load_s": phases.pop("load", None), "kv_cache_s": phases.pop("kv_cache", None),
             "cuda_graphs_s": phases.pop("cuda_graphs", None), "engine_s": phases.pop("engine", None),
-            "replica_s": round(replica_s, 3)}
+            "tokenizer_s": None if tokenizer_s is None else round(tokenizer_s, 3),
+            "replica_s": round(replica_s, 3), "started_at": started_at,
+            "process_age_s": None if started_at is None else round(started_at - _process_start(), 3)}
+
+
+def _process_start() -> float:
+    import psutil  # a Ray dependency
+
+    return psutil.Process().create_time()
 
 
 class LLMServer:
@@ -107,13 +119,23 @@ class LLMServer:
                  engine_process: bool = False, serving_nice: int = 0, tracing: TracingConfig | None = None):
         from rayllm.engine.client.engine_client import make_engine_client
 
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         configure(tracing, "llm")  # spans of the requests that arrive with a traceparent
         self.stream_interval_s = stream_interval_s
         local_path = resolve_model_path(model_path)  # a remote spec: fetched to this node's cache here
         fetch_s = time.perf_counter() - t0
-        self.tokenizer = TokenizerService(local_path)
-        self.engine = make_engine_client(engine_config, list(self.tokenizer.eos_token_ids), own_process=engine_process)
+        self.tokenizer: TokenizerService
+
+        tokenizer_s = 0.0
+
+        def load_tokenizer() -> list[int]:  # with an engine process: while the child loads the model
+            nonlocal tokenizer_s
+            t = time.perf_counter()
+            self.tokenizer = TokenizerService(local_path)
+            tokenizer_s = time.perf_counter() - t
+            return list(self.tokenizer.eos_token_ids)
+
+        self.engine = make_engine_client(engine_config, load_tokenizer, own_process=engine_process)
         if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
             lower_process_priority(serving_nice)
         self.config = engine_config
@@ -126,7 +148,7 @@ class LLMServer:
         self.loras = self._start_loras(engine_config)
         publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
         self.startup = cold_start_record(engine_config.model.served_model_name, self.engine.startup_phases,
-                                         fetch_s, time.perf_counter() - t0)
+                                         fetch_s, time.perf_counter() - t0, tokenizer_s, started_at)
         log.info("cold start %s", json.dumps(self.startup))
 
     def _compile(self, spec: GuidedSpec):

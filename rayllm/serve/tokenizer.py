@@ -156,10 +156,12 @@ class TokenizerDeployment:
     the sandbox path awaits: Serve runs plain methods in a thread pool, one more thread hop per call."""
 
     def __init__(self, model_paths: dict[str, str], serving_nice: int = 0, tracing: TracingConfig | None = None):
-        lower_process_priority(serving_nice)
         configure(tracing, "tokenizer")  # spans of the renders that arrive with a traceparent
         model_paths = {name: resolve_model_path(path) for name, path in model_paths.items()}  # this node's copies
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
+        # Only now: the first token needs this replica as much as the engine, so its start-up (importing
+        # transformers, loading the tokenizer) runs at normal priority beside the engine's.
+        lower_process_priority(serving_nice)
         # Each sandbox's process starts with the first request template for its model.
         self.sandboxes = {name: TemplateSandbox(path) for name, path in model_paths.items()}
         # Renders with the models' own templates for an ingress on this node, without Serve's per-call cost.

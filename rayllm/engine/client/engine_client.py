@@ -21,7 +21,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -290,13 +290,16 @@ def steps_in_child(config: EngineConfig, own_process: bool) -> bool:
     return own_process and parallel.tensor_parallel_size == 1 and parallel.executor == "auto"
 
 
-def make_engine_client(config: EngineConfig, eos_token_ids: list[int] | None = None, *,
+def make_engine_client(config: EngineConfig,
+                       eos_token_ids: Sequence[int] | Callable[[], Sequence[int]] | None = None, *,
                        own_process: bool = False) -> EngineClient:
-    """The one place that decides where the engine steps (see steps_in_child)."""
+    """The one place that decides where the engine steps (see steps_in_child). eos_token_ids may be a
+    function (the caller's tokenizer load): with an engine process it runs while the child loads the model."""
     if steps_in_child(config, own_process):
         from rayllm.engine.client.engine_process import EngineProcess
 
         return ProcessClient(EngineProcess(config, eos_token_ids))
     from rayllm.engine.engine import LLMEngine
 
-    return InprocClient(LLMEngine(config, eos_token_ids))
+    eos = eos_token_ids() if callable(eos_token_ids) else eos_token_ids
+    return InprocClient(LLMEngine(config, list(eos) if eos is not None else None))

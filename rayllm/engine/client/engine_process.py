@@ -20,13 +20,13 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
 from rayllm.common.errors import describe
-from rayllm.platforms.cpu.kernels import onednn_cache_env
+from rayllm.platforms.cpu.onednn_env import onednn_cache_env
 from rayllm.schema.config import EngineConfig
 from rayllm.schema.outputs import EngineDeadError, SequenceError
 
@@ -46,7 +46,10 @@ class EngineProcessError(EngineDeadError):
 class EngineProcess:
     """Parent side: starts the child, sends commands, and hands step outputs to `on_outputs`."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
+    def __init__(self, config: EngineConfig,
+                 eos_token_ids: Sequence[int] | Callable[[], Sequence[int]] | None = None):
+        """eos_token_ids may be a function: it runs here while the child imports torch and loads the model
+        (the replica builds its tokenizer meanwhile), and its ids reach the engine before it reports ready."""
         # A fresh interpreter (`python -m rayllm.engine.client.engine_process FD`), not fork (the replica runs Ray's
         # and torch's threads) nor multiprocessing's spawn (which re-runs the parent's __main__ script).
         parent_sock, child_sock = socket.socketpair()
@@ -55,7 +58,17 @@ class EngineProcess:
         child_sock.close()
         self._conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
-        self._conn.send((config, eos_token_ids))
+        self._conn.send(config)
+        try:
+            eos = eos_token_ids() if callable(eos_token_ids) else eos_token_ids
+        except BaseException:
+            self._proc.kill()
+            self._proc.wait()
+            raise
+        try:
+            self._conn.send(list(eos or ()))
+        except OSError:  # the child failed to start and is gone: its error (or EOF) is read below
+            pass
         if not self._conn.poll(_READY_TIMEOUT_S):
             self._proc.kill()
             raise EngineProcessError("the engine process did not start in time")
@@ -166,14 +179,19 @@ class EngineProcess:
 
 def _child_main(conn: Connection) -> None:
     """Build the engine from the parent's config, report ready (or the start-up error), then loop."""
-    from rayllm.engine.engine import LLMEngine  # the child's heavy import: torch, the model
+    from rayllm.common import startup_phases
 
-    config, eos_token_ids = conn.recv()
+    with startup_phases.phase("imports"):
+        from rayllm.engine.engine import LLMEngine  # the child's heavy import: torch, the model
+    config = conn.recv()
     try:
-        engine = LLMEngine(config, eos_token_ids)
+        engine = LLMEngine(config)
     except BaseException as exc:
         conn.send(("error", exc))
         return
+    # The parent's EOS ids come once its tokenizer is loaded (in parallel with the load above); the
+    # engine's set is theirs plus the model's own, as LLMEngine(config, eos_token_ids) makes it.
+    engine.eos_token_ids = engine.eos_token_ids | frozenset(conn.recv())
     conn.send(("ready", {"arch": engine.arch, "max_model_len": engine.max_model_len,
                          "capacity_tokens": engine.capacity_tokens, "startup": engine.startup_phases}))
     try:

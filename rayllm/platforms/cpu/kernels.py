@@ -15,11 +15,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from rayllm.platforms.cpu.onednn_env import ONEDNN_CACHE_CAPACITY, onednn_cache_env  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -301,24 +303,6 @@ class PagedKernels:
         self._argmax(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
                      torch.get_num_threads())
         return out
-
-
-# oneDNN keeps the GEMM primitives it builds in two caches keyed by shape, its own and ideep's LRU, 1,024
-# each by default. Served, each new step row count is five new shapes, and the caches grew the engine's
-# RSS for dozens of soak rounds. 256 holds the last ~50 step sizes: a steady batch never misses, and a
-# soak's rebuilt primitives cost a small share of its time (docs/benchmarks.md, soak). Read by oneDNN at
-# process start: set in the environment of the processes that run the model (engine child, TP ranks).
-ONEDNN_CACHE_CAPACITY = "256"
-
-
-def onednn_cache_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables to add to `environ` so oneDNN's caches are bounded; none the operator already set."""
-    env = {}
-    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in environ and "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in environ:
-        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = ONEDNN_CACHE_CAPACITY  # (DNNL_: oneDNN's older name)
-    if "LRU_CACHE_CAPACITY" not in environ:
-        env["LRU_CACHE_CAPACITY"] = ONEDNN_CACHE_CAPACITY
-    return env
 
 
 def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype=None) -> ctypes._CFuncPtr:

@@ -110,3 +110,21 @@ def test_a_dead_engine_process_fails_open_requests_and_health(gguf_path, eos, ch
         assert engine.error is not None
     finally:
         engine.shutdown()
+
+
+def test_eos_ids_from_a_function_that_runs_while_the_child_loads(gguf_path, eos):
+    """The model replica passes its tokenizer load as a function: it runs while the child imports torch and
+    loads the model, and its ids join the model's own EOS before the engine reports ready (as a list would)."""
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children()}
+    with pytest.raises(RuntimeError, match="no tokenizer"):  # a failed load leaves no engine process behind
+        EngineProcess(config(gguf_path), eos_token_ids=lambda: (_ for _ in ()).throw(RuntimeError("no tokenizer")))
+    assert {p.pid for p in psutil.Process().children()} <= before
+    calls = []
+    engine = ProcessClient(EngineProcess(config(gguf_path), eos_token_ids=lambda: calls.append(1) or [7, *eos]))
+    try:
+        assert calls == [1]
+        assert engine.process.call("eos_token_ids.copy") == frozenset([7, *eos, engine.arch.eos_token_id])
+    finally:
+        engine.shutdown()
