@@ -1,6 +1,6 @@
 """How far each CPU kernel path moves the model's output from the fp32 reference, and which layers lose most.
 
-    python benchmarks/quant_quality.py [--prompts 576] [--new-tokens 32] [--paths ...]
+    python benchmarks/quant_quality.py [--prompts 576] [--new-tokens 32] [--paths ...] [--ref-cache FILE]
 
 Prompts: quality_prompts.py's fixed set (chat questions, explanations, code, lists, numbers, other
 languages, translation, writing), chat-templated. fp32 (no quantized kernels) writes a greedy continuation
@@ -12,11 +12,10 @@ against those of `int4` (the same 4-bit weights with bf16 activations) and of fp
 Paths (the int4 ones are forced onto their kernel for every position, as decode steps run them):
 - bf16: bf16 weights, oneDNN's GEMM (steps above the small-batch sizes);
 - int4: the GGUF's Q4 weights x bf16 activations (torch's int4 kernel; small_batch_quant weight_only);
-- int4_vnni: the shipped default (small_batch_quant auto): int4 x int8 activations in groups of 32
-  (cpu_qgemm), with a second int8 pass over the quantization residual on the layers that
-  layers.linear.activation_passes names (gate/up);
-- int4_vnni_1pass: the same with one int8 pass everywhere (the default before issue 35);
-- int4_vnni_2pass: two int8 passes on every 4-bit layer;
+- int4_vnni: the shipped default (small_batch_quant auto, int8_passes 2): int4 x int8 activations in groups
+  of 32 (cpu_qgemm), each row then its quantization residual (two int8 passes) on every 4-bit layer;
+- int4_vnni_1pass: one int8 pass everywhere (int8_passes 1; the default before issue 35);
+- int4_vnni_gateup2: two passes on gate/up only, one elsewhere (the first fix for issue 35);
 - int8_only_<type>: int4 with bf16 activations everywhere except <type> (qkv_proj, o_proj, gate_up_proj,
   down_proj), whose activations are int8 in one pass: which projections lose most to int8 activations;
 - quantized / quantized_vnni: `model.weights: quantized` (no dense copy), torch's int4 kernel / cpu_qgemm.
@@ -63,7 +62,7 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "bf16": ("bfloat16", "none", "default", "auto"),
     "int4_vnni": ("bfloat16", "auto", "small-batch", "auto"),
     "int4_vnni_1pass": ("bfloat16", "auto", "small-batch", "auto"),
-    "int4_vnni_2pass": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4_vnni_gateup2": ("bfloat16", "auto", "small-batch", "auto"),
     **{f"int8_only_{t}": ("bfloat16", "auto", "small-batch", "auto") for t in LAYER_TYPES},
     "quantized": ("bfloat16", "none", "default", "quantized"),
     "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
@@ -88,15 +87,17 @@ def use_kernel(kind: str) -> None:
 
 
 def repack(engine: LLMEngine, name: str) -> None:
-    """int4_vnni_1pass and int8_only_<type>: rebuild the 4-bit layers' packed copies (not the LM head's)."""
-    if name not in ("int4_vnni_1pass", "int4_vnni_2pass") and not name.startswith("int8_only_"):
+    """int4_vnni_1pass, int4_vnni_gateup2 and int8_only_<type>: rebuild the 4-bit layers' packed copies (not
+    the LM head's)."""
+    if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith("int8_only_"):
         return
     for mod_name, module in engine.executor.worker.model.named_modules():
         packed = getattr(module, "packed", None)
         if not isinstance(packed, parallel.PackedWeight) or isinstance(module, parallel.ParallelLMHead):
             continue
-        vnni = name == "int4_vnni_1pass" or mod_name.endswith(name.removeprefix("int8_only_"))
-        module.packed = parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=2 if name.endswith("2pass") else 1)
+        vnni = name.startswith("int4_vnni") or mod_name.endswith(name.removeprefix("int8_only_"))
+        passes = 2 if name == "int4_vnni_gateup2" and mod_name.endswith("gate_up_proj") else 1
+        module.packed = parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=passes)
 
 
 def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str = "auto") -> LLMEngine:
@@ -136,6 +137,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=576, help="the first N of quality_prompts.py's set")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--paths", default=",".join(PATHS), help="comma list; fp32 and int4 (the references) run first")
+    ap.add_argument("--ref-cache", default="", help="a file keeping fp32's and int4's outputs: written by the first "
+                    "run, read by later ones with the same --prompts/--new-tokens (a long run split into several)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   f"quant-quality-{time.strftime('%Y%m%d-%H%M')}.jsonl"))
     args = ap.parse_args()
@@ -155,6 +158,14 @@ def main() -> None:
     wanted = [p for p in args.paths.split(",") if p not in ("fp32", "int4")]
     order = ["fp32", "int4", *wanted]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    cached = None
+    if args.ref_cache and os.path.exists(args.ref_cache):
+        cached = torch.load(args.ref_cache)
+        if (cached["prompts"], cached["new_tokens"]) != (len(batch), args.new_tokens):
+            raise SystemExit(f"{args.ref_cache} is for other --prompts/--new-tokens")
+        ref_out, act_out, ref_vals, ref_idx = cached["ref_out"], cached["act_out"], cached["ref_vals"], cached["ref_idx"].long()
+        chosen = torch.cat([torch.tensor(c) for c in ref_out])
+        order = wanted
     with open(args.out, "w") as f:
         for name in tqdm(order, desc="paths", file=sys.stderr):
             dtype, small, kernel, weights = PATHS[name]
@@ -183,6 +194,9 @@ def main() -> None:
                 continue
             if name == "int4":
                 act_out = outs
+                if args.ref_cache:
+                    torch.save({"prompts": len(batch), "new_tokens": args.new_tokens, "ref_out": ref_out, "act_out": outs,
+                                "ref_vals": ref_vals, "ref_idx": ref_idx.int()}, args.ref_cache)
             assert ref_vals is not None and ref_idx is not None and chosen is not None
             parts = compare(ref_vals, ref_idx, logps, chosen)
             by_kind = {}
