@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -109,13 +110,14 @@ def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str =
     ))
 
 
-def score(engine: LLMEngine, batch: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
-    """Per prompt, log-probabilities [len(cont), vocab] of each continuation position, teacher-forced."""
+def score(engine: LLMEngine, batch: list[list[int]], conts: list[list[int]], reduce) -> list:
+    """Per prompt i, reduce(i, log-probabilities [len(cont), vocab] of each continuation position), teacher-forced
+    (one prompt's at a time: all of 576 prompts' full log-probabilities would take GBs)."""
     out = []
-    for p, cont in zip(batch, conts, strict=True):
+    for i, (p, cont) in enumerate(zip(batch, conts, strict=True)):
         logits = engine.executor.score(p + cont)
         # position t predicts token t + 1: the continuation's predictions start at len(p) - 1
-        out.append(torch.log_softmax(logits[len(p) - 1 : -1].float(), -1))
+        out.append(reduce(i, torch.log_softmax(logits[len(p) - 1 : -1].float(), -1)))
     return out
 
 
@@ -124,6 +126,12 @@ def compare(ref_vals: torch.Tensor, ref_idx: torch.Tensor, got: torch.Tensor, ch
     kl = (ref_vals.exp() * (ref_vals - got.gather(1, ref_idx))).sum(-1)
     return {"top1": (got.argmax(-1) == ref_idx[:, 0]).float(), "kl": kl,
             "drop": ref_vals[:, 0] - got.gather(1, chosen.unsqueeze(1)).squeeze(1)}
+
+
+def compare_prompt(ref_vals: torch.Tensor, ref_idx: torch.Tensor, chosen: torch.Tensor, at: list[int], i: int,
+                   got: torch.Tensor) -> dict:
+    """compare() on prompt i's positions (at: where each prompt's positions start)."""
+    return compare(ref_vals[at[i] : at[i + 1]], ref_idx[at[i] : at[i + 1]], got, chosen[at[i] : at[i + 1]])
 
 
 def summary(parts: dict[str, torch.Tensor]) -> dict:
@@ -180,16 +188,19 @@ def main() -> None:
                 outs = engine.generate(batch, greedy)
                 if name == "fp32":
                     ref_out = outs
-                logps = torch.cat(score(engine, batch, ref_out))
+                    tops = score(engine, batch, ref_out, lambda i, lp: lp.topk(TOP_K, -1))
+                else:
+                    at = [0, *torch.tensor([len(c) for c in ref_out]).cumsum(0).tolist()]
+                    per_prompt = score(engine, batch, ref_out, partial(compare_prompt, ref_vals, ref_idx, chosen, at))
             finally:
                 use_kernel("default")
                 engine.shutdown()
+            positions = sum(len(c) for c in ref_out)
             if name == "fp32":
-                top = logps.topk(TOP_K, -1)
-                ref_vals, ref_idx = top.values, top.indices
+                ref_vals, ref_idx = torch.cat([t.values for t in tops]), torch.cat([t.indices for t in tops])
                 chosen = torch.cat([torch.tensor(c) for c in ref_out])
                 f.write(json.dumps({"bench": "quant_quality", "path": "fp32", "prompts": len(batch),
-                                    "positions": int(logps.shape[0]),
+                                    "positions": positions,
                                     "ref_mass": round(float(ref_vals.exp().sum(-1).mean()), 5)}) + "\n")
                 continue
             if name == "int4":
@@ -198,14 +209,14 @@ def main() -> None:
                     torch.save({"prompts": len(batch), "new_tokens": args.new_tokens, "ref_out": ref_out, "act_out": outs,
                                 "ref_vals": ref_vals, "ref_idx": ref_idx.int()}, args.ref_cache)
             assert ref_vals is not None and ref_idx is not None and chosen is not None
-            parts = compare(ref_vals, ref_idx, logps, chosen)
+            parts = {k: torch.cat([p[k] for p in per_prompt]) for k in per_prompt[0]}
             by_kind = {}
             kind_of_pos = [k for k, c in zip(kinds, ref_out, strict=True) for _ in c]
             for kind in dict.fromkeys(kinds):
                 mask = torch.tensor([k == kind for k in kind_of_pos])
                 by_kind[kind] = summary({k: v[mask] for k, v in parts.items()})
             line = {
-                "bench": "quant_quality", "path": name, "prompts": len(batch), "positions": int(logps.shape[0]),
+                "bench": "quant_quality", "path": name, "prompts": len(batch), "positions": positions,
                 "new_tokens": args.new_tokens, **summary(parts),
                 "greedy_same_as_int4": round(sum(a == b for a, b in zip(outs, act_out, strict=True)) / len(batch), 4),
                 "greedy_same_as_fp32": round(sum(a == b for a, b in zip(outs, ref_out, strict=True)) / len(batch), 4),
