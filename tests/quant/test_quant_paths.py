@@ -7,11 +7,8 @@ at larger scale and reports KL as well).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
 
 from rayllm.engine.engine import LLMEngine
 from rayllm.layers import linear as parallel
@@ -30,9 +27,6 @@ from rayllm.schema.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 NEW_TOKENS = 32
-TOP_K = 1024  # KL over fp32's most likely tokens, as benchmarks/quant_quality.py
-# Issue 35's targets for the shipped path against fp32 (bf16 activations measure 0.0023 / 0.970, docs/cpu.md).
-MAX_MEAN_KL, MIN_TOP1 = 0.0025, 0.970
 
 
 def make_engine(gguf_path: str, dtype: str, weights: str = "auto", small_batch_quant: str = "auto") -> LLMEngine:
@@ -46,26 +40,20 @@ def make_engine(gguf_path: str, dtype: str, weights: str = "auto", small_batch_q
 
 @pytest.fixture(scope="module")
 def reference(gguf_path, chat_prompts):
-    """fp32: greedy continuations, and at each of their positions (teacher-forced) the next-token argmax and
-    the TOP_K largest log-probabilities."""
+    """fp32: greedy continuations and their teacher-forced next-token argmax at each position."""
     engine = make_engine(gguf_path, "float32")
     try:
         outs = engine.generate(chat_prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
-        logps = torch.cat(teacher_forced(engine, chat_prompts, outs)).topk(TOP_K, -1)
+        tops = [engine.executor.score(p + o)[len(p) - 1 : -1].argmax(-1) for p, o in zip(chat_prompts, outs, strict=True)]
     finally:
         engine.shutdown()
-    return outs, logps.indices[:, 0], logps
-
-
-def teacher_forced(engine: LLMEngine, prompts, outs) -> list[torch.Tensor]:
-    return [torch.log_softmax(engine.executor.score(p + o)[len(p) - 1 : -1].float(), -1)
-            for p, o in zip(prompts, outs, strict=True)]
+    return outs, tops
 
 
 def agreement(engine: LLMEngine, prompts, reference) -> float:
-    outs, tops, _ = reference
+    outs, tops = reference
     got = [engine.executor.score(p + o)[len(p) - 1 : -1].argmax(-1) for p, o in zip(prompts, outs, strict=True)]
-    return float((torch.cat(got) == tops).float().mean())
+    return float((torch.cat(got) == torch.cat(tops)).float().mean())
 
 
 PATHS = {  # name -> (model.weights, small_batch_quant)
@@ -127,39 +115,3 @@ def test_shipped_kernels_answer_the_readme_example(gguf_path):
     finally:
         engine.shutdown()
     assert "Paris" in tok.decode(out)
-
-
-def shipped_cpu_config() -> CpuConfig:
-    """cluster.yaml's parallel.cpu, as `make serve` runs it."""
-    cluster = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster.yaml").read_text())
-    (engine,) = [app["args"]["engine"] for app in cluster["applications"] if "engine" in app.get("args", {})]
-    return CpuConfig(**engine["parallel"]["cpu"])
-
-
-def test_the_shipped_path_meets_the_quality_targets(gguf_path, chat_prompts, reference):
-    """Issue 35: the shipped CPU path (cluster.yaml's parallel.cpu: 4-bit weights x int8 activations in
-    int8_passes passes) against fp32, teacher-forced on fp32's greedy continuations with every step on the
-    small-batch kernels (as decode runs them, the LM head's copy included): mean KL(fp32 || shipped) and
-    top-1 agreement within the targets that bf16 activations meet."""
-    cpu = shipped_cpu_config()
-    if cpu.small_batch_quant == "auto" and not cpu_qgemm.available():
-        pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
-    engine = LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="bfloat16"),
-        cache=CacheConfig(kv_cache_bytes=128 << 20, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-        parallel=ParallelConfig(device="cpu", cpu=cpu),
-    ))
-    try:
-        packed = [m.packed for m in engine.executor.worker.model.modules()
-                  if isinstance(getattr(m, "packed", None), parallel.PackedWeight)]
-        assert packed and any(p.vnni is not None and p.vnni.passes == cpu.int8_passes for p in packed)
-        for p in packed:
-            p.max_tokens = 1 << 30
-        outs, _, ref = reference
-        got = torch.cat(teacher_forced(engine, chat_prompts, outs))
-    finally:
-        engine.shutdown()
-    kl = float((ref.values.exp() * (ref.values - got.gather(1, ref.indices))).sum(-1).mean())
-    top1 = float((got.argmax(-1) == ref.indices[:, 0]).float().mean())
-    assert kl <= MAX_MEAN_KL and top1 >= MIN_TOP1, f"shipped path vs fp32: mean KL {kl:.5f}, top-1 {top1:.4f}"

@@ -22,7 +22,6 @@
 #define QGEMM_GROUP 32
 #define QGEMM_TILE 16
 #define QGEMM_ROWS 16 /* rows per pass over a tile: 16 fp32 accumulators, 8 weight registers */
-#define QGEMM_ROWS2 8 /* the same with two int8 passes: 16 rows would spill registers to the stack */
 
 int qgemm_available(void) {
 #ifdef HAVE_QGEMM
@@ -173,7 +172,6 @@ int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, 
     if (M <= 0 || N % QGEMM_TILE || K % QGEMM_GROUP || K <= 0 || passes < 1 || passes > 2) return 5;
     const int G = K / QGEMM_GROUP, tiles = N / QGEMM_TILE;
     const tile_fn *fns = passes == 2 ? TILES2 : TILES;
-    const int rows = passes == 2 ? QGEMM_ROWS2 : QGEMM_ROWS;
     int8_t *xq = malloc((size_t)M * passes * K + 64);
     float *xs = malloc((size_t)M * G * 2 * sizeof(float));
     if (!xq || !xs) {
@@ -186,8 +184,8 @@ int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, 
     const size_t tile_bytes = (size_t)G * (256 + 64);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles >= 8)
     for (int t = 0; t < tiles; t++) {
-        for (int r0 = 0; r0 < M; r0 += rows) {
-            int R = M - r0 < rows ? M - r0 : rows;
+        for (int r0 = 0; r0 < M; r0 += QGEMM_ROWS) {
+            int R = M - r0 < QGEMM_ROWS ? M - r0 : QGEMM_ROWS;
             fns[R](G, packed + t * tile_bytes, xq + (size_t)r0 * passes * K, xs + (size_t)r0 * G * 2, K,
                      out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N);
         }
