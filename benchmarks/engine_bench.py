@@ -183,8 +183,8 @@ def main() -> None:
                     "transformers uses); cluster.yaml serves with 1")
     ap.add_argument("--variants", default="default",
                     help="comma list of engine settings: default, weight_only (parallel.cpu.small_batch_quant), "
-                    "batch_invariant, quantized (model.weights), int4_vnni_1pass / int4_vnni_2pass (cpu_qgemm's int8 "
-                    "passes on every 4-bit layer; the default gives gate/up two)")
+                    "batch_invariant, quantized (model.weights), int4_vnni_1pass (one int8 pass on every 4-bit layer; "
+                    "the default, parallel.cpu.int8_passes, gives two), int4_vnni_gateup2 (two on gate/up only)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights "
@@ -243,7 +243,7 @@ def main() -> None:
                         small_batch_quant="weight_only" if variant == "weight_only" else "auto")),
                 )
             )
-            if variant.startswith("int4_vnni_"):  # one or two int8 passes on every 4-bit layer (quant_quality.py)
+            if variant.startswith("int4_vnni_"):  # other int8 passes per layer (quant_quality.py)
                 from quant_quality import repack
 
                 repack(engines[variant], variant)

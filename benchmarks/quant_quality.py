@@ -1,6 +1,6 @@
 """How far each CPU kernel path moves the model's output from the fp32 reference, and which layers lose most.
 
-    python benchmarks/quant_quality.py [--prompts 576] [--new-tokens 32] [--paths ...]
+    python benchmarks/quant_quality.py [--prompts 576] [--new-tokens 32] [--paths ...] [--ref-cache FILE]
 
 Prompts: quality_prompts.py's fixed set (chat questions, explanations, code, lists, numbers, other
 languages, translation, writing), chat-templated. fp32 (no quantized kernels) writes a greedy continuation
@@ -12,11 +12,10 @@ against those of `int4` (the same 4-bit weights with bf16 activations) and of fp
 Paths (the int4 ones are forced onto their kernel for every position, as decode steps run them):
 - bf16: bf16 weights, oneDNN's GEMM (steps above the small-batch sizes);
 - int4: the GGUF's Q4 weights x bf16 activations (torch's int4 kernel; small_batch_quant weight_only);
-- int4_vnni: the shipped default (small_batch_quant auto): int4 x int8 activations in groups of 32
-  (cpu_qgemm), with a second int8 pass over the quantization residual on the layers that
-  layers.linear.activation_passes names (gate/up);
-- int4_vnni_1pass: the same with one int8 pass everywhere (the default before issue 35);
-- int4_vnni_2pass: two int8 passes on every 4-bit layer;
+- int4_vnni: the shipped default (small_batch_quant auto, int8_passes 2): int4 x int8 activations in groups
+  of 32 (cpu_qgemm), each row then its quantization residual (two int8 passes) on every 4-bit layer;
+- int4_vnni_1pass: one int8 pass everywhere (int8_passes 1; the default before issue 35);
+- int4_vnni_gateup2: two passes on gate/up only, one elsewhere (the first fix for issue 35);
 - int8_only_<type>: int4 with bf16 activations everywhere except <type> (qkv_proj, o_proj, gate_up_proj,
   down_proj), whose activations are int8 in one pass: which projections lose most to int8 activations;
 - quantized / quantized_vnni: `model.weights: quantized` (no dense copy), torch's int4 kernel / cpu_qgemm.
@@ -33,6 +32,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -63,7 +63,7 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "bf16": ("bfloat16", "none", "default", "auto"),
     "int4_vnni": ("bfloat16", "auto", "small-batch", "auto"),
     "int4_vnni_1pass": ("bfloat16", "auto", "small-batch", "auto"),
-    "int4_vnni_2pass": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4_vnni_gateup2": ("bfloat16", "auto", "small-batch", "auto"),
     **{f"int8_only_{t}": ("bfloat16", "auto", "small-batch", "auto") for t in LAYER_TYPES},
     "quantized": ("bfloat16", "none", "default", "quantized"),
     "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
@@ -88,15 +88,17 @@ def use_kernel(kind: str) -> None:
 
 
 def repack(engine: LLMEngine, name: str) -> None:
-    """int4_vnni_1pass and int8_only_<type>: rebuild the 4-bit layers' packed copies (not the LM head's)."""
-    if name not in ("int4_vnni_1pass", "int4_vnni_2pass") and not name.startswith("int8_only_"):
+    """int4_vnni_1pass, int4_vnni_gateup2 and int8_only_<type>: rebuild the 4-bit layers' packed copies (not
+    the LM head's)."""
+    if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith("int8_only_"):
         return
     for mod_name, module in engine.executor.worker.model.named_modules():
         packed = getattr(module, "packed", None)
         if not isinstance(packed, parallel.PackedWeight) or isinstance(module, parallel.ParallelLMHead):
             continue
-        vnni = name == "int4_vnni_1pass" or mod_name.endswith(name.removeprefix("int8_only_"))
-        module.packed = parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=2 if name.endswith("2pass") else 1)
+        vnni = name.startswith("int4_vnni") or mod_name.endswith(name.removeprefix("int8_only_"))
+        passes = 2 if name == "int4_vnni_gateup2" and mod_name.endswith("gate_up_proj") else 1
+        module.packed = parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=passes)
 
 
 def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str = "auto") -> LLMEngine:
@@ -108,13 +110,14 @@ def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str =
     ))
 
 
-def score(engine: LLMEngine, batch: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
-    """Per prompt, log-probabilities [len(cont), vocab] of each continuation position, teacher-forced."""
+def score(engine: LLMEngine, batch: list[list[int]], conts: list[list[int]], reduce) -> list:
+    """Per prompt i, reduce(i, log-probabilities [len(cont), vocab] of each continuation position), teacher-forced
+    (one prompt's at a time: all of 576 prompts' full log-probabilities would take GBs)."""
     out = []
-    for p, cont in zip(batch, conts, strict=True):
+    for i, (p, cont) in enumerate(zip(batch, conts, strict=True)):
         logits = engine.executor.score(p + cont)
         # position t predicts token t + 1: the continuation's predictions start at len(p) - 1
-        out.append(torch.log_softmax(logits[len(p) - 1 : -1].float(), -1))
+        out.append(reduce(i, torch.log_softmax(logits[len(p) - 1 : -1].float(), -1)))
     return out
 
 
@@ -123,6 +126,12 @@ def compare(ref_vals: torch.Tensor, ref_idx: torch.Tensor, got: torch.Tensor, ch
     kl = (ref_vals.exp() * (ref_vals - got.gather(1, ref_idx))).sum(-1)
     return {"top1": (got.argmax(-1) == ref_idx[:, 0]).float(), "kl": kl,
             "drop": ref_vals[:, 0] - got.gather(1, chosen.unsqueeze(1)).squeeze(1)}
+
+
+def compare_prompt(ref_vals: torch.Tensor, ref_idx: torch.Tensor, chosen: torch.Tensor, at: list[int], i: int,
+                   got: torch.Tensor) -> dict:
+    """compare() on prompt i's positions (at: where each prompt's positions start)."""
+    return compare(ref_vals[at[i] : at[i + 1]], ref_idx[at[i] : at[i + 1]], got, chosen[at[i] : at[i + 1]])
 
 
 def summary(parts: dict[str, torch.Tensor]) -> dict:
@@ -136,6 +145,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=576, help="the first N of quality_prompts.py's set")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--paths", default=",".join(PATHS), help="comma list; fp32 and int4 (the references) run first")
+    ap.add_argument("--ref-cache", default="", help="a file keeping fp32's and int4's outputs: written by the first "
+                    "run, read by later ones with the same --prompts/--new-tokens (a long run split into several)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   f"quant-quality-{time.strftime('%Y%m%d-%H%M')}.jsonl"))
     args = ap.parse_args()
@@ -155,6 +166,14 @@ def main() -> None:
     wanted = [p for p in args.paths.split(",") if p not in ("fp32", "int4")]
     order = ["fp32", "int4", *wanted]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    cached = None
+    if args.ref_cache and os.path.exists(args.ref_cache):
+        cached = torch.load(args.ref_cache)
+        if (cached["prompts"], cached["new_tokens"]) != (len(batch), args.new_tokens):
+            raise SystemExit(f"{args.ref_cache} is for other --prompts/--new-tokens")
+        ref_out, act_out, ref_vals, ref_idx = cached["ref_out"], cached["act_out"], cached["ref_vals"], cached["ref_idx"].long()
+        chosen = torch.cat([torch.tensor(c) for c in ref_out])
+        order = wanted
     with open(args.out, "w") as f:
         for name in tqdm(order, desc="paths", file=sys.stderr):
             dtype, small, kernel, weights = PATHS[name]
@@ -169,29 +188,35 @@ def main() -> None:
                 outs = engine.generate(batch, greedy)
                 if name == "fp32":
                     ref_out = outs
-                logps = torch.cat(score(engine, batch, ref_out))
+                    tops = score(engine, batch, ref_out, lambda i, lp: lp.topk(TOP_K, -1))
+                else:
+                    at = [0, *torch.tensor([len(c) for c in ref_out]).cumsum(0).tolist()]
+                    per_prompt = score(engine, batch, ref_out, partial(compare_prompt, ref_vals, ref_idx, chosen, at))
             finally:
                 use_kernel("default")
                 engine.shutdown()
+            positions = sum(len(c) for c in ref_out)
             if name == "fp32":
-                top = logps.topk(TOP_K, -1)
-                ref_vals, ref_idx = top.values, top.indices
+                ref_vals, ref_idx = torch.cat([t.values for t in tops]), torch.cat([t.indices for t in tops])
                 chosen = torch.cat([torch.tensor(c) for c in ref_out])
                 f.write(json.dumps({"bench": "quant_quality", "path": "fp32", "prompts": len(batch),
-                                    "positions": int(logps.shape[0]),
+                                    "positions": positions,
                                     "ref_mass": round(float(ref_vals.exp().sum(-1).mean()), 5)}) + "\n")
                 continue
             if name == "int4":
                 act_out = outs
+                if args.ref_cache:
+                    torch.save({"prompts": len(batch), "new_tokens": args.new_tokens, "ref_out": ref_out, "act_out": outs,
+                                "ref_vals": ref_vals, "ref_idx": ref_idx.int()}, args.ref_cache)
             assert ref_vals is not None and ref_idx is not None and chosen is not None
-            parts = compare(ref_vals, ref_idx, logps, chosen)
+            parts = {k: torch.cat([p[k] for p in per_prompt]) for k in per_prompt[0]}
             by_kind = {}
             kind_of_pos = [k for k, c in zip(kinds, ref_out, strict=True) for _ in c]
             for kind in dict.fromkeys(kinds):
                 mask = torch.tensor([k == kind for k in kind_of_pos])
                 by_kind[kind] = summary({k: v[mask] for k, v in parts.items()})
             line = {
-                "bench": "quant_quality", "path": name, "prompts": len(batch), "positions": int(logps.shape[0]),
+                "bench": "quant_quality", "path": name, "prompts": len(batch), "positions": positions,
                 "new_tokens": args.new_tokens, **summary(parts),
                 "greedy_same_as_int4": round(sum(a == b for a, b in zip(outs, act_out, strict=True)) / len(batch), 4),
                 "greedy_same_as_fp32": round(sum(a == b for a, b in zip(outs, ref_out, strict=True)) / len(batch), 4),

@@ -122,7 +122,8 @@ class Worker:
 
             source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
             int8_activations = config.parallel.cpu.small_batch_quant == "auto" and device.type == "cpu"
-            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations))
+            log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations,
+                                                                           config.parallel.cpu.int8_passes))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
         if config.model.quantization == "fp8":
@@ -136,7 +137,8 @@ class Worker:
         invariant = config.scheduler.batch_invariant
         if (config.parallel.cpu.small_batch_quant != "none" and not invariant and device.type == "cpu"
                 and self.dtype == torch.bfloat16):
-            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.parallel.cpu.small_batch_quant == "auto")
+            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.parallel.cpu.small_batch_quant == "auto",
+                                              passes=config.parallel.cpu.int8_passes)
             log.info("packed %d layers for small-batch weight-only kernels", packed)
         # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
         if (config.parallel.cpu.weight_prepack or invariant) and onednn_available(device, self.dtype):

@@ -279,16 +279,10 @@ class ParallelLMHead(nn.Module):
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
-def activation_passes(module: nn.Module) -> int:
-    """int8 passes over a layer's activations in cpu_qgemm: 2 (the row and its quantization residual) for
-    gate/up, whose input carries the residual stream's outlier channels: with one pass it alone turned the
-    README's example into nonsense (docs/benchmarks.md, quantization quality); 1 elsewhere."""
-    return 2 if isinstance(module, MergedColumnParallelLinear) else 1
-
-
-def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True) -> int:
+def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True, passes: int = 2) -> int:
     """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches; with
-    `vnni`, 4-bit layers other than the LM head run cpu_qgemm's kernel where the CPU has it."""
+    `vnni`, 4-bit layers other than the LM head run cpu_qgemm's kernel where the CPU has it, with
+    `passes` int8 passes over the activations (parallel.cpu.int8_passes)."""
     count = 0
     for name, module in model.named_modules():
         if not hasattr(module, "packed"):
@@ -301,7 +295,7 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
             head = isinstance(module, ParallelLMHead)  # the logits keep bf16 activations
             module.packed = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
                                          SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head,
-                                         passes=activation_passes(module))
+                                         passes=passes)
             count += 1
     return count
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rayllm.layers.linear import ParallelLMHead, RowParallelLinear, activation_passes
+from rayllm.layers.linear import ParallelLMHead, RowParallelLinear
 from rayllm.loader.loader import iter_gguf
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.quant.methods import (
@@ -56,10 +56,10 @@ def _fill(module: nn.Module, loader, pend: _Pending, raw: RawBlocks, shard) -> N
     pend.parts += 1
 
 
-def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool) -> None:
+def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool, passes: int) -> None:
     if pend.int4 and pend.groups == {32}:
         module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations,
-                                        activation_passes(module))
+                                        passes)
     else:
         step = 1 if 16 in pend.groups else 2
         module.packed = Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype)
@@ -67,7 +67,7 @@ def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activati
     module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
-def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False) -> int:
+def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False, passes: int = 2) -> int:
     """Load a GGUF keeping its supported quantized linear weights quantized; everything else (norms,
     the embedding, a tied LM head, other types) dense as `loader.load_weights` does. Returns the
     number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
@@ -103,7 +103,7 @@ def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool =
                                                     torch.zeros(n, k // 16), torch.zeros(n, k // 16))
             _fill(module, params[param_name].weight_loader, pend, tensor, shard)  # type: ignore[arg-type]
             if pend.parts == getattr(params[param_name], "num_shards", 1):
-                _finish(module, pending.pop(mod_name), dtype, int8_activations)
+                _finish(module, pending.pop(mod_name), dtype, int8_activations, passes)
         else:
             if isinstance(tensor, RawBlocks):
                 if mod_name in pending:

@@ -121,6 +121,10 @@ class CpuConfig:
     # weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens; closer to bf16, slower); none:
     # bf16 weights only. Quality and speed of each: docs/benchmarks.md.
     small_batch_quant: str = "auto"  # auto | weight_only | none
+    # auto's int8 passes over each row: 2 (the row, then its quantization residual at 1/256 of its scale,
+    # summed in one int32: bf16 activations' quality, measured in docs/cpu.md) or 1 (llama.cpp's Q8_1: faster
+    # at 16+ rows, but its error changed the README's own answer, issue 35).
+    int8_passes: int = 2
     # Reorder bf16/fp32 weights once into oneDNN's blocked layout (platforms/cpu/onednn.py). Costs a
     # second copy of the linear weights in memory; off keeps plain F.linear.
     weight_prepack: bool = True
@@ -145,6 +149,8 @@ class CpuConfig:
     def __post_init__(self) -> None:
         if self.small_batch_quant not in ("auto", "weight_only", "none"):
             raise ValueError("parallel.cpu.small_batch_quant must be auto, weight_only or none")
+        if self.int8_passes not in (1, 2):
+            raise ValueError("parallel.cpu.int8_passes must be 1 or 2")
         if self.allreduce not in ("auto", "gloo", "deepspeed"):
             raise ValueError("parallel.cpu.allreduce must be auto, gloo or deepspeed")
         for name in ("threads_per_rank", "threads_single_sequence", "wide_step_tokens", "half_step_tokens"):

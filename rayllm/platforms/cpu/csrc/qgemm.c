@@ -32,9 +32,9 @@ int qgemm_available(void) {
 }
 
 #ifdef HAVE_QGEMM
-/* One group of 32 fp32 values into int8: xq [32], xs [2] = (scale, scale * sum of the int8 values);
- * with `res`, what the int8 values miss (x - scale * q) is written there. */
-static inline void quant_group(__m512 a, __m512 b, int8_t *xq, float *xs, float *res) {
+/* One group of 32 fp32 values into int8 xq [32] with scale dx = max |x| / 127 (returned); with `res`, what
+ * the int8 values miss (x - dx * q, within dx / 2) is written there. *qsum: the sum of the int8 values. */
+static inline float quant_group(__m512 a, __m512 b, int8_t *xq, int *qsum, float *res) {
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
@@ -42,19 +42,33 @@ static inline void quant_group(__m512 a, __m512 b, int8_t *xq, float *xs, float 
     _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
     float dx = amax / 127.f;
-    xs[0] = dx;
-    xs[1] = dx * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     if (res) {
         __m512 d = _mm512_set1_ps(dx);
         _mm512_storeu_ps(res, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), d, a));
         _mm512_storeu_ps(res + 16, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), d, b));
     }
+    return dx;
 }
 
-/* One row of bf16 into `passes` int8 rows of K: the row, then (passes 2) its quantization residual,
- * quantized again. Outlier channels (the residual stream's, up to ~60x the median at gate/up's input)
- * set a group's scale; the second pass recovers the small values that the first rounds away.
- * xs [passes][K/32][2]. */
+/* The residual (|r| <= dx / 2) in int8 at the fixed scale dx / 256, saturating at +-127, so that
+ * 256 * q + q2 is the group in 16-bit steps of dx / 256 and both passes sum into one int32. */
+static inline int quant_residual(const float *res, float dx, int8_t *xq) {
+    __m512 inv = _mm512_set1_ps(dx > 0.f ? 256.f / dx : 0.f);
+    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(res), inv));
+    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(res + 16), inv));
+    qa = _mm512_max_epi32(_mm512_min_epi32(qa, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    qb = _mm512_max_epi32(_mm512_min_epi32(qb, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+/* One row of bf16 into `passes` int8 rows of K: the row, then (passes 2) its quantization residual at
+ * 1/256 of the row's scale. Outlier channels (the residual stream's, up to ~60x the median at gate/up's
+ * input) set a group's scale; the second pass recovers the small values that the first rounds away.
+ * xs [K/32][2]: the scale of one unit of the summed int32 dot product (dx, or dx / 256 with two passes),
+ * and the sum of the group's quantized values (for the weights' zero point m). */
 static void quant_row(const uint16_t *x, int K, int passes, int8_t *xq, float *xs) {
     const int G = K / QGEMM_GROUP;
     for (int g = 0; g < G; g++) {
@@ -62,10 +76,16 @@ static void quant_row(const uint16_t *x, int K, int passes, int8_t *xq, float *x
         __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
         __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
         float res[QGEMM_GROUP];
-        quant_group(a, b, xq + g * QGEMM_GROUP, xs + 2 * g, passes > 1 ? res : NULL);
-        if (passes > 1)
-            quant_group(_mm512_loadu_ps(res), _mm512_loadu_ps(res + 16), xq + K + g * QGEMM_GROUP, xs + 2 * (G + g),
-                        NULL);
+        int qsum;
+        float dx = quant_group(a, b, xq + g * QGEMM_GROUP, &qsum, passes > 1 ? res : NULL);
+        if (passes > 1) {
+            int rsum = quant_residual(res, dx, xq + K + g * QGEMM_GROUP);
+            xs[2 * g] = dx / 256.f;
+            xs[2 * g + 1] = dx * (float)qsum + dx / 256.f * (float)rsum;
+        } else {
+            xs[2 * g] = dx;
+            xs[2 * g + 1] = dx * (float)qsum;
+        }
     }
 }
 
@@ -102,16 +122,20 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
 #pragma GCC unroll 16 /* keeps acc[] in registers */
         for (int r = 0; r < R; r++) {
-#pragma GCC unroll 2
-            for (int p = 0; p < P; p++) { /* row r's int8 passes are rows r * P + p of xq */
-                const int32_t *x4 = (const int32_t *)(xq + (size_t)(r * P + p) * K + g * QGEMM_GROUP);
-                const float *s = xs + ((size_t)(r * P + p) * G + g) * 2;
-                __m512i dot = _mm512_setzero_si512();
+            const int32_t *x4 = (const int32_t *)(xq + (size_t)r * P * K + g * QGEMM_GROUP);
+            const float *s = xs + ((size_t)r * G + g) * 2;
+            __m512i dot = _mm512_setzero_si512();
 #pragma GCC unroll 8
-                for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, w[i], _mm512_set1_epi32(x4[i]));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
+            for (int i = 0; i < 8; i++) dot = _mm512_dpbusd_epi32(dot, w[i], _mm512_set1_epi32(x4[i]));
+            if (P == 2) { /* the residual pass: its own chain, then 256 * first + second (< 2^24: exact in fp32) */
+                const int32_t *y4 = (const int32_t *)((const int8_t *)x4 + K);
+                __m512i dot2 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) dot2 = _mm512_dpbusd_epi32(dot2, w[i], _mm512_set1_epi32(y4[i]));
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dot2);
             }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(s[0])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(s[1]), acc[r]);
         }
     }
 #pragma GCC unroll 16
@@ -149,20 +173,20 @@ int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, 
     const int G = K / QGEMM_GROUP, tiles = N / QGEMM_TILE;
     const tile_fn *fns = passes == 2 ? TILES2 : TILES;
     int8_t *xq = malloc((size_t)M * passes * K + 64);
-    float *xs = malloc((size_t)M * passes * G * 2 * sizeof(float));
+    float *xs = malloc((size_t)M * G * 2 * sizeof(float));
     if (!xq || !xs) {
         free(xq);
         free(xs);
         return 1;
     }
     for (int r = 0; r < M; r++)
-        quant_row(x + (size_t)r * x_stride, K, passes, xq + (size_t)r * passes * K, xs + (size_t)r * passes * G * 2);
+        quant_row(x + (size_t)r * x_stride, K, passes, xq + (size_t)r * passes * K, xs + (size_t)r * G * 2);
     const size_t tile_bytes = (size_t)G * (256 + 64);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles >= 8)
     for (int t = 0; t < tiles; t++) {
         for (int r0 = 0; r0 < M; r0 += QGEMM_ROWS) {
             int R = M - r0 < QGEMM_ROWS ? M - r0 : QGEMM_ROWS;
-            fns[R](G, packed + t * tile_bytes, xq + (size_t)r0 * passes * K, xs + (size_t)r0 * passes * G * 2, K,
+            fns[R](G, packed + t * tile_bytes, xq + (size_t)r0 * passes * K, xs + (size_t)r0 * G * 2, K,
                      out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N);
         }
     }
