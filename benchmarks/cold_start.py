@@ -14,7 +14,7 @@ and the engine child run the driver's interpreter, with its working directory, t
 Prints one JSON line per round and tree: wall seconds from the start to Ray up, to /health 200 and to
 the first token; `timeline`: when each deployment's replica was added by Serve's controller, began and
 finished its constructor, and was reported running (Serve's own logs); and the model replica's `cold start`
-record (rayllm.serve.llm_server.cold_start_record: download, engine child's imports, GGUF/config header,
+record (rayllm.common.startup_phases.cold_start_record: download, engine child's imports, GGUF/config header,
 load to device, KV cache, CUDA graphs, tokenizer, constructor, process age at the constructor's start).
 """
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 from ray import serve
 
 from rayllm.common.errors import first_line
+from rayllm.common.startup_phases import cold_start_record
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.errors import APIError, replica_failed
@@ -89,29 +90,6 @@ def engine_failure(exc: Exception) -> Exception:
     if isinstance(exc, EngineDeadError):
         return replica_failed(first_line(exc))  # Ray's actor errors run to many lines
     return exc
-
-
-def cold_start_record(model: str, engine_phases: dict[str, float], fetch_s: float, replica_s: float,
-                      tokenizer_s: float | None = None, started_at: float | None = None) -> dict:
-    """One replica's start-up split into phases (seconds; cuda_graphs_s null where none were captured).
-    replica_s is the replica's constructor; Serve marks it ready on its next health poll. engine_imports_s:
-    the engine child's imports (null in-process); tokenizer_s runs beside them and the load. started_at:
-    the constructor's start (epoch s), process_age_s: how long the replica's process had been up by then."""
-    phases = dict(engine_phases)
-    return {"event": "cold_start", "model": model,
-            "download_s": round(phases.pop("download", 0.0) + fetch_s, 3),
-            "engine_imports_s": phases.pop("imports", None), "arch_s": phases.pop("arch", None),
-            "load_s": phases.pop("load", None), "kv_cache_s": phases.pop("kv_cache", None),
-            "cuda_graphs_s": phases.pop("cuda_graphs", None), "engine_s": phases.pop("engine", None),
-            "tokenizer_s": None if tokenizer_s is None else round(tokenizer_s, 3),
-            "replica_s": round(replica_s, 3), "started_at": started_at,
-            "process_age_s": None if started_at is None else round(started_at - _process_start(), 3)}
-
-
-def _process_start() -> float:
-    import psutil  # a Ray dependency
-
-    return psutil.Process().create_time()
 
 
 class LLMServer:
