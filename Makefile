@@ -52,10 +52,10 @@ serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/serve run cluster.yaml
 
-# Two lanes at once (tests/conftest.py): the Serve app's tests wait on timers and replicas as much as they
-# compute, the engine tests compute; side by side they take the wall time of the longer lane.
+# `make test PYTEST_ARGS="-n 2 --dist loadgroup"` runs two lanes at once (tests/conftest.py); not yet the
+# default: side by side on 2 cores, the Serve tests' time bounds are not yet calibrated for the other lane.
 test: install-test
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
 test-fast: install-test

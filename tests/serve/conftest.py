@@ -10,10 +10,16 @@ import pytest
 # This process reads Serve's constants first, with Serve's defaults: tests call deployment handles from
 # synchronous code, which needs the router's own thread. Every Ray process started after this inherits
 # the shipped environment (serving.env: Serve's throughput mode, HAProxy, worker niceness).
-import ray.serve._private.constants  # noqa: F401
+from rayllm.serve.serving_env import serving_env  # noqa: E402  (torch-free, reads no Serve constant)
 
-from rayllm.serve.serving_env import serving_env
-from tests.serve.ops_apps import free_port, own_haproxy_env, wait_healthy
+# A pytest-xdist worker inherits the environment its controller set here: take the serving lines back out
+# first, or this process would read them as its own.
+for _k, _v in serving_env().items():
+    if os.environ.get(_k) == _v:
+        del os.environ[_k]
+import ray.serve._private.constants  # noqa: E402, F401
+
+from tests.serve.ops_apps import free_port, own_haproxy_env, wait_healthy  # noqa: E402
 
 os.environ.update(serving_env())
 
