@@ -149,18 +149,20 @@ def test_adapter_requests_stick_to_the_replica_that_loaded_it(lclient, lora_serv
     time.sleep(1.0)  # the replica reports its adapters to the Serve controller on a short period
 
     def served_by(model: str, **kw) -> str:
-        raw = lclient.chat.completions.with_raw_response.create(model=model, messages=QUESTION, temperature=0,
-                                                                max_tokens=2, **kw)
+        kw.setdefault("messages", QUESTION)
+        raw = lclient.chat.completions.with_raw_response.create(model=model, temperature=0, max_tokens=2, **kw)
         return raw.headers["x-replica-id"]
 
     assert [served_by(f"{model_name}:sticky") for _ in range(8)] == [holder] * 8
     assert [served_by("sticky", stream=True) for _ in range(2)] == [holder] * 2
-    # Base-model requests carry no multiplexed id: they spread over both replicas. Right after the burst
-    # above, the router's view of the holder's queue can lag (the full suite once sent 16 in a row to the
-    # other replica), so a few rounds are allowed before the spread must show.
+    # Base-model requests carry no multiplexed id: the prefix router spreads prompts that share no prefix
+    # block over both replicas (ties at random). Each has its own system message, so its first KV block
+    # (16 tokens) is its own. Right after the burst above, the router's view of the holder's queue can
+    # lag, so a few rounds are allowed before the spread must show.
     seen: set[str] = set()
-    for _ in range(6):
-        seen |= {served_by(model_name) for _ in range(8)}
+    for round_ in range(6):
+        seen |= {served_by(model_name, messages=[{"role": "system", "content": f"Ticket {round_}-{i}: be brief."},
+                                                 *QUESTION]) for i in range(8)}
         if len(seen) == 2:
             break
         time.sleep(0.5)

@@ -87,7 +87,10 @@ def runs(tmp_path_factory) -> dict[str, Run]:
 
 
 def _port_free(port: int) -> bool:
+    """A server could listen on it again: SO_REUSEADDR, as every server sets, so the closed connections'
+    TIME_WAIT entries do not count; a process still listening does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -126,7 +129,17 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it.
     watchers = _watchers(run.stats_port)
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
-    assert _port_free(run.port), f"after {how}: port {run.port} still bound"
+    assert _port_free(run.port), f"after {how}: port {run.port} still bound by {_holders(run.port)}"
+
+
+def _holders(port: int) -> list[tuple[int | None, str]]:
+    """Who holds the port (pid, process name), for the failure message."""
+    held = []
+    for c in psutil.net_connections("inet"):
+        if c.laddr and c.laddr.port == port:
+            name = psutil.Process(c.pid).name() if c.pid and psutil.pid_exists(c.pid) else "?"
+            held.append((c.pid, f"{name} {c.status}"))
+    return held
 
 
 def _watchers(stats_port: str) -> list[psutil.Process]:
