@@ -114,8 +114,11 @@ def test_stats_health_and_refusals(client, chat_prompts):
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(collect(client, "too-long", chat_prompts[0], SamplingParams(max_tokens=4000)))
     client.check_health()
+    steps_before = client.stats().num_steps
+    asyncio.run(collect(client, "counted", chat_prompts[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
     stats = client.stats()
-    assert isinstance(stats, EngineStats) and stats.num_steps > 0 and idle(stats)
+    # A prefill and two decode steps at least (the stats call reaches the engine after the request ended).
+    assert isinstance(stats, EngineStats) and stats.num_steps >= steps_before + 3 and idle(stats)
 
 
 def test_a_stopped_client_refuses_calls(gguf_path, eos):
