@@ -20,7 +20,7 @@ DOCUMENTED_503 = {"server_overloaded", "grammar_compiler_busy", "chat_template_b
 MAX_TOKENS = 4
 # Wall-clock budget for all fuzzed calls: on shared CPUs a case can take seconds (a grammar compile, a
 # queue); past the budget the remaining examples are not sent, so the test stays about this long.
-BUDGET_S = 45.0
+BUDGET_S = 30.0
 _started: list[float] = []
 
 

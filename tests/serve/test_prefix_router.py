@@ -62,12 +62,13 @@ def test_a_conversations_turns_stay_on_one_replica_and_hit_its_prefix_cache(rout
 
 def test_load_spreads_over_both_replicas_within_the_bound(routed):
     """Eight concurrent requests sharing a long prefix: each replica takes a share within max_imbalance + 1
-    (they all are routed before any finishes); distinct short prompts spread too."""
+    (they all are routed before any finishes: 64 tokens each, so also on a busy machine); distinct short
+    prompts spread too."""
     async def run() -> tuple[list[str], list[str]]:
         c = client(routed)
         shared = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Hello number {i}."}]
                   for i in range(8)]
-        same = await asyncio.gather(*(turn(c, m, max_tokens=16) for m in shared))
+        same = await asyncio.gather(*(turn(c, m, max_tokens=64) for m in shared))
         short = await asyncio.gather(*(turn(c, [{"role": "user", "content": f"Hi {i}"}], max_tokens=4)
                                        for i in range(8)))
         return [r for r, _, _ in same], [r for r, _, _ in short]
