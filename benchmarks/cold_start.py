@@ -1,12 +1,13 @@
 """Cold start of the whole app, as `serve run cluster.yaml` does it, to the first streamed token.
 
     python benchmarks/cold_start.py [--rounds 2] [--mode api|cli] [--trees DIR,DIR] [--model SOURCE]
-                                    [--kv-cache-bytes N]
+                                    [--kv-cache-bytes N] [--plain-env]
 
 Each round runs in a fresh process (fresh imports, a fresh Ray), then one streamed chat request.
 --mode api (default): this process starts Ray and Serve and deploys build_app(cluster.yaml's args);
 --mode cli: the real `serve run` on a copy of cluster.yaml (its port and KV size changed), the
-application built by Serve's own build task, as an operator starts it.
+application built by Serve's own build task, as an operator starts it (`make serve`: with serving.env's
+variables, HAProxy on ports of its own; --plain-env: without them).
 --trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree);
 another tree runs in a venv layered on this interpreter's site-packages with that tree first (Ray's workers
 and the engine child run the driver's interpreter, with its working directory, the tree, first on sys.path).
@@ -115,9 +116,8 @@ def round_api(root: str, model: str | None, kv_cache_bytes: int) -> dict:
 
     sys.path.insert(0, root)
     from rayllm.serve.builder import build_app
-    from rayllm.serve.serving_env import serving_env
 
-    os.environ.update(serving_env())
+    os.environ.update(serving_env_of(root))
     t_import = time.time() - t0
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -161,7 +161,16 @@ def _logged_record(session_dir: str) -> dict:
     return {}
 
 
-def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
+def serving_env_of(root: str) -> dict[str, str]:
+    """What `make serve` exports before `serve run` (serving.env), with HAProxy ports of this run's own."""
+    sys.path.insert(0, root)
+    from rayllm.serve.serving_env import serving_env
+
+    return serving_env() | {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+
+
+def round_cli(root: str, model: str | None, kv_cache_bytes: int, with_serving_env: bool = True) -> dict:
     import yaml
 
     port = free_port()
@@ -172,9 +181,10 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    env = dict(os.environ) | (serving_env_of(root) if with_serving_env else {})
     t0 = time.time()
     proc = subprocess.Popen([serve_cli, "run", f.name], cwd=root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         healthy, first = first_token(f"http://127.0.0.1:{port}", t0)
         session = _session_of(proc.pid)
@@ -186,7 +196,7 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         os.unlink(f.name)
-    return {"mode": "cli", "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
+    return {"mode": "cli", "serving_env": with_serving_env, "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
             "timeline": timeline(session, t0), "replica": _relative(record, t0)}
 
 
@@ -216,18 +226,23 @@ def main() -> None:
     ap.add_argument("--trees", default=HERE, help="comma-separated source trees, alternated each round")
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    ap.add_argument("--plain-env", action="store_true",
+                    help="--mode cli: `serve run` without serving.env (make serve applies it)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still runs round_cli's clean-up
-        run = round_api if a.mode == "api" else round_cli
-        print(json.dumps({"bench": "cold_start", "tree": a.child} | run(a.child, a.model, a.kv_cache_bytes)),
-              flush=True)
+        if a.mode == "api":
+            result = round_api(a.child, a.model, a.kv_cache_bytes)
+        else:
+            result = round_cli(a.child, a.model, a.kv_cache_bytes, not a.plain_env)
+        print(json.dumps({"bench": "cold_start", "tree": a.child} | result), flush=True)
         return
     for r in range(a.rounds):
         for tree in a.trees.split(","):
             cmd = [python_for(tree), __file__, "--child", tree, "--mode", a.mode,
-                   "--kv-cache-bytes", str(a.kv_cache_bytes)] + (["--model", a.model] if a.model else [])
+                   "--kv-cache-bytes", str(a.kv_cache_bytes)] + (["--model", a.model] if a.model else []) \
+                + (["--plain-env"] if a.plain_env else [])
             # cwd too: Ray puts the driver's working directory on its workers' sys.path, first.
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
