@@ -161,21 +161,16 @@ print(type(tok.tokenizer).__name__, stats.num_steps > 0, bool(text), "torch" in 
 """
 
 
-def test_the_replica_side_imports_no_torch(gguf_path, tmp_path):
+def test_the_replica_side_imports_no_torch(gguf_path, tmp_path, monkeypatch):
     import pickle
     import subprocess
     import sys
 
     from rayllm.serve.chat_template import load_serving_tokenizer
 
-    env = dict(os.environ, TOKENIZER_CACHE=str(tmp_path))
-    os.environ["TOKENIZER_CACHE"] = str(tmp_path)
-    try:
-        load_serving_tokenizer(gguf_path)  # the first load (through transformers) writes the snapshot
-    finally:
-        del os.environ["TOKENIZER_CACHE"]
+    monkeypatch.setenv("TOKENIZER_CACHE", str(tmp_path))
+    load_serving_tokenizer(gguf_path)  # the first load (through transformers) writes the snapshot
     arg = pickle.dumps((config(gguf_path), gguf_path)).hex()
-    out = subprocess.run([sys.executable, "-c", _REPLICA_SIDE, arg], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", _REPLICA_SIDE, arg], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["RustTokenizer", "True", "True", "False", "False"], out.stdout
