@@ -146,7 +146,7 @@ tok = TokenizerService(path)
 engine = make_engine_client(config, lambda: tok.eos_token_ids, own_process=True)
 
 async def run():
-    prompt = tok.render_chat([{"role": "user", "content": "Hi"}])[1]
+    prompt = tok.encode("The capital of France is")  # the replica never renders (the tokenizer replica does)
     detok = IncrementalDetokenizer(tok.tokenizer, prompt)
     text = ""
     async for out in engine.generate("r", prompt, SamplingParams(temperature=0.0, max_tokens=4)):
