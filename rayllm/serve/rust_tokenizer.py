@@ -42,9 +42,12 @@ def versions() -> dict[str, str]:
 def snapshottable(tok: PreTrainedTokenizerBase) -> bool:
     """A fast tokenizer whose every mirrored call is transformers' generic one."""
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers.utils import chat_template_utils
 
     if not isinstance(tok, PreTrainedTokenizerFast) or getattr(tok, "_tokenizer", None) is None:
         return False
+    if not all(hasattr(chat_template_utils, f) for f in ("render_jinja_template", "_normalize_chat_messages")):
+        return False  # a transformers without the renderer RustTokenizer calls: served by transformers
     generic = (PreTrainedTokenizerFast, PreTrainedTokenizerBase)
     for name in _MIRRORED:
         owner = next((c for c in type(tok).__mro__ if name in c.__dict__), None)
