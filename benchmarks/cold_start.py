@@ -1,12 +1,15 @@
 """Cold start of the whole app, as `serve run cluster.yaml` does it, to the first streamed token.
 
-    python benchmarks/cold_start.py [--rounds 2] [--mode api|cli] [--trees DIR,DIR] [--model SOURCE]
-                                    [--kv-cache-bytes N]
+    python benchmarks/cold_start.py [--rounds 2] [--mode api|cli|wake] [--wakes 2] [--trees DIR,DIR] [--model SOURCE]
+                                    [--kv-cache-bytes N] [--plain-env]
 
 Each round runs in a fresh process (fresh imports, a fresh Ray), then one streamed chat request.
 --mode api (default): this process starts Ray and Serve and deploys build_app(cluster.yaml's args);
+--mode wake: as api, with the model deployment at min_replicas 0: the time from a request to the sleeping
+model to its first token, --wakes times per round;
 --mode cli: the real `serve run` on a copy of cluster.yaml (its port and KV size changed), the
-application built by Serve's own build task, as an operator starts it.
+application built by Serve's own build task, as an operator starts it (`make serve`: with serving.env's
+variables, HAProxy on ports of its own; --plain-env: without them).
 --trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree);
 another tree runs in a venv layered on this interpreter's site-packages with that tree first (Ray's workers
 and the engine child run the driver's interpreter, with its working directory, the tree, first on sys.path).
@@ -68,19 +71,25 @@ def timeline(session_dir: str, t0: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def first_token(base: str, t0: float) -> tuple[float, float]:
-    """Poll /health until 200, then stream one chat request: (healthy, first token) seconds since t0."""
+def wait_healthy(base: str, t0: float) -> None:
     import httpx
 
     while True:
         try:
             if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                break
+                return
         except httpx.HTTPError:
             pass
         if time.time() - t0 > 300:
             raise TimeoutError("the app was not healthy within 300 s")
         time.sleep(0.05)
+
+
+def first_token(base: str, t0: float) -> tuple[float, float]:
+    """Poll /health until 200, then stream one chat request: (healthy, first token) seconds since t0."""
+    import httpx
+
+    wait_healthy(base, t0)
     healthy = time.time() - t0
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
@@ -115,9 +124,8 @@ def round_api(root: str, model: str | None, kv_cache_bytes: int) -> dict:
 
     sys.path.insert(0, root)
     from rayllm.serve.builder import build_app
-    from rayllm.serve.serving_env import serving_env
 
-    os.environ.update(serving_env())
+    os.environ.update(serving_env_of(root))
     t_import = time.time() - t0
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -133,6 +141,42 @@ def round_api(root: str, model: str | None, kv_cache_bytes: int) -> dict:
     return {"mode": "api", "imports_s": round(t_import, 2), "ray_up_s": round(t_ray, 2),
             "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
             "timeline": timeline(session, t0), "replica": _relative(record, t0)}
+
+
+def round_wake(root: str, model: str | None, kv_cache_bytes: int, wakes: int) -> dict:
+    """Scale to zero: the app with the model deployment at min_replicas 0 (cluster.yaml's autoscaling
+    otherwise, the downscale delays cut to 2 s); each wake-up is the time from a streamed chat request to the
+    sleeping model to its first token, once Ray holds no replica actor of the model."""
+    import ray
+    from ray import serve
+
+    sys.path.insert(0, root)
+    from rayllm.serve.builder import build_app
+
+    os.environ.update(serving_env_of(root))
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = app_args(root, model, kv_cache_bytes)
+    llm = next(d for d in config["applications"][0]["deployments"] if d["name"] == "llm")
+    args = config["applications"][0]["args"]
+    args["llm_deployment_options"] = {"autoscaling_config": llm["autoscaling_config"] | {
+        "min_replicas": 0, "initial_replicas": 0, "downscale_delay_s": 2, "downscale_to_zero_delay_s": 2}}
+    serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, time.time())  # the ingress and tokenizer up, the model asleep
+    out = []
+    for _ in range(wakes):
+        while [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::llm#llm#")]:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the ingress's status read (at most 1 s old) sees the model asleep
+        t0 = time.time()
+        _, first = first_token(base, t0)
+        record = serve.get_deployment_handle("llm", "llm").cold_start.remote().result()
+        out.append({"wake_s": round(first, 2), "replica": _relative(record, t0)})
+    serve.shutdown()
+    ray.shutdown()
+    return {"mode": "wake", "wakes": out}
 
 
 def _relative(record: dict, t0: float) -> dict:
@@ -161,7 +205,16 @@ def _logged_record(session_dir: str) -> dict:
     return {}
 
 
-def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
+def serving_env_of(root: str) -> dict[str, str]:
+    """What `make serve` exports before `serve run` (serving.env), with HAProxy ports of this run's own."""
+    sys.path.insert(0, root)
+    from rayllm.serve.serving_env import serving_env
+
+    return serving_env() | {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+
+
+def round_cli(root: str, model: str | None, kv_cache_bytes: int, with_serving_env: bool = True) -> dict:
     import yaml
 
     port = free_port()
@@ -172,9 +225,10 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
+    env = dict(os.environ) | (serving_env_of(root) if with_serving_env else {})
     t0 = time.time()
     proc = subprocess.Popen([serve_cli, "run", f.name], cwd=root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         healthy, first = first_token(f"http://127.0.0.1:{port}", t0)
         session = _session_of(proc.pid)
@@ -186,7 +240,7 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         os.unlink(f.name)
-    return {"mode": "cli", "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
+    return {"mode": "cli", "serving_env": with_serving_env, "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
             "timeline": timeline(session, t0), "replica": _relative(record, t0)}
 
 
@@ -212,22 +266,30 @@ def python_for(tree: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--mode", choices=("api", "cli"), default="api")
+    ap.add_argument("--mode", choices=("api", "cli", "wake"), default="api")
+    ap.add_argument("--wakes", type=int, default=2, help="--mode wake: wake-ups per round")
     ap.add_argument("--trees", default=HERE, help="comma-separated source trees, alternated each round")
     ap.add_argument("--model", default=None)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    ap.add_argument("--plain-env", action="store_true",
+                    help="--mode cli: `serve run` without serving.env (make serve applies it)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a timeout still runs round_cli's clean-up
-        run = round_api if a.mode == "api" else round_cli
-        print(json.dumps({"bench": "cold_start", "tree": a.child} | run(a.child, a.model, a.kv_cache_bytes)),
-              flush=True)
+        if a.mode == "api":
+            result = round_api(a.child, a.model, a.kv_cache_bytes)
+        elif a.mode == "wake":
+            result = round_wake(a.child, a.model, a.kv_cache_bytes, a.wakes)
+        else:
+            result = round_cli(a.child, a.model, a.kv_cache_bytes, not a.plain_env)
+        print(json.dumps({"bench": "cold_start", "tree": a.child} | result), flush=True)
         return
     for r in range(a.rounds):
         for tree in a.trees.split(","):
             cmd = [python_for(tree), __file__, "--child", tree, "--mode", a.mode,
-                   "--kv-cache-bytes", str(a.kv_cache_bytes)] + (["--model", a.model] if a.model else [])
+                   "--kv-cache-bytes", str(a.kv_cache_bytes), "--wakes", str(a.wakes)] + (["--model", a.model] if a.model else []) \
+                + (["--plain-env"] if a.plain_env else [])
             # cwd too: Ray puts the driver's working directory on its workers' sys.path, first.
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

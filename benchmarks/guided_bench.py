@@ -54,7 +54,7 @@ def main() -> None:
     path = str(default_model_path())
     tok = TokenizerService(path)
     engine = LLMEngine(EngineConfig.from_dict({"cache": {"kv_cache_bytes": 512 << 20}}), tok.eos_token_ids)
-    compiler = GrammarCompiler(tok.tokenizer, engine.arch.vocab_size, tok.eos_token_ids)
+    compiler = GrammarCompiler(tok.transformers_tokenizer(), engine.arch.vocab_size, tok.eos_token_ids)
     spec = GuidedSpec("json_schema", json.dumps(SCHEMA))
     t0 = time.perf_counter()
     grammar = compiler.compile(spec)

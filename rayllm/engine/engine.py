@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from rayllm.common import startup_phases
@@ -28,6 +27,7 @@ from rayllm.sample.guided import new_matcher, next_token_bitmask
 from rayllm.schema.config import EngineConfig
 from rayllm.schema.outputs import (
     EngineDeadError,
+    EngineStats,
     EngineTimings,
     RequestOutput,
     SequenceError,
@@ -40,18 +40,6 @@ from rayllm.schema.step import SeqStep, StepInput
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "SequenceError"]
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_hit_rate: float
-    num_preemptions: int
-    num_steps: int
-    step_seconds: float  # total time spent in step(), for the per-step cost under load
-    execute_seconds: float  # of which in the model (executor.execute)
 
 
 class LLMEngine:

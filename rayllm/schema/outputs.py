@@ -66,3 +66,18 @@ class SequenceError(ValueError):
 class StepOutOfMemory(RuntimeError):
     """The device ran out of memory inside a step (torch.OutOfMemoryError in a worker, its cached blocks
     given back): the engine fails that step's requests and serves on."""
+
+
+@dataclass
+class EngineStats:
+    """The engine's gauges (LLMEngine.stats). Defined here, torch-free: an engine child process pickles them
+    to the model replica, whose unpickling would otherwise import the engine module, and torch with it."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+    step_seconds: float  # total time spent in step(), for the per-step cost under load
+    execute_seconds: float  # of which in the model (executor.execute)

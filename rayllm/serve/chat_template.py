@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from rayllm.protocol.messages import text_of
 from rayllm.protocol.tools import inline_tools, template_knows_tools
+from rayllm.serve.rust_tokenizer import RustTokenizer, load_snapshot, save_snapshot, versions
 
 if TYPE_CHECKING:  # imported when a tokenizer loads: importing this module (Serve's app builder does) stays light
     from transformers import PreTrainedTokenizerBase
@@ -39,15 +40,45 @@ _CONTINUE_SENTINEL = "\x00<continue-final-message>\x00"
 def _gguf_tokenizer_cache(model_path: str) -> str:
     """Where the tokenizer rebuilt from this GGUF file is kept: per file (path, size, mtime) and transformers
     version, under the user's cache dir (TOKENIZER_CACHE overrides)."""
+    st = os.stat(model_path)
+    return _cache_dir(f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}:{versions()['transformers']}")
+
+
+def _cache_dir(key: str) -> str:
     import hashlib
 
-    import transformers
-
-    st = os.stat(model_path)
-    key = f"{os.path.realpath(model_path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
     root = os.environ.get("TOKENIZER_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rayllm-tokenizers")
     return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+def _snapshot_dir(model_path: str) -> str:
+    """Where the tokenizer's snapshot (rayllm.serve.rust_tokenizer) lives: in the GGUF's saved tokenizer
+    directory, or for a Hugging Face directory, in one keyed by its path and its small files' sizes and times."""
+    if model_path.endswith(".gguf"):
+        return _gguf_tokenizer_cache(model_path)
+    files = []
+    for entry in sorted(os.scandir(model_path), key=lambda e: e.name):
+        if entry.is_file() and entry.name.endswith((".json", ".jinja", ".model", ".txt", ".tiktoken")):
+            st = entry.stat()
+            files.append(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}")
+    return _cache_dir(f"snapshot:{os.path.realpath(model_path)}:{','.join(files)}:{versions()['transformers']}")
+
+
+def load_serving_tokenizer(model_path: str) -> PreTrainedTokenizerBase | RustTokenizer:
+    """The tokenizer the serving processes use: from its snapshot when there is one (no transformers import,
+    rayllm.serve.rust_tokenizer), else through transformers, saving the snapshot for the next start."""
+    directory = _snapshot_dir(model_path)
+    tok = load_snapshot(directory)
+    if tok is not None:
+        return tok
+    loaded = load_tokenizer(model_path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:  # a read-only cache: transformers serves, every time
+        return loaded
+    save_snapshot(loaded, directory)
+    return loaded
 
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
@@ -109,7 +140,7 @@ def _tool_calls(calls: list[dict]) -> list[dict]:
 class ChatRenderer:
     """Renders OpenAI-shaped messages with the model's (or a request's) jinja chat template."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | RustTokenizer):
         self.tokenizer = tokenizer
         self.default_template: str | None = getattr(tokenizer, "chat_template", None) or None
 

@@ -132,7 +132,7 @@ class LLMServer:
     def _compile(self, spec: GuidedSpec):
         with self._grammars_lock:  # concurrent first compiles must not start two compiler children
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer.tokenizer, self.engine.vocab_size,
+                self._grammars = GrammarCompiler(self.tokenizer.transformers_tokenizer(), self.engine.vocab_size,
                                                  self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
                                                  timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
         return self._grammars.compile(spec)

@@ -56,18 +56,22 @@ def states_of(status: Any, app_name: str) -> dict[str, DeploymentState]:
 
 class ServeModelStatus:
     """The controller's view of this app's deployments, read at most every `ttl_s` (probes and scrapes may
-    come many times a second; each read is one controller call, made in a thread)."""
+    come many times a second; each read is one controller call, made in a thread); while a deployment is not
+    healthy (starting, failing) at most every `unhealthy_ttl_s`, so a probe sees it come up without a
+    second's lag."""
 
-    def __init__(self, app_name: str, ttl_s: float = 1.0,
-                 read: Callable[[], Any] = _read_serve_status) -> None:
+    def __init__(self, app_name: str, ttl_s: float = 1.0, read: Callable[[], Any] = _read_serve_status,
+                 unhealthy_ttl_s: float = 0.2) -> None:
         self.app_name, self.ttl_s, self._read = app_name, ttl_s, read
+        self.unhealthy_ttl_s = unhealthy_ttl_s
         self._states: dict[str, DeploymentState] = {}
         self._at = -float("inf")
         self._lock = asyncio.Lock()
 
     async def states(self, fresh: bool = False) -> dict[str, DeploymentState]:
         async with self._lock:
-            if fresh or time.monotonic() - self._at > self.ttl_s:
+            settled = bool(self._states) and all(s.healthy for s in self._states.values())
+            if fresh or time.monotonic() - self._at > (self.ttl_s if settled else self.unhealthy_ttl_s):
                 self._states = states_of(await asyncio.to_thread(self._read), self.app_name)
                 self._at = time.monotonic()
             return self._states

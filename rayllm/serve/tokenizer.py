@@ -11,6 +11,8 @@ import functools
 import json
 import os
 import re
+import threading
+from typing import Any
 
 import ray
 from ray import serve
@@ -18,9 +20,16 @@ from ray import serve
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.tools import detect_tool_format
-from rayllm.serve.chat_template import END_OF_TURN_TOKENS, FIM_TOKEN_SETS, ChatRenderer, load_tokenizer
+from rayllm.serve.chat_template import (
+    END_OF_TURN_TOKENS,
+    FIM_TOKEN_SETS,
+    ChatRenderer,
+    load_serving_tokenizer,
+    load_tokenizer,
+)
 from rayllm.serve.detokenizer import fast_backend
 from rayllm.serve.render_channel import RenderServer
+from rayllm.serve.rust_tokenizer import RustTokenizer, warm_chat_templates
 from rayllm.serve.template_sandbox import TemplateSandbox
 from rayllm.serve.tracing import TracingConfig, configure, remote_span
 
@@ -58,7 +67,8 @@ class TokenizerService:
 
     def __init__(self, model_path: str):
         self.model_path = model_path
-        self.tokenizer = load_tokenizer(model_path)
+        # From its snapshot when there is one (rayllm.serve.rust_tokenizer: no transformers, no torch import).
+        self.tokenizer = load_serving_tokenizer(model_path)
         self.renderer = ChatRenderer(self.tokenizer)
         tok = self.tokenizer
         vocab = tok.get_vocab()
@@ -78,6 +88,18 @@ class TokenizerService:
         self._added = set(tok.added_tokens_decoder)
         # Byte-level BPE (GPT-2 style) pieces map characters to bytes; SentencePiece pieces do not.
         self._byte_level = backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str())["decoder"])
+        self._hf: Any = None
+        self._hf_lock = threading.Lock()
+
+    def transformers_tokenizer(self) -> Any:
+        """transformers' own tokenizer of this model (xgrammar's TokenizerInfo takes only that): loaded on the
+        first call when the service runs on the snapshot."""
+        if isinstance(self.tokenizer, RustTokenizer):
+            with self._hf_lock:
+                if self._hf is None:
+                    self._hf = load_tokenizer(self.model_path)
+            return self._hf
+        return self.tokenizer
 
     def info(self) -> dict:
         template = self.renderer.default_template or ""
@@ -159,6 +181,7 @@ class TokenizerDeployment:
         configure(tracing, "tokenizer")  # spans of the renders that arrive with a traceparent
         model_paths = {name: resolve_model_path(path) for name, path in model_paths.items()}  # this node's copies
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
+        warm_chat_templates()  # the renderer's import, here rather than in the first request
         # Only now: the first token needs this replica as much as the engine, so its start-up (importing
         # transformers, loading the tokenizer) runs at normal priority beside the engine's.
         lower_process_priority(serving_nice)

@@ -47,6 +47,22 @@ async def test_status_is_read_at_most_once_per_ttl():
     assert len(reads) == 2
 
 
+async def test_a_deployment_not_yet_healthy_is_read_again_sooner():
+    """While a model starts, /health reads the status every unhealthy_ttl_s (not every ttl_s), so a probe
+    sees it come up without a second's lag; once all are healthy, every ttl_s again."""
+    current = [serve_status(llm=(DeploymentStatus.UPDATING, {"STARTING": 1}))]
+    reads = []
+    status = ServeModelStatus("app", ttl_s=60, unhealthy_ttl_s=0.05, read=lambda: reads.append(1) or current[0])
+    assert not (await status.state("llm")).healthy
+    current[0] = serve_status(llm=(DeploymentStatus.HEALTHY, {"RUNNING": 1}))
+    assert not (await status.state("llm")).healthy  # within unhealthy_ttl_s: the cached read
+    await asyncio.sleep(0.06)
+    assert (await status.state("llm")).healthy and len(reads) == 2
+    current[0] = serve_status(llm=(DeploymentStatus.UNHEALTHY, {"RUNNING": 1}))
+    await asyncio.sleep(0.06)
+    assert (await status.state("llm")).healthy and len(reads) == 2  # healthy: cached for ttl_s
+
+
 async def test_wake_is_bounded_then_503_with_retry_after():
     async def slow_start():  # a replica that takes longer to start than the bound
         await asyncio.sleep(5)

@@ -222,12 +222,13 @@ def test_fill_in_the_middle_prompt(svc, gguf_path, tmp_path):
 @pytest.mark.parametrize("special", [False, True])
 def test_encode_equals_transformers(svc, special):
     """The fast path (straight to the Rust backend) gives what transformers' encode gives."""
+    ref = svc.transformers_tokenizer()
     texts = [TEXT, LONG, "", " ", "Hi<|im_end|>\n<|im_start|>user\n x", "\x00\ufffd tabs\tand\nnewlines  "]
     for text in texts:
-        assert svc.encode(text, add_special_tokens=special) == svc.tokenizer.encode(text, add_special_tokens=special)
-    assert svc.encode_batch(texts, special) == [svc.tokenizer.encode(t, add_special_tokens=special) for t in texts]
+        assert svc.encode(text, add_special_tokens=special) == ref.encode(text, add_special_tokens=special)
+    assert svc.encode_batch(texts, special) == [ref.encode(t, add_special_tokens=special) for t in texts]
     text, ids = svc.render_chat([{"role": "user", "content": TEXT}])
-    assert ids == svc.tokenizer.encode(text, add_special_tokens=False)
+    assert ids == ref.encode(text, add_special_tokens=False)
 
 
 def test_gguf_tokenizer_is_saved_once_and_equals_transformers_rebuild(gguf_path, hf_tokenizer, tmp_path, monkeypatch):

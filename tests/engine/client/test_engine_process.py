@@ -128,3 +128,49 @@ def test_eos_ids_from_a_function_that_runs_while_the_child_loads(gguf_path, eos)
         assert engine.process.call("eos_token_ids.copy") == frozenset([7, *eos, engine.arch.eos_token_id])
     finally:
         engine.shutdown()
+
+
+# The model replica's side, in a fresh interpreter: its tokenizer (from the snapshot), the engine child, a
+# streamed request, stats and a health check, as the replica makes them, and no torch import (which would hold
+# the replica's GIL for seconds while Serve finishes its start-up, and cost its memory).
+_REPLICA_SIDE = """
+import asyncio, pickle, sys
+from rayllm.engine.client.engine_client import make_engine_client
+from rayllm.schema.sampling_params import SamplingParams
+from rayllm.serve.detokenizer import IncrementalDetokenizer
+from rayllm.serve.tokenizer import TokenizerService
+import rayllm.serve.llm_server  # the replica's module
+
+config, path = pickle.loads(bytes.fromhex(sys.argv[1]))
+tok = TokenizerService(path)
+engine = make_engine_client(config, lambda: tok.eos_token_ids, own_process=True)
+
+async def run():
+    prompt = tok.encode("The capital of France is")  # the replica never renders (the tokenizer replica does)
+    detok = IncrementalDetokenizer(tok.tokenizer, prompt)
+    text = ""
+    async for out in engine.generate("r", prompt, SamplingParams(temperature=0.0, max_tokens=4)):
+        text += detok.add(out.new_token_ids)[0]
+    return text
+
+text = asyncio.run(run())
+stats = engine.stats()
+engine.check_health()
+engine.shutdown()
+print(type(tok.tokenizer).__name__, stats.num_steps > 0, bool(text), "torch" in sys.modules, "transformers" in sys.modules)
+"""
+
+
+def test_the_replica_side_imports_no_torch(gguf_path, tmp_path, monkeypatch):
+    import pickle
+    import subprocess
+    import sys
+
+    from rayllm.serve.chat_template import load_serving_tokenizer
+
+    monkeypatch.setenv("TOKENIZER_CACHE", str(tmp_path))
+    load_serving_tokenizer(gguf_path)  # the first load (through transformers) writes the snapshot
+    arg = pickle.dumps((config(gguf_path), gguf_path)).hex()
+    out = subprocess.run([sys.executable, "-c", _REPLICA_SIDE, arg], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["RustTokenizer", "True", "True", "False", "False"], out.stdout
