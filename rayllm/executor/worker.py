@@ -19,8 +19,9 @@ from rayllm.attention.selector import make_attention_backend
 from rayllm.common import startup_phases
 from rayllm.common.errors import first_line
 from rayllm.distributed.allreduce import make_all_reduce
-from rayllm.layers.linear import TPGroup, pack_small_batch_weights, prepack_onednn_weights
+from rayllm.layers.linear import TPGroup
 from rayllm.loader.loader import load_weights
+from rayllm.loader.weight_methods import choose_weight_methods
 from rayllm.lora.layers import LoRAManager
 from rayllm.models.registry import model_class
 from rayllm.platforms.cpu.onednn import onednn_available
@@ -126,24 +127,8 @@ class Worker:
                                                                            config.parallel.cpu.int8_passes))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
-        if config.model.quantization == "fp8":
-            from rayllm.layers.linear import ParallelLMHead
-            from rayllm.quant.fp8 import fp8_refusal, quantize_model_fp8
-
-            reason = fp8_refusal(device)
-            if reason is not None:
-                raise ValueError(reason)
-            log.info("FP8 weights in %d layers", quantize_model_fp8(self.model, keep=(ParallelLMHead,)))
+        choose_weight_methods(self.model, config, device, self.dtype, source_bits)
         invariant = config.scheduler.batch_invariant
-        if (config.parallel.cpu.small_batch_quant != "none" and not invariant and device.type == "cpu"
-                and self.dtype == torch.bfloat16):
-            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.parallel.cpu.small_batch_quant == "auto",
-                                              passes=config.parallel.cpu.int8_passes)
-            log.info("packed %d layers for small-batch weight-only kernels", packed)
-        # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
-        if (config.parallel.cpu.weight_prepack or invariant) and onednn_available(device, self.dtype):
-            log.info("reordered %d weights into oneDNN's layout",
-                     prepack_onednn_weights(self.model, batch_invariant=invariant))
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None

@@ -8,6 +8,7 @@ import torch
 
 from rayllm.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk, decode_gather_index
 from rayllm.common.errors import describe
+from rayllm.platforms.cpu.onednn import OneDNNWeight
 from rayllm.platforms.cpu.split_step import HalfThread, VocabHalves, split_point
 from rayllm.runner.input_buffers import InputBuffers
 from rayllm.sample.sampling_inputs import SamplingInputs, prompt_logprobs
@@ -50,8 +51,8 @@ class ModelRunner:
             self.halves = HalfThread()
             self.half_step_tokens = min_tokens
             head = getattr(self.model, "lm_head", None)
-            if head is not None and getattr(head, "onednn", None) is not None:
-                head.onednn = VocabHalves(head.weight.data, self.halves)
+            if head is not None and isinstance(head.large_batch_method, OneDNNWeight):
+                head.set_large_batch_method(VocabHalves(head.weight.data, self.halves))
 
     def close(self) -> None:
         if self.halves is not None:
