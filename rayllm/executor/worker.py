@@ -209,7 +209,7 @@ class Worker:
         pieces = min(self.config.parallel.cuda_graph_pieces, self.arch.num_layers) if hasattr(
             self.model, "forward_pieces") else 1
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
-                              self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
+                              self.runner.attn_builder, self.device, pieces=pieces)
         graphs.lora = self.lora  # adapter slots are a graph input (rayllm/lora/triton_kernels.py)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
