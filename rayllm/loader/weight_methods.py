@@ -1,7 +1,7 @@
 """Each linear layer's weight method, chosen once its weights are loaded (layers/linear_method.py): FP8 GEMMs
 (`model.quantization: fp8`, CUDA), small-batch int4/int8/VNNI copies of a GGUF's quantized layers and oneDNN's
-prepacked layout (CPU). GGUF blocks kept quantized (`model.weights: quantized`) get theirs while loading
-(quantized.py)."""
+prepacked layout (CPU), as far as the platform offers them. GGUF blocks kept quantized (`model.weights:
+quantized`) get theirs while loading (quantized.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from rayllm.layers.linear import ParallelLMHead, pack_small_batch_weights, prepack_onednn_weights
 from rayllm.layers.linear_method import DenseMethod, LinearBase
-from rayllm.platforms.cpu.onednn import onednn_available
+from rayllm.platforms.interface import Platform
 from rayllm.schema.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -36,23 +36,23 @@ def quantize_model_fp8(model: nn.Module, keep: tuple[type, ...] = (ParallelLMHea
     return count
 
 
-def choose_weight_methods(model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+def choose_weight_methods(model: nn.Module, config: EngineConfig, platform: Platform, dtype: torch.dtype,
                           source_bits: dict[str, int]) -> None:
     """After load: FP8 when asked (refused where the device has no FP8 GEMMs), then the platform's small-batch
     copies of the layers whose checkpoint was 4- or 8-bit, then its prepacked dense layout."""
     if config.model.quantization == "fp8":
         from rayllm.quant import fp8
 
-        reason = fp8.fp8_refusal(device)
+        reason = fp8.fp8_refusal(platform.device)
         if reason is not None:
             raise ValueError(reason)
         log.info("FP8 weights in %d layers", quantize_model_fp8(model))
     cpu = config.parallel.cpu
     invariant = config.scheduler.batch_invariant
-    if cpu.small_batch_quant != "none" and not invariant and device.type == "cpu" and dtype == torch.bfloat16:
+    if cpu.small_batch_quant != "none" and not invariant and platform.small_batch_weights(dtype):
         packed = pack_small_batch_weights(model, source_bits, vnni=cpu.small_batch_quant == "auto",
                                           passes=cpu.int8_passes)
         log.info("packed %d layers for small-batch weight-only kernels", packed)
     # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
-    if (cpu.weight_prepack or invariant) and onednn_available(device, dtype):
+    if (cpu.weight_prepack or invariant) and platform.prepacked_gemms(dtype):
         log.info("reordered %d weights into oneDNN's layout", prepack_onednn_weights(model, batch_invariant=invariant))

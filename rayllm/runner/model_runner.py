@@ -37,10 +37,10 @@ class ModelRunner:
         self.half_step_tokens = 0
 
     def enable_halves(self, min_tokens: int) -> None:
-        """CPU, one torch thread, a single rank: steps of `min_tokens`+ tokens run in two halves on two
-        threads, and other steps' LM head in two halves of the vocabulary (split_step.py). Only with
-        the C attention kernels, whose inputs are per sequence."""
-        if min_tokens > 0 and self.attn_builder.kernels and self.device.type == "cpu":
+        """Steps of `min_tokens`+ tokens run in two halves on two threads, and other steps' LM head in two halves
+        of the vocabulary (split_step.py); the CPU platform asks for it (one torch thread, a single rank). Only
+        with the C attention kernels, whose inputs are per sequence."""
+        if min_tokens > 0 and self.attn_builder.kernels:
             self.halves = HalfThread()
             self.half_step_tokens = min_tokens
             head = getattr(self.model, "lm_head", None)
