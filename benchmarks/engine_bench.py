@@ -156,11 +156,12 @@ def weight_mb(engine: LLMEngine) -> float:
 
     for p in model.parameters():
         add(p)
-    for m in model.modules():
-        add(getattr(getattr(m, "onednn", None), "weight", None))
-        packed = getattr(m, "packed", None)
-        for attr in ("packed", "scales", "q", "scale", "zero"):
-            add(getattr(packed, attr, None))
+    for m in model.modules():  # each linear layer's weight method (rayllm/layers/linear_method.py)
+        method = getattr(m, "method", None)
+        for part in (method, getattr(method, "small", None), getattr(method, "large", None)):
+            add(getattr(part, "weight", None))  # oneDNN's layout
+            for attr in ("packed", "scales", "q", "scale", "zero"):
+                add(getattr(part, attr, None))
     return total / 1e6
 
 

@@ -44,6 +44,7 @@ from quality_prompts import quality_prompts  # noqa: E402
 
 import rayllm.layers.linear as parallel  # noqa: E402
 from rayllm.engine.engine import LLMEngine  # noqa: E402
+from rayllm.layers.linear_method import SmallBatchMethod  # noqa: E402
 from rayllm.loader.model_files import default_model_path  # noqa: E402
 from rayllm.platforms.cpu import qgemm as cpu_qgemm  # noqa: E402
 from rayllm.schema.config import (  # noqa: E402
@@ -71,20 +72,21 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
 TOP_K = 1024
 
 
+_APPLY = SmallBatchMethod.apply
+
+
 def use_kernel(kind: str) -> None:
-    """Route the packed (GGUF-quantized) layers' matmuls: the engine's own choice, or the packed kernel always."""
-    original = parallel.__dict__.setdefault("_original_linear", parallel.linear)
+    """Route the small-batch (GGUF-quantized) layers' matmuls: the engine's own choice, or their packed copy at
+    every step size."""
     if kind == "default":
-        parallel.linear = original
+        SmallBatchMethod.apply = _APPLY  # type: ignore[method-assign]
         return
 
-    def forced(x, weight, bias, packed, onednn=None):
-        if packed is None:
-            return original(x, weight, bias, packed, onednn)
-        out = packed(x)
-        return out if bias is None else out + bias
+    def forced(self: SmallBatchMethod, layer, x):
+        out = self.small(x)
+        return out if layer.bias is None else out + layer.bias
 
-    parallel.linear = forced  # the layers look `linear` up in their module at call time
+    SmallBatchMethod.apply = forced  # type: ignore[method-assign]
 
 
 def repack(engine: LLMEngine, name: str) -> None:
@@ -93,12 +95,13 @@ def repack(engine: LLMEngine, name: str) -> None:
     if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith("int8_only_"):
         return
     for mod_name, module in engine.executor.worker.model.named_modules():
-        packed = getattr(module, "packed", None)
-        if not isinstance(packed, parallel.PackedWeight) or isinstance(module, parallel.ParallelLMHead):
+        method = getattr(module, "method", None)
+        if not isinstance(method, SmallBatchMethod) or isinstance(module, parallel.ParallelLMHead):
             continue
         vnni = name.startswith("int4_vnni") or mod_name.endswith(name.removeprefix("int8_only_"))
         passes = 2 if name == "int4_vnni_gateup2" and mod_name.endswith("gate_up_proj") else 1
-        module.packed = parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=passes)
+        module.set_method(SmallBatchMethod(parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=passes),
+                                           method.large))
 
 
 def make_engine(path: str, dtype: str, small: str, max_seqs: int, weights: str = "auto") -> LLMEngine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rayllm.attention.base import AttentionMetadata, PrefillChunk, write_cache
+from rayllm.attention.base import AttentionMetadata, AttentionMetadataBuilder, PrefillChunk, write_cache
 from rayllm.platforms.cpu.kernels import PagedKernels
 
 
@@ -89,8 +89,7 @@ class SDPAAttention:
 
     name = "sdpa"
     cache_layout = "head_major"
-    needs_context_slots = False
-    windows_and_softcap = False
+    windows_and_softcap = False  # the kernels' path runs sliding-window and soft-capped layers (Triton's does)
     paged_decode = True
 
     def __init__(self, kernels: PagedKernels | None = None) -> None:
@@ -98,6 +97,13 @@ class SDPAAttention:
 
     def probe(self, device: torch.device) -> None:
         """Torch runs everywhere."""
+
+    def metadata_builder(self, block_size: int, kv_caches: list, torch_attention_only: bool) -> AttentionMetadataBuilder:
+        """The kernels' per-sequence inputs when they take this cache's dtype (for a model with windowed or
+        soft-capped layers, only when they run those too); else the torch path's masks and gather indices."""
+        kernels = (self.kernels is not None and bool(kv_caches) and kv_caches[0][0].dtype in self.kernels.attention_dtypes
+                   and (not torch_attention_only or self.windows_and_softcap))
+        return AttentionMetadataBuilder(block_size, kv_caches, seq_tables=kernels, kernels=kernels)
 
     def __call__(
         self,

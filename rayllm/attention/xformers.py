@@ -6,7 +6,12 @@ import logging
 
 import torch
 
-from rayllm.attention.base import AttentionMetadata, PrefillChunk, write_cache_block_major
+from rayllm.attention.base import (
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    PrefillChunk,
+    write_cache_block_major,
+)
 from rayllm.attention.sdpa import attend, prefill_mask
 from rayllm.common.errors import first_line
 
@@ -32,10 +37,6 @@ class XformersAttention:
     name = "xformers"
     cache_layout = "block_major"
     kernels = None
-    # When its kernels cannot serve a step's mix of query lengths it falls back to a varlen batch gathered
-    # from the step's context slots.
-    needs_context_slots = True
-    windows_and_softcap = False
 
     def __init__(self) -> None:
         from xformers.ops import fmha  # imported only on CUDA: xformers has no CPU ops
@@ -43,6 +44,11 @@ class XformersAttention:
         self.fmha = fmha
         self.paged_mixed = True  # one paged call for every sequence of the step
         self.paged_decode = True  # paged call for a step's decode rows
+
+    def metadata_builder(self, block_size: int, kv_caches: list, torch_attention_only: bool) -> AttentionMetadataBuilder:
+        """Every sequence's block table for the paged biases and, for when its kernels cannot serve a step's mix
+        of query lengths (or a windowed or soft-capped layer), every context slot for a gathered varlen batch."""
+        return AttentionMetadataBuilder(block_size, kv_caches, seq_tables=True, context_slots=True)
 
     def probe(self, device: torch.device) -> None:
         """Raise unless this xformers build runs a varlen causal step on `device` (what every prefill

@@ -19,11 +19,12 @@ from rayllm.attention.selector import make_attention_backend
 from rayllm.common import startup_phases
 from rayllm.common.errors import first_line
 from rayllm.distributed.allreduce import make_all_reduce
-from rayllm.layers.linear import TPGroup, pack_small_batch_weights, prepack_onednn_weights
+from rayllm.layers.linear import TPGroup
 from rayllm.loader.loader import load_weights
+from rayllm.loader.weight_methods import choose_weight_methods
 from rayllm.lora.layers import LoRAManager
 from rayllm.models.registry import model_class
-from rayllm.platforms.cpu.onednn import onednn_available
+from rayllm.platforms.select import platform_for
 from rayllm.runner import kv_cache
 from rayllm.runner.model_runner import ModelRunner
 from rayllm.schema.config import EngineConfig, LlamaArch, for_device
@@ -87,25 +88,15 @@ class Worker:
         self.config = config
         self.rank = rank
         world = config.parallel.tensor_parallel_size
-        self.step_threads = self.single_sequence_threads = self.wide_step_tokens = 0
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:
-            threads = config.parallel.cpu.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-            torch.set_num_threads(threads)
-            self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
-            self.single_sequence_threads = config.parallel.cpu.threads_single_sequence
-            # Batch-invariant mode keeps a step's thread count a function of the lone sequence only
-            # (what its tests cover), so a prefill chunk's thread count never depends on its neighbours.
-            self.wide_step_tokens = 0 if config.scheduler.batch_invariant else config.parallel.cpu.wide_step_tokens
+        self.platform = platform_for(config, device)  # device-specific set-up and tuning (rayllm/platforms)
+        self.platform.setup_worker()
         self.device = device
         self.dtype = getattr(torch, config.model.torch_dtype_name)
         self.tp = TPGroup()
         self.allreduce_backend = ""  # the TP all-reduce in use: nccl, gloo or deepspeed (none at TP=1)
         if world > 1:
-            backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(
-                backend, init_method=dist_init, rank=rank, world_size=world, timeout=timedelta(minutes=10)
+                self.platform.dist_backend, init_method=dist_init, rank=rank, world_size=world, timeout=timedelta(minutes=10)
             )
             group = dist.group.WORLD
             self.allreduce_backend, reduce = make_all_reduce(
@@ -121,35 +112,19 @@ class Worker:
             from rayllm.loader.quantized import load_quantized_weights
 
             source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
-            int8_activations = config.parallel.cpu.small_batch_quant == "auto" and device.type == "cpu"
+            int8_activations = config.parallel.cpu.small_batch_quant == "auto" and self.platform.int8_activations()
             log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations,
                                                                            config.parallel.cpu.int8_passes))
         else:
             source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
-        if config.model.quantization == "fp8":
-            from rayllm.layers.linear import ParallelLMHead
-            from rayllm.quant.fp8 import fp8_refusal, quantize_model_fp8
-
-            reason = fp8_refusal(device)
-            if reason is not None:
-                raise ValueError(reason)
-            log.info("FP8 weights in %d layers", quantize_model_fp8(self.model, keep=(ParallelLMHead,)))
+        choose_weight_methods(self.model, config, self.platform, self.dtype, source_bits)
         invariant = config.scheduler.batch_invariant
-        if (config.parallel.cpu.small_batch_quant != "none" and not invariant and device.type == "cpu"
-                and self.dtype == torch.bfloat16):
-            packed = pack_small_batch_weights(self.model, source_bits, vnni=config.parallel.cpu.small_batch_quant == "auto",
-                                              passes=config.parallel.cpu.int8_passes)
-            log.info("packed %d layers for small-batch weight-only kernels", packed)
-        # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
-        if (config.parallel.cpu.weight_prepack or invariant) and onednn_available(device, self.dtype):
-            log.info("reordered %d weights into oneDNN's layout",
-                     prepack_onednn_weights(self.model, batch_invariant=invariant))
         self.model.eval()
         self.arch = arch
         self.runner: ModelRunner | None = None
         self.steps = 0  # execute calls (debug.fail_step_with_oom_after counts them)
         self.lora = (LoRAManager(self.model, config.lora, self.dtype, device,
-                                 batch_invariant=invariant and onednn_available(device, self.dtype))
+                                 batch_invariant=invariant and self.platform.prepacked_gemms(self.dtype))
                      if config.lora.enabled else None)
 
     def kv_bytes_per_block(self) -> int:
@@ -206,9 +181,8 @@ class Worker:
                   and not getattr(self.model, "torch_attention_only", False))
         # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
-        par = self.config.parallel
-        if self.step_threads == 1 and par.tensor_parallel_size == 1 and not self.config.scheduler.batch_invariant:
-            self.runner.enable_halves(par.cpu.half_step_tokens)
+        if half_step_tokens := self.platform.half_step_tokens():
+            self.runner.enable_halves(half_step_tokens)
         if graphs:
             with startup_phases.phase("cuda_graphs"):
                 self._capture_graphs(scratch_block=num_blocks)
@@ -224,7 +198,7 @@ class Worker:
         pieces = min(self.config.parallel.cuda_graph_pieces, self.arch.num_layers) if hasattr(
             self.model, "forward_pieces") else 1
         graphs = DecodeGraphs(self.config.scheduler.max_num_seqs, -(-max_len // bs), bs, scratch_block,
-                              self.model.layers[0].self_attn.qkv_proj.num_kv_heads, self.device, pieces=pieces)
+                              self.runner.attn_builder, self.device, pieces=pieces)
         graphs.lora = self.lora  # adapter slots are a graph input (rayllm/lora/triton_kernels.py)
         # xformers may refuse paged decode during warm-up: its fallback copies from Python lists each
         # step, which a graph cannot replay.
@@ -242,12 +216,7 @@ class Worker:
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"
-        if self.single_sequence_threads:
-            wide = len(step.seqs) == 1 or (
-                self.wide_step_tokens > 0 and sum(len(s.token_ids) for s in step.seqs) >= self.wide_step_tokens)
-            want = self.single_sequence_threads if wide else self.step_threads
-            if torch.get_num_threads() != want:  # ~1 us; only when the batch crosses one sequence
-                torch.set_num_threads(want)
+        self.platform.before_step(step)
         self.steps += 1
         try:
             if self.steps - 1 == self.config.debug.fail_step_with_oom_after:
@@ -257,8 +226,7 @@ class Worker:
             message = first_line(exc)
         # Outside the handler the failed step's frames, and the tensors they held, are gone: give the cached
         # blocks back so that the next step finds the memory; the engine fails this step's requests only.
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.release_cached_memory()
         log.warning("out of memory in a step of %d sequences: %s", len(step.seqs), message)
         raise StepOutOfMemory(message)
 
@@ -300,5 +268,4 @@ class Worker:
         if self.runner is not None:
             self.runner.close()
         self.runner = self.model = self.lora = None  # type: ignore[assignment]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.release_cached_memory()

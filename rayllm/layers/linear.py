@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from rayllm.layers.linear_method import LinearBase, SmallBatchMethod
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.platforms.cpu.onednn import OneDNNWeight
 from rayllm.platforms.cpu.qgemm import Int4VnniWeight
@@ -113,16 +114,6 @@ class PackedWeight:
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,
-           onednn: OneDNNWeight | None = None) -> torch.Tensor:
-    if packed is not None and x.shape[0] <= packed.max_tokens:
-        out = packed(x)
-        return out if bias is None else out + bias
-    if onednn is not None:
-        return onednn(x, bias)
-    return F.linear(x, weight, bias)
-
-
 def _set_weight_loader(param: nn.Parameter, loader, num_shards: int = 1) -> None:
     """num_shards: how many checkpoint tensors fill this parameter (the loader checks each arrived)."""
     param.weight_loader = loader  # type: ignore[attr-defined]
@@ -135,7 +126,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: s
     param.data.copy_(loaded)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(LinearBase):
     """Fused q/k/v projection, column-parallel by whole KV-head groups (GQA-correct, uneven allowed)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup):
@@ -155,11 +146,7 @@ class QKVParallelLinear(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.weight = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, hidden), requires_grad=False)
-        self.packed: PackedWeight | None = None
-        self.onednn: OneDNNWeight | None = None
-        self.lora = None  # a rayllm.lora.layers.LoRALinear when adapters are enabled
         _set_weight_loader(self.weight, self.weight_loader, 3)
-        self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False)
             _set_weight_loader(self.bias, self.weight_loader, 3)
@@ -176,13 +163,13 @@ class QKVParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, q_size + 2 * kv_size]: q, k, v side by side (q and k are rotated together)."""
-        qkv = linear(x, self.weight, self.bias, self.packed, self.onednn)
+        qkv = self.base(x)
         if self.lora is not None:
             qkv = self.lora.apply(x, qkv)
         return qkv
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
     def __init__(self, in_features: int, out_features: list[int], tp: TPGroup):
@@ -191,9 +178,6 @@ class MergedColumnParallelLinear(nn.Module):
         self.offsets = [sum(size for _, size in self.pieces[:i]) for i in range(len(self.pieces))]
         total = sum(size for _, size in self.pieces)
         self.weight = nn.Parameter(torch.empty(total, in_features), requires_grad=False)
-        self.packed: PackedWeight | None = None
-        self.onednn: OneDNNWeight | None = None
-        self.lora = None  # a rayllm.lora.layers.LoRALinear when adapters are enabled
         _set_weight_loader(self.weight, self.weight_loader, len(out_features))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -206,11 +190,11 @@ class MergedColumnParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, None, self.packed, self.onednn)
+        out = self.base(x)
         return out if self.lora is None else self.lora.apply(x, out)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products summed with all_reduce."""
 
     def __init__(self, in_start: int, in_size: int, out_features: int, tp: TPGroup):
@@ -218,16 +202,13 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_start = in_start
         self.weight = nn.Parameter(torch.empty(out_features, in_size), requires_grad=False)
-        self.packed: PackedWeight | None = None
-        self.onednn: OneDNNWeight | None = None
-        self.lora = None  # a rayllm.lora.layers.LoRALinear when adapters are enabled
         _set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         default_weight_loader(param, loaded.narrow(1, self.in_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, None, self.packed, self.onednn)
+        out = self.base(x)
         if self.lora is not None:  # before the all_reduce: the LoRA partial sums are reduced with the base's
             out = self.lora.apply(x, out)
         return self.tp.all_reduce(out)
@@ -262,15 +243,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(LinearBase):
     """Vocab-parallel output projection; logits are gathered to full width (padding cut off)."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, tied_to: VocabParallelEmbedding | None):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.packed: PackedWeight | None = None
-        self.onednn: OneDNNWeight | None = None
         if tied_to is not None:
             self.weight = tied_to.weight  # tied embeddings share one tensor and one loader
         else:
@@ -278,17 +257,18 @@ class ParallelLMHead(nn.Module):
             self.weight = shard.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed, self.onednn)
+        logits = self.base(hidden)
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
 def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True, passes: int = 2) -> int:
-    """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches; with
-    `vnni`, 4-bit layers other than the LM head run cpu_qgemm's kernel where the CPU has it, with
-    `passes` int8 passes over the activations (parallel.cpu.int8_passes)."""
+    """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches (a
+    SmallBatchMethod in front of its dense path); with `vnni`, 4-bit layers other than the LM head run
+    cpu_qgemm's kernel where the CPU has it, with `passes` int8 passes over the activations
+    (parallel.cpu.int8_passes)."""
     count = 0
     for name, module in model.named_modules():
-        if not hasattr(module, "packed"):
+        if not isinstance(module, LinearBase) or module.large_batch_method is None:
             continue
         weight_name = f"{name}.weight"
         bits = source_bits.get(weight_name)
@@ -296,19 +276,20 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
             bits = source_bits.get("embed_tokens.weight")  # tied
         if bits is not None and bits <= 8:
             head = isinstance(module, ParallelLMHead)  # the logits keep bf16 activations
-            module.packed = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
-                                         SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head,
-                                         passes=passes)
+            small = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
+                                 SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head,
+                                 passes=passes)
+            module.set_method(SmallBatchMethod(small, module.large_batch_method))
             count += 1
     return count
 
 
 def prepack_onednn_weights(model: nn.Module, batch_invariant: bool = False) -> int:
-    """Give every dense linear layer (and the LM head) its weight in oneDNN's layout; see OneDNNWeight.
-    Layers whose `packed` weight serves every batch size (quantized mode) have no dense weight."""
+    """Give every linear layer (and the LM head) with a dense path its weight in oneDNN's layout; see
+    OneDNNWeight. Layers whose method serves every batch size (quantized mode, FP8) have no dense weight."""
     count = 0
     for module in model.modules():
-        if hasattr(module, "onednn") and not getattr(module.packed, "all_batches", False):
-            module.onednn = OneDNNWeight(module.weight.data, batch_invariant)
+        if isinstance(module, LinearBase) and module.large_batch_method is not None:
+            module.set_large_batch_method(OneDNNWeight(module.weight.data, batch_invariant))
             count += 1
     return count

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rayllm.layers.linear import ParallelLMHead, RowParallelLinear
+from rayllm.layers.linear_method import LinearBase
 from rayllm.loader.loader import iter_gguf
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.quant.methods import (
@@ -56,15 +57,14 @@ def _fill(module: nn.Module, loader, pend: _Pending, raw: RawBlocks, shard) -> N
     pend.parts += 1
 
 
-def _finish(module: nn.Module, pend: _Pending, dtype: torch.dtype, int8_activations: bool, passes: int) -> None:
+def _finish(module: LinearBase, pend: _Pending, dtype: torch.dtype, int8_activations: bool, passes: int) -> None:
+    """The layer's weight method from its decoded blocks; the layer keeps no dense copy, only its shape."""
     if pend.int4 and pend.groups == {32}:
-        module.packed = Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations,
-                                        passes)
+        module.set_method(Int4GroupWeight(pend.q, pend.scale[:, ::2], pend.zero[:, ::2], dtype, int8_activations,
+                                          passes))
     else:
         step = 1 if 16 in pend.groups else 2
-        module.packed = Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype)
-    # No dense copy: a shape-only weight keeps what reads shapes (LoRA) working.
-    module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+        module.set_method(Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype))
 
 
 def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False, passes: int = 2) -> int:
@@ -91,7 +91,7 @@ def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool =
             raise ValueError(f"unexpected tensor in checkpoint: {name}")
         mod_name = param_name.rpartition(".")[0]
         module = modules[mod_name]
-        quantizable = (isinstance(tensor, RawBlocks) and param_name.endswith(".weight") and hasattr(module, "packed")
+        quantizable = (isinstance(tensor, RawBlocks) and param_name.endswith(".weight") and isinstance(module, LinearBase)
                        and not (isinstance(module, ParallelLMHead) and arch.tie_word_embeddings))
         if quantizable and tensor.shape[1] % QK_K and tensor.qtype.name.endswith("_K"):  # type: ignore[union-attr]
             quantizable = False
@@ -114,8 +114,8 @@ def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool =
             params[param_name].weight_loader(params[param_name], tensor.to(dtype), shard)  # type: ignore[attr-defined]
         loaded[param_name] = loaded.get(param_name, 0) + 1
     missing = [n for n, p in params.items() if loaded.get(n, 0) != getattr(p, "num_shards", 1)]
-    missing = [n for n in missing if not (isinstance(getattr(modules.get(n.rpartition(".")[0]), "packed", None),
+    missing = [n for n in missing if not (isinstance(getattr(modules.get(n.rpartition(".")[0]), "method", None),
                                                      (Int4GroupWeight, Int8GroupWeight)))]
     if missing or pending:
         raise ValueError(f"parameters missing from checkpoint (or loaded partially): {(missing + list(pending))[:10]}")
-    return sum(isinstance(getattr(m, "packed", None), (Int4GroupWeight, Int8GroupWeight)) for m in model.modules())
+    return sum(isinstance(getattr(m, "method", None), (Int4GroupWeight, Int8GroupWeight)) for m in model.modules())

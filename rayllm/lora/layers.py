@@ -178,22 +178,22 @@ class LoRAManager:
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = attn.qkv_proj
-            qkv.lora = LoRALinear(3, qkv.weight.shape[1], [
+            qkv.attach_lora(LoRALinear(3, qkv.weight.shape[1], [
                 (0, qkv.ranges["q"][0], qkv.q_size),
                 (qkv.q_size, qkv.ranges["k"][0], qkv.kv_size),
                 (qkv.q_size + qkv.kv_size, qkv.ranges["v"][0], qkv.kv_size),
-            ], None, config, self.batch, dtype, device, batch_invariant)
+            ], None, config, self.batch, dtype, device, batch_invariant))
             rows = [attn.o_proj]
             if hasattr(mlp, "gate_up_proj"):  # a dense MLP (a mixture of experts takes no adapters)
                 gu = mlp.gate_up_proj
-                gu.lora = LoRALinear(2, gu.weight.shape[1], [
+                gu.attach_lora(LoRALinear(2, gu.weight.shape[1], [
                     (off, start, size) for off, (start, size) in zip(gu.offsets, gu.pieces, strict=True)
-                ], None, config, self.batch, dtype, device, batch_invariant)
+                ], None, config, self.batch, dtype, device, batch_invariant))
                 rows.append(mlp.down_proj)
             for row in rows:
                 out_f, in_size = row.weight.shape
-                row.lora = LoRALinear(1, in_size, [(0, 0, out_f)], (row.in_start, in_size), config, self.batch,
-                                      dtype, device, batch_invariant)
+                row.attach_lora(LoRALinear(1, in_size, [(0, 0, out_f)], (row.in_start, in_size), config,
+                                           self.batch, dtype, device, batch_invariant))
 
     def load(self, slot: int, lora_id: int, path: str) -> int:
         """Read `path` into `slot` for requests tagged `lora_id`; returns the adapter's rank."""

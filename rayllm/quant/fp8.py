@@ -1,6 +1,6 @@
 """FP8 (e4m3) weights run by FP8 GEMMs: `model.quantization: fp8`, and the FP8 checkpoints' configs.
 
-`Fp8Weight` is a linear layer's weight method (the layer's `packed`, as rayllm/quant/methods.py's are):
+`Fp8Weight` is a linear layer's weight method (layers/linear_method.py; the loader picks it in weight_methods.py):
 e4m3 weights with one fp32 scale per output channel; each call quantizes its activations per token
 (dynamic: amax / 448 per row, no host sync, fixed shapes, so it is CUDA-graph safe) and runs
 `torch._scaled_mm` with row-wise scales, output in the activation dtype. A per-tensor checkpoint scale
@@ -15,13 +15,10 @@ checkpoints' `ignore: [lm_head]` do): the logits are the most sensitive to round
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
-
-log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -98,8 +95,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Weight:
     """One linear layer's weight as e4m3 with per-output-channel scales; every step size runs FP8."""
 
-    all_batches = True  # parallel.linear uses it at every step size; the dense weight is released
-    max_tokens = 1 << 62
+    all_batches = True  # a weight method for every step size; the layer releases its dense weight
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         """q [n, k] e4m3; scale fp32: one per row ([n] or [n, 1]) or one for the tensor."""
@@ -122,33 +118,14 @@ class Fp8Weight:
         out = torch._scaled_mm(xq, self.q_t, scale_a=xs, scale_b=self.scale, out_dtype=x.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        out = self(x)
+        return out if layer.bias is None else out + layer.bias
+
     def nbytes(self) -> int:
         return self.q_t.numel() + self.scale.nbytes
 
 
-def _fits(weight: torch.Tensor) -> bool:
-    # _scaled_mm on CUDA wants both GEMM dimensions divisible by 16.
+def fp8_fits(weight: torch.Tensor) -> bool:
+    """_scaled_mm on CUDA wants both GEMM dimensions divisible by 16 (other layers stay dense)."""
     return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-
-
-def release_dense(param: nn.Parameter) -> None:
-    """Drop a parameter's storage but keep its shape (code reads `weight.shape`, e.g. the LoRA layers)."""
-    param.data = torch.zeros(1, dtype=param.dtype, device=param.device).expand(param.shape)
-
-
-def quantize_model_fp8(model: nn.Module, keep: tuple[type, ...] = ()) -> int:
-    """Every dense linear layer (a module with a `packed` weight method) not of a `keep` type (the LM
-    head) to an Fp8Weight, releasing its dense weight; returns how many. Dimensions not divisible by 16
-    stay dense."""
-    count = 0
-    for module in model.modules():
-        if not hasattr(module, "packed") or isinstance(module, keep) or module.packed is not None:
-            continue
-        if not _fits(module.weight):
-            log.info("layer with weight %s stays %s (not a multiple of 16)", tuple(module.weight.shape),
-                     module.weight.dtype)
-            continue
-        module.packed = Fp8Weight.from_dense(module.weight.data)
-        release_dense(module.weight)
-        count += 1
-    return count

@@ -14,6 +14,8 @@ int8 form. Scales are kept in the activation dtype (bf16 rounds GGUF's fp16 scal
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -91,8 +93,7 @@ class Int4GroupWeight:
     CPU with VNNI) or torch's int4 weight-only kernel. Either's per-row result does not depend on the
     batch's row count (so the layer is batch-invariant too)."""
 
-    all_batches = True  # parallel.linear uses it at every step size; no dense weight is kept
-    max_tokens = 1 << 62
+    all_batches = True  # a weight method for every step size; no dense weight is kept
     GROUP = 32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
@@ -112,6 +113,11 @@ class Int4GroupWeight:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.GROUP, self.scales)
         return out.to(x.dtype)
 
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """The weight method (layers/linear_method.py): these weights, plus the layer's bias."""
+        out = self(x)
+        return out if layer.bias is None else out + layer.bias
+
     def nbytes(self) -> int:
         if self.vnni is not None:
             return self.vnni.nbytes()
@@ -123,7 +129,6 @@ class Int8GroupWeight:
     dtype for each call (transient, one layer at a time), then one GEMM."""
 
     all_batches = True
-    max_tokens = 1 << 62
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
         self.q = q
@@ -140,6 +145,10 @@ class Int8GroupWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense(x.dtype))
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        out = self(x)
+        return out if layer.bias is None else out + layer.bias
 
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes + (0 if self.zero is None else self.zero.nbytes)

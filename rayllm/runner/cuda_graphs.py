@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from rayllm.attention.base import AttentionMetadata, decode_gather_index
+from rayllm.attention.base import AttentionMetadata, AttentionMetadataBuilder
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,13 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 
 class DecodeGraphs:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int, scratch_block: int,
-                 num_kv_heads: int, device: torch.device, capture: bool = True, pieces: int = 1) -> None:
-        """pieces: graphs per batch size, each a run of layers (model.forward_pieces), replayed in turn:
-        a graph's launch costs host time per kernel, and the GPU waits for all of it before starting."""
+                 builder: AttentionMetadataBuilder, device: torch.device, capture: bool = True, pieces: int = 1) -> None:
+        """builder: the runner's (its backend's) metadata builder. pieces: graphs per batch size, each a run of
+        layers (model.forward_pieces), replayed in turn: a graph's launch costs host time per kernel, and the
+        GPU waits for all of it before starting."""
         self.sizes = capture_sizes(max_num_seqs)
         self.width, self.block_size, self.scratch_block = max_blocks_per_seq, block_size, scratch_block
-        self.num_kv_heads = num_kv_heads
+        self.builder = builder
         self.device = device
         self.capture_enabled = capture and device.type == "cuda"
         b, w = self.sizes[-1], max_blocks_per_seq
@@ -127,20 +128,10 @@ class DecodeGraphs:
         return self.device.type == "cuda"
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """Fixed-shape metadata over the static buffers' first `size` rows, for every backend: the paged
-        fields (xformers) and the torch decode path's mask and gather index, derived on the device."""
-        bs, w = self.block_size, self.width
-        tables, lens = self.tables[:size], self.ctx_lens[:size]
-        num_blocks = self.scratch_block + 1
-        return AttentionMetadata(
-            slot_mapping=self.slots[:size], num_decode=size, block_size=bs,
-            decode_block_tables=tables,
-            decode_mask=torch.arange(w * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1),
-            decode_gather_index=decode_gather_index(tables, self.num_kv_heads, num_blocks),
-            q_lens=[1] * size, ctx_lens=[w * bs] * size,  # upper bounds: the kernels read `lens`
-            seq_block_tables=tables, seq_ctx_lens=lens, seq_q_starts=self.q_starts[:size],
-            seq_q_lens=torch.ones(size, dtype=torch.int32, device=self.device),
-        )
+        """Fixed-shape metadata over the static buffers' first `size` rows, as the backend's builder makes it
+        (derived on the device, inside the graph)."""
+        return self.builder.decode_graph(self.slots[:size], self.tables[:size], self.ctx_lens[:size],
+                                         self.q_starts[:size], self.scratch_block + 1)
 
     def _run(self, size: int) -> torch.Tensor:
         if self.forward_pieces is not None:

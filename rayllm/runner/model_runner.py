@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
-from rayllm.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk, decode_gather_index
+from rayllm.attention.base import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from rayllm.common.errors import describe
+from rayllm.platforms.cpu.onednn import OneDNNWeight
 from rayllm.platforms.cpu.split_step import HalfThread, VocabHalves, split_point
 from rayllm.runner.input_buffers import InputBuffers
 from rayllm.sample.sampling_inputs import SamplingInputs, prompt_logprobs
@@ -28,30 +27,25 @@ class ModelRunner:
         self.buffers = InputBuffers(device)
         self.graphs = None  # a cuda_graphs.DecodeGraphs, set by the worker once captured
         backend: AttentionBackend | None = getattr(model, "attn_backend", None)  # None: test stand-ins
-        self.needs_context_slots = backend is not None and backend.needs_context_slots
-        # The C and Triton kernels read block tables and lengths directly, for decode and prefill alike;
-        # the torch path needs masks, gather indices and context slots built from them. Models with
-        # sliding-window or soft-capped layers keep the torch path unless the backend does both (Triton).
+        # The backend says what metadata its layers read (attention/base.py); stand-ins take the torch path's.
+        torch_only = getattr(model, "torch_attention_only", False)
+        self.attn_builder = (backend.metadata_builder(block_size, kv_caches, torch_only) if backend is not None
+                             else AttentionMetadataBuilder(block_size, kv_caches))
         kernels = backend.kernels if backend is not None else None
-        self.paged_kernels = (kernels is not None and bool(kv_caches)
-                              and kv_caches[0][0].dtype in kernels.attention_dtypes
-                              and (not getattr(model, "torch_attention_only", False)
-                                   or (backend is not None and backend.windows_and_softcap)))
-        self.seq_tables = self.paged_kernels or self.needs_context_slots  # every sequence's block table, int32
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
         self.halves: HalfThread | None = None  # see enable_halves
         self.half_step_tokens = 0
 
     def enable_halves(self, min_tokens: int) -> None:
-        """CPU, one torch thread, a single rank: steps of `min_tokens`+ tokens run in two halves on two
-        threads, and other steps' LM head in two halves of the vocabulary (split_step.py). Only with
-        the C attention kernels, whose inputs are per sequence."""
-        if min_tokens > 0 and self.paged_kernels and self.device.type == "cpu":
+        """Steps of `min_tokens`+ tokens run in two halves on two threads, and other steps' LM head in two halves
+        of the vocabulary (split_step.py); the CPU platform asks for it (one torch thread, a single rank). Only
+        with the C attention kernels, whose inputs are per sequence."""
+        if min_tokens > 0 and self.attn_builder.kernels:
             self.halves = HalfThread()
             self.half_step_tokens = min_tokens
             head = getattr(self.model, "lm_head", None)
-            if head is not None and getattr(head, "onednn", None) is not None:
-                head.onednn = VocabHalves(head.weight.data, self.halves)
+            if head is not None and isinstance(head.large_batch_method, OneDNNWeight):
+                head.set_large_batch_method(VocabHalves(head.weight.data, self.halves))
 
     def close(self) -> None:
         if self.halves is not None:
@@ -61,11 +55,6 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _context_slots(self, blocks: torch.Tensor, ctx_len: int) -> torch.Tensor:
-        """Cache slots of positions 0..ctx_len-1 from a sequence's blocks, on the device."""
-        bs = self.block_size
-        return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=blocks.device)).flatten()[:ctx_len]
-
     def prepare(self, step: StepInput, lora: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Per-step tensors; Python work is O(new tokens + blocks), never O(context length). Every
         integer input goes to the device in one copy (input_buffers.py); the rest is built there.
@@ -73,17 +62,9 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        chunks: list[tuple[int, int, int, list[int]]] = []  # prefill: q_start, q_len, ctx_len, blocks
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        bs = self.block_size
         if self.lora is not None and lora:  # each token's adapter slot, for the LoRA deltas inside the linears
             self.lora.set_batch([s.lora_slot for s in step.seqs], [len(s.token_ids) for s in step.seqs])
-        seq_tables: list[list[int]] = []
-        ctx_blocks: list[list[int]] = []
-        q_starts: list[int] = []
+        meta = self.attn_builder.step()
         for s in step.seqs:
             n = len(s.token_ids)
             q_start = len(ids)
@@ -91,75 +72,10 @@ class ModelRunner:
             end = s.start_pos + n
             positions.extend(range(s.start_pos, end))
             slot_mapping.extend(self._slots(s.block_table, s.start_pos, end))
-            q_lens.append(n)
-            blocks = s.block_table[: -(-end // bs)]
-            # Blocks behind every layer's window were freed (block_manager.FREED): the context is gathered
-            # from the first live block on; every mask is relative to the context's end, so none changes.
-            dropped = bisect.bisect_left(blocks, True, key=lambda b: b >= 0) if blocks[0] < 0 else 0
-            blocks = blocks[dropped:]
-            ctx = end - dropped * bs
-            ctx_lens.append(ctx)
-            ctx_blocks.append(blocks)
-            is_decode = n == 1 and not chunks and len(decode_lens) == len(q_lens) - 1
-            if self.seq_tables:
-                seq_tables.append(blocks)
-                q_starts.append(q_start)
-                if is_decode:
-                    decode_lens.append(ctx)
-            elif is_decode:
-                decode_tables.append(blocks)
-                decode_lens.append(ctx)
-            else:
-                chunks.append((q_start, n, ctx, blocks))
-        parts: list[list[int]] = [ids, positions, slot_mapping]
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            parts += [[b for t in decode_tables for b in t + [0] * (width - len(t))], decode_lens]
-        if seq_tables:
-            width = max(len(t) for t in seq_tables)
-            parts += [[b for t in seq_tables for b in t + [0] * (width - len(t))], ctx_lens, q_starts, q_lens]
-        parts += [c[3] for c in chunks if c[1] != c[2]]  # blocks of chunks after a cached prefix
-        if self.needs_context_slots:
-            parts += ctx_blocks
-        tensors = iter(self.buffers.upload(parts))
+            meta.add(q_start, n, s.block_table, end)
+        tensors = iter(self.buffers.upload([ids, positions, slot_mapping, *meta.host_lists()]))
         ids_t, positions_t, slots_t = next(tensors), next(tensors), next(tensors)
-        tables_t = mask_t = gather_t = None
-        if decode_tables:
-            tables_t = next(tensors).view(len(decode_tables), -1)
-            lens_t = next(tensors)
-            mask_t = torch.arange(tables_t.shape[1] * bs, device=lens_t.device).unsqueeze(0) < lens_t.unsqueeze(1)
-            num_kv_heads, num_blocks = self.kv_caches[0][0].shape[:2]
-            gather_t = decode_gather_index(tables_t, num_kv_heads, num_blocks)
-        kernel_args = {}
-        if seq_tables:
-            table, lens, starts, qlens = (next(tensors).int() for _ in range(4))
-            kernel_args = dict(seq_block_tables=table.view(len(seq_tables), -1), seq_ctx_lens=lens,
-                               seq_q_starts=starts, seq_q_lens=qlens)
-        prefills = []
-        for q_start, n, end, _ in chunks:
-            if n == end:  # the chunk is the whole context: attends to its own keys, causally
-                prefills.append(PrefillChunk(q_start, n, end, None, None))
-                continue
-            dev = slots_t.device
-            mask = torch.arange(end, device=dev).unsqueeze(0) <= torch.arange(end - n, end, device=dev).unsqueeze(1)
-            prefills.append(PrefillChunk(q_start, n, end, self._context_slots(next(tensors), end), mask))
-        ctx_slots = None
-        if self.needs_context_slots:
-            ctx_slots = torch.cat([self._context_slots(next(tensors), c) for c in ctx_lens])
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
-            num_decode=len(decode_lens),
-            block_size=bs,
-            decode_block_tables=tables_t,
-            decode_mask=mask_t,
-            decode_gather_index=gather_t,
-            prefills=prefills,
-            q_lens=q_lens,
-            ctx_lens=ctx_lens,
-            ctx_slots=ctx_slots,
-            **kernel_args,
-        )
-        return ids_t, positions_t, meta
+        return ids_t, positions_t, meta.build(slots_t, tensors)
 
     def forward(self, step: StepInput) -> torch.Tensor:
         """Hidden states of the step's tokens: a captured decode graph when one covers it, else eager."""

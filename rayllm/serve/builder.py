@@ -21,6 +21,7 @@ from rayllm.serve.config import ModelEntry, ServerConfig
 from rayllm.serve.ingress import Ingress
 from rayllm.serve.llm_server import LLMDeployment
 from rayllm.serve.prefix_router import request_router_config
+from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.tokenizer import TokenizerDeployment
 
 log = logging.getLogger("ray.serve")
@@ -127,11 +128,6 @@ def placement_bundles(config: ServerConfig) -> list[dict[str, float]] | None:
     return [{"CPU": config.replica_num_cpus}] + [rank] * config.engine.parallel.tensor_parallel_size
 
 
-def serving_nice(config: ServerConfig) -> int:
-    """Only a CPU engine competes with the serving processes for cores."""
-    return 0 if _on_gpu(config) else config.serving_nice
-
-
 def ignored_on_gpu(config: ServerConfig) -> list[str]:
     """The CPU-only settings of a resolved config that a GPU app ignores (cluster.yaml's CPU tuning)."""
     names = {name for entry in config.models if entry.engine.parallel.device == "cuda"
@@ -170,7 +166,7 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
     if ignored:  # one line per app: cluster.yaml's CPU tuning is harmless on a GPU, but not silently dropped
         log.info("device cuda: ignoring the CPU-only settings %s", ", ".join(ignored))
     nodes = ray.nodes() if ray.is_initialized() else []
-    nice = serving_nice(config)
+    priority = ServingPriority.of(config)  # the ingress derives the same from its config
     llms: dict[str, Any] = {}
     paths: dict[str, str] = {}
     for index, entry in enumerate(config.models):
@@ -184,6 +180,6 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
         options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
         llms[entry.name] = LLMDeployment.options(**options).bind(
             entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
-            serving_nice(one), config.tracing)
-    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, nice, config.tracing)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms, nice)
+            ServingPriority.of(one), config.tracing)
+    tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, priority, config.tracing)
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms)

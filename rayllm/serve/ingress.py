@@ -15,7 +15,6 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol import conversations as C
 from rayllm.protocol import protocol as P
 from rayllm.protocol.chat_output import output_parser_factory
@@ -43,6 +42,7 @@ from rayllm.serve.routes.http_app import app, parse, parse_query, read_body, req
 from rayllm.serve.routes.model_routes import ModelRoutes
 from rayllm.serve.routes.playground import PlaygroundRoutes
 from rayllm.serve.routes.responses_routes import ResponsesRoutes
+from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.stores.completion_store import completion_store
 from rayllm.serve.stores.conversation_store import ConversationStore
 from rayllm.serve.tracing import client_span, configure
@@ -54,9 +54,8 @@ log = logging.getLogger("ray.serve")
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
 class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
-    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llms: dict[str, DeploymentHandle],
-                 serving_nice: int = 0):
-        lower_process_priority(serving_nice)
+    def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llms: dict[str, DeploymentHandle]):
+        ServingPriority.of(config).step_back()
         self.config = config
         self.created = int(time.time())
         self.routes = ModelRoutes(config.models, llms, tokenizer, self.created)

@@ -22,7 +22,6 @@ from ray import serve
 from rayllm.common.errors import first_line
 from rayllm.common.startup_phases import cold_start_record
 from rayllm.loader.model_files import resolve_model_path
-from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.errors import APIError, replica_failed
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
 from rayllm.protocol.structured import literal_choices
@@ -34,6 +33,7 @@ from rayllm.serve.detokenizer import IncrementalDetokenizer
 from rayllm.serve.generation_modes import best_of, choose
 from rayllm.serve.lora.lora_registry import AdapterEntry, LoRARegistry
 from rayllm.serve.metrics import publish_engine_stats
+from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.tokenizer import TokenizerService
 from rayllm.serve.tracing import TracingConfig, configure
 from rayllm.serve.tracing_spans import ModelTrace, model_trace
@@ -94,7 +94,8 @@ def engine_failure(exc: Exception) -> Exception:
 
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, stream_interval_s: float = 0.0,
-                 engine_process: bool = False, serving_nice: int = 0, tracing: TracingConfig | None = None):
+                 engine_process: bool = False, priority: ServingPriority | None = None,
+                 tracing: TracingConfig | None = None):
         from rayllm.engine.client.engine_client import make_engine_client
 
         t0, started_at = time.perf_counter(), time.time()
@@ -115,7 +116,7 @@ class LLMServer:
 
         self.engine = make_engine_client(engine_config, load_tokenizer, own_process=engine_process)
         if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
-            lower_process_priority(serving_nice)
+            (priority or ServingPriority()).step_back()
         self.config = engine_config
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

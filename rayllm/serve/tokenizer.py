@@ -18,7 +18,6 @@ import ray
 from ray import serve
 
 from rayllm.loader.model_files import resolve_model_path
-from rayllm.platforms.cpu.priority import lower_process_priority
 from rayllm.protocol.tools import detect_tool_format
 from rayllm.serve.chat_template import (
     END_OF_TURN_TOKENS,
@@ -30,6 +29,7 @@ from rayllm.serve.chat_template import (
 from rayllm.serve.detokenizer import fast_backend
 from rayllm.serve.render_channel import RenderServer
 from rayllm.serve.rust_tokenizer import RustTokenizer, warm_chat_templates
+from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.template_sandbox import TemplateSandbox
 from rayllm.serve.tracing import TracingConfig, configure, remote_span
 
@@ -177,14 +177,15 @@ class TokenizerDeployment:
     replicas' cores; each call names its model (a served model name). Every method is async though only
     the sandbox path awaits: Serve runs plain methods in a thread pool, one more thread hop per call."""
 
-    def __init__(self, model_paths: dict[str, str], serving_nice: int = 0, tracing: TracingConfig | None = None):
+    def __init__(self, model_paths: dict[str, str], priority: ServingPriority | None = None,
+                 tracing: TracingConfig | None = None):
         configure(tracing, "tokenizer")  # spans of the renders that arrive with a traceparent
         model_paths = {name: resolve_model_path(path) for name, path in model_paths.items()}  # this node's copies
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
         warm_chat_templates()  # the renderer's import, here rather than in the first request
         # Only now: the first token needs this replica as much as the engine, so its start-up (importing
         # transformers, loading the tokenizer) runs at normal priority beside the engine's.
-        lower_process_priority(serving_nice)
+        (priority or ServingPriority()).step_back()
         # Each sandbox's process starts with the first request template for its model.
         self.sandboxes = {name: TemplateSandbox(path) for name, path in model_paths.items()}
         # Renders with the models' own templates for an ingress on this node, without Serve's per-call cost.

@@ -51,7 +51,7 @@ def test_greedy_tokens_equal_the_torch_path(tmp_path, monkeypatch):
     engine = make_engine(path)
     try:
         worker = engine.executor.worker
-        assert worker.attn_backend.name == "triton" and worker.runner.paged_kernels
+        assert worker.attn_backend.name == "triton" and worker.runner.attn_builder.kernels
         layer = worker.model.layers[0]
         assert layer.input_layernorm.kernels is worker.attn_backend.kernels  # the fused kernels are in use
         assert engine.generate(prompts, params) == want

@@ -57,7 +57,7 @@ def both_backends(monkeypatch, path: str, prompts: list[list[int]], dtype: str, 
     ours = engine(path, dtype, block_size, budget)
     try:
         worker = ours.executor.worker
-        assert worker.attn_backend.name == "triton" and worker.runner.paged_kernels  # the kernels, not torch
+        assert worker.attn_backend.name == "triton" and worker.runner.attn_builder.kernels  # the kernels, not torch
         got = ours.generate(prompts, params)
     finally:
         ours.shutdown()

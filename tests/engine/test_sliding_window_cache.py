@@ -81,8 +81,10 @@ def check_gathered_blocks(engine: LLMEngine) -> None:
         input_ids, positions, meta = prepare(step)
         for i, s in enumerate(step.seqs):  # decode rows first, then one chunk per sequence
             live = {b for b in s.block_table if b != FREED}
-            if i < meta.num_decode:
-                gathered = meta.decode_block_tables[i, : -(-meta.ctx_lens[i] // BS)].tolist()
+            if i < meta.num_decode:  # the gather index's first KV head rows are the decode rows' block tables
+                width = meta.decode_mask.shape[1] // BS
+                tables = meta.decode_gather_index[: meta.num_decode * width].view(meta.num_decode, width)
+                gathered = tables[i, : -(-meta.ctx_lens[i] // BS)].tolist()
             else:
                 chunk = meta.prefills[i - meta.num_decode]
                 gathered = [] if chunk.slots is None else (chunk.slots // BS).tolist()

@@ -7,19 +7,31 @@ import torch
 import torch.nn.functional as F
 
 from rayllm.layers import linear as parallel
-from rayllm.layers.linear import PackedWeight, linear
+from rayllm.layers.linear import PackedWeight, RowParallelLinear, TPGroup
+from rayllm.layers.linear_method import DENSE, LinearBase, SmallBatchMethod
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.platforms.cpu.onednn import OneDNNWeight, onednn_available
+
+
+def layer_with(weight: torch.Tensor, method=DENSE, bias: torch.Tensor | None = None) -> RowParallelLinear:
+    """A one-rank linear layer holding `weight` (and `bias`), run by `method`."""
+    layer = RowParallelLinear(0, weight.shape[1], weight.shape[0], TPGroup()).to(weight.dtype)
+    layer.weight.data.copy_(weight)
+    if bias is not None:
+        layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    layer.set_method(method)
+    return layer
 
 
 def test_linear_picks_the_kernel_by_tokens_per_step():
     torch.manual_seed(0)
     weight = (torch.randn(96, 64) * 0.05).bfloat16()
     packed = PackedWeight(weight, 4)
+    layer = layer_with(weight, SmallBatchMethod(packed, DENSE))
     small = torch.randn(parallel.SMALL_BATCH_TOKENS, 64).bfloat16()
     large = torch.randn(parallel.SMALL_BATCH_TOKENS + 1, 64).bfloat16()
-    torch.testing.assert_close(linear(small, weight, None, packed), packed(small), rtol=0, atol=0)
-    torch.testing.assert_close(linear(large, weight, None, packed), F.linear(large, weight), rtol=0, atol=0)
+    torch.testing.assert_close(layer(small), packed(small), rtol=0, atol=0)
+    torch.testing.assert_close(layer(large), F.linear(large, weight), rtol=0, atol=0)
     # The int4 copy reproduces the weight up to its 4-bit grid (groups of 32 inputs).
     exact = F.linear(small.float(), weight.float())
     assert (packed(small).float() - exact).norm() / exact.norm() < 0.15
@@ -38,7 +50,7 @@ def test_onednn_prepacked_weight_equals_plain_linear(dtype, with_bias):
     prepacked = OneDNNWeight(weight)
     for rows in (1, 7, 64, 100, 700):
         x = torch.randn(rows, 96).to(dtype)
-        got = linear(x, weight, bias, None, prepacked)
+        got = layer_with(weight, prepacked, bias)(x)
         torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5 if dtype == torch.float32 else 0,
                                    atol=1e-5 if dtype == torch.float32 else 0)
 
@@ -48,12 +60,12 @@ def test_small_batches_keep_the_weight_only_kernel_when_prepacked():
     weight = (torch.randn(96, 64) * 0.05).bfloat16()
     packed = PackedWeight(weight, 4)
     small = torch.randn(parallel.SMALL_BATCH_TOKENS, 64).bfloat16()
-    prepacked = OneDNNWeight(weight) if onednn_available(torch.device("cpu"), torch.bfloat16) else None
-    torch.testing.assert_close(linear(small, weight, None, packed, prepacked), packed(small), rtol=0, atol=0)
+    prepacked = OneDNNWeight(weight) if onednn_available(torch.device("cpu"), torch.bfloat16) else DENSE
+    layer = layer_with(weight, SmallBatchMethod(packed, prepacked))
+    torch.testing.assert_close(layer(small), packed(small), rtol=0, atol=0)
 
 
 def tiny_model():
-    from rayllm.layers.linear import TPGroup
     from rayllm.models.llama import LlamaForCausalLM
     from rayllm.schema.config import LlamaArch
 
@@ -65,20 +77,20 @@ def tiny_model():
 
 def test_lm_head_leaves_the_int4_kernel_sooner():
     model = tiny_model()
-    bits = {f"{name}.weight": 4 for name, m in model.named_modules() if hasattr(m, "packed")}
+    bits = {f"{name}.weight": 4 for name, m in model.named_modules() if isinstance(m, LinearBase)}
     bits["embed_tokens.weight"] = 4
     assert parallel.pack_small_batch_weights(model, bits) == 2 * 4 + 1
-    assert model.lm_head.packed.max_tokens == parallel.SMALL_BATCH_TOKENS_LM_HEAD
-    assert model.lm_head.packed.vnni is None  # the logits keep bf16 activations
+    assert model.lm_head.method.small.max_tokens == parallel.SMALL_BATCH_TOKENS_LM_HEAD
+    assert model.lm_head.method.small.vnni is None  # the logits keep bf16 activations
     # The other layers: the int4 x int8 kernel where the CPU has VNNI, for larger steps.
     vnni = cpu_qgemm.available()
-    assert (model.layers[0].mlp.down_proj.packed.vnni is not None) == vnni
-    assert model.layers[0].mlp.down_proj.packed.max_tokens == (
+    assert (model.layers[0].mlp.down_proj.method.small.vnni is not None) == vnni
+    assert model.layers[0].mlp.down_proj.method.small.max_tokens == (
         parallel.VNNI_TOKENS if vnni else parallel.SMALL_BATCH_TOKENS)
     # weight_only: torch's int4 kernel (bf16 activations) up to SMALL_BATCH_TOKENS everywhere.
     assert parallel.pack_small_batch_weights(model, bits, vnni=False) == 2 * 4 + 1
-    assert model.layers[0].mlp.down_proj.packed.vnni is None
-    assert model.layers[0].mlp.down_proj.packed.max_tokens == parallel.SMALL_BATCH_TOKENS
+    assert model.layers[0].mlp.down_proj.method.small.vnni is None
+    assert model.layers[0].mlp.down_proj.method.small.max_tokens == parallel.SMALL_BATCH_TOKENS
     rows = torch.randn(parallel.SMALL_BATCH_TOKENS_LM_HEAD + 1, 64).bfloat16()
     torch.testing.assert_close(model.lm_head(rows), F.linear(rows, model.lm_head.weight), rtol=0, atol=0)
 
@@ -90,7 +102,7 @@ def test_prepack_covers_every_linear_layer_and_the_lm_head():
         pytest.skip("torch built without oneDNN")
     model = tiny_model()
     assert prepack_onednn_weights(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the LM head
-    assert all(m.onednn is not None for m in model.modules() if hasattr(m, "onednn"))
+    assert all(isinstance(m.method, OneDNNWeight) for m in model.modules() if isinstance(m, LinearBase))
 
 
 def test_batch_invariant_onednn_rows_do_not_depend_on_the_batch():

@@ -12,6 +12,7 @@ import torch
 
 from rayllm.engine.engine import LLMEngine
 from rayllm.layers import linear as parallel
+from rayllm.layers.linear_method import SmallBatchMethod
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.quant.methods import Int4GroupWeight
 from rayllm.schema.config import (
@@ -72,8 +73,8 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
     weights, small = PATHS[path]
     engine = make_engine(gguf_path, "bfloat16", weights, small)
     try:
-        layers = [m.packed for m in engine.executor.worker.model.modules()
-                  if isinstance(getattr(m, "packed", None), parallel.PackedWeight)]
+        layers = [m.method.small for m in engine.executor.worker.model.modules()
+                  if isinstance(getattr(m, "method", None), SmallBatchMethod)]
         if path.startswith("int4"):
             # Whole prompts through the small-batch kernel, every layer but the LM head (which keeps
             # its own copy for at most SMALL_BATCH_TOKENS_LM_HEAD tokens).
@@ -83,8 +84,8 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
                 p.max_tokens = 1 << 30
         else:
             assert not layers
-            kept = [m.packed for m in engine.executor.worker.model.modules()
-                    if isinstance(getattr(m, "packed", None), Int4GroupWeight)]
+            kept = [m.method for m in engine.executor.worker.model.modules()
+                    if isinstance(getattr(m, "method", None), Int4GroupWeight)]
             assert bool(kept) == (weights == "quantized")
             assert all((p.vnni is not None) == path.endswith("_vnni") for p in kept)
         agree = agreement(engine, chat_prompts, reference)
@@ -108,7 +109,7 @@ def test_shipped_kernels_answer_the_readme_example(gguf_path):
                                    add_generation_prompt=True)
     engine = make_engine(gguf_path, "bfloat16")
     try:
-        body = [m.packed for n, m in engine.executor.worker.model.named_modules() if n.endswith("_proj")]
+        body = [m.method.small for n, m in engine.executor.worker.model.named_modules() if n.endswith("_proj")]
         assert body and all(p.vnni is not None and p.vnni.passes == 2 for p in body)
         out = engine.generate([tok(text, add_special_tokens=False).input_ids],
                               SamplingParams(temperature=0, max_tokens=16))[0]

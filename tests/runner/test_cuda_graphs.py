@@ -70,7 +70,7 @@ def test_padded_static_decode_equals_eager(kind, monkeypatch):
         runners[name] = ModelRunner(model, [c], BS, vocab_size=50, device=torch.device("cpu"), is_driver=True)
     scratch = NUM_BLOCKS  # the extra block no sequence owns
     graphs = DecodeGraphs(max_num_seqs=8, max_blocks_per_seq=WIDTH, block_size=BS, scratch_block=scratch,
-                          num_kv_heads=HK, device=torch.device("cpu"), capture=False)
+                          builder=runners["graph"].attn_builder, device=torch.device("cpu"), capture=False)
     graphs.capture(runners["graph"].model_forward)
     runners["graph"].graphs = graphs
     tables = [[7, 2, 19], [4], [11, 0, 23, 5], [3, 9]]
@@ -97,7 +97,8 @@ def test_padded_static_decode_equals_eager(kind, monkeypatch):
 
 def test_steps_the_graphs_do_not_cover_run_eagerly(monkeypatch):
     attn, cache = _setup("sdpa", monkeypatch)
-    graphs = DecodeGraphs(4, WIDTH, BS, NUM_BLOCKS, HK, torch.device("cpu"), capture=False)
+    builder = ModelRunner(OneLayer(attn, [cache]), [cache], BS, 50, torch.device("cpu"), True).attn_builder
+    graphs = DecodeGraphs(4, WIDTH, BS, NUM_BLOCKS, builder, torch.device("cpu"), capture=False)
     prefill = [SeqStep("p", [1, 2, 3], 0, [1], sample=True)]
     too_many = [SeqStep(f"s{i}", [1], 2, [i], sample=True) for i in range(5)]
     too_long = [SeqStep("l", [1], WIDTH * BS, list(range(WIDTH + 1)), sample=True)]
@@ -125,7 +126,8 @@ def test_pieces_of_a_decoder_run_as_the_whole(pieces):
     caches = [(torch.randn(HK, NUM_BLOCKS + 1, BS, D), torch.randn(HK, NUM_BLOCKS + 1, BS, D)) for _ in range(5)]
     eager = ModelRunner(model, [tuple(c.clone() for c in kv) for kv in caches], BS, 50, torch.device("cpu"), True)
     graph = ModelRunner(model, caches, BS, 50, torch.device("cpu"), True)
-    graphs = DecodeGraphs(8, WIDTH, BS, NUM_BLOCKS, HK, torch.device("cpu"), capture=False, pieces=pieces)
+    graphs = DecodeGraphs(8, WIDTH, BS, NUM_BLOCKS, graph.attn_builder, torch.device("cpu"), capture=False,
+                          pieces=pieces)
     graphs.capture(graph.model_forward, forward_pieces=graph.model_forward_pieces)
     graph.graphs = graphs
     tables = [[7, 2, 19], [4, 8], [11, 0, 23]]

@@ -71,7 +71,10 @@ def test_tp_placement_bundles():
 
 
 def test_serving_nice_is_bounded_and_only_for_cpu_engines():
-    from rayllm.serve.builder import serving_nice
+    from rayllm.serve.serving_priority import ServingPriority
+
+    def serving_nice(config: ServerConfig) -> int:
+        return ServingPriority.of(config).nice
 
     with pytest.raises(ValueError):
         ServerConfig(serving_nice=20)

@@ -97,7 +97,7 @@ def test_cluster_yaml_on_a_gpu_machine_takes_gpu_defaults_and_says_what_it_ignor
     monkeypatch.setattr(builder, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         llm = bound_llm(build_app(shipped_args()))
-    engine, nice = llm.init_args[0], llm.init_args[4]
+    engine, nice = llm.init_args[0], llm.init_args[4].nice
     assert engine.parallel.device == "cuda" and engine.cache.block_size == AUTO_BLOCK_SIZE["cuda"] == 64
     assert llm.ray_actor_options["num_gpus"] == 1 and nice == 0
     lines = [r.getMessage() for r in caplog.records if "CPU-only settings" in r.getMessage()]
@@ -108,7 +108,7 @@ def test_cluster_yaml_on_a_gpu_machine_takes_gpu_defaults_and_says_what_it_ignor
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ray.serve"):
         llm = bound_llm(build_app(shipped_args()))
-    engine, nice = llm.init_args[0], llm.init_args[4]
+    engine, nice = llm.init_args[0], llm.init_args[4].nice
     assert engine.parallel.device == "cpu" and engine.cache.block_size == 16 and nice == 10
     assert engine.parallel.cpu.threads_per_rank == 1 and "num_gpus" not in llm.ray_actor_options
     assert not [r for r in caplog.records if "CPU-only settings" in r.getMessage()]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -25,6 +27,8 @@ class OneDNNWeight:
     that a probe at load finds bit-equal to each row computed in a two-row call.
     """
 
+    all_batches = False  # a weight method (layers/linear_method.py) over the layer's dense weight
+
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         # The batch size is only a hint for the layout; every batch size runs on the result.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1 if batch_invariant else 64)
@@ -45,6 +49,10 @@ class OneDNNWeight:
         if x.shape[0] <= self.row_block:
             return self._block(x, bias)
         return torch.cat([self._block(part, bias) for part in x.split(self.row_block)])
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """The weight method's entry point: x through this weight, plus the layer's bias."""
+        return self(x, layer.bias)
 
 
 ROW_BLOCKS = (128, 64, 32, 16, 8, 4)

@@ -84,7 +84,9 @@ class VocabHalves:
     """The LM head's oneDNN weight as two halves of the vocabulary. In a step that runs whole on one torch
     thread, the two halves run at once, on this thread and the half thread: the LM head is the step's
     largest GEMM, each thread reads half its weight, and the step meets the other thread once more.
-    Each logit is the same dot product as in one call (bit-equal in the tests)."""
+    Each logit is the same dot product as in one call (bit-equal in the tests). A weight method, as OneDNNWeight."""
+
+    all_batches = False
 
     def __init__(self, weight: torch.Tensor, thread: HalfThread) -> None:
         n = weight.shape[0] // 2
@@ -98,3 +100,6 @@ class VocabHalves:
             later = self.thread.submit(second, x, bias)
             return torch.cat([first(x, bias), later.result()], dim=-1)
         return torch.cat([first(x, bias), second(x, bias)], dim=-1)
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return self(x, layer.bias)

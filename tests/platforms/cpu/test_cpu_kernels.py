@@ -45,7 +45,7 @@ def test_decode_kernel_equals_torch_decode(kernels, dtype, atol, threads, hq, hk
     width = tables.shape[1]
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(batch, dtype=torch.long), num_decode=batch, block_size=bs,
-        decode_block_tables=tables, decode_mask=torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1),
+        decode_mask=torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1),
         decode_gather_index=decode_gather_index(tables, hk, num_blocks),
     )
     # The reference in fp32, whatever the cache dtype: the kernel accumulates in fp32.

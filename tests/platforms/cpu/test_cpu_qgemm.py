@@ -12,6 +12,7 @@ import torch
 
 from rayllm.layers import linear as parallel
 from rayllm.layers.linear import PackedWeight
+from rayllm.layers.linear_method import DENSE, SmallBatchMethod
 from rayllm.platforms.cpu import kernels as cpu_kernels
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 
@@ -87,7 +88,10 @@ def test_packed_weight_uses_the_kernel_for_supported_shapes_only():
     packed = PackedWeight(weight, 4, vnni=True)
     assert packed.vnni is not None and packed.max_tokens == parallel.VNNI_TOKENS
     x = torch.randn(parallel.VNNI_TOKENS, 64).bfloat16()
-    torch.testing.assert_close(parallel.linear(x, weight, None, packed), packed.vnni(x), rtol=0, atol=0)
+    layer = parallel.RowParallelLinear(0, 64, 96, parallel.TPGroup()).bfloat16()
+    layer.weight.data.copy_(weight)
+    layer.set_method(SmallBatchMethod(packed, DENSE))
+    torch.testing.assert_close(layer(x), packed.vnni(x), rtol=0, atol=0)
     exact = x.float() @ weight.float().T
     assert (packed(x).float() - exact).norm() / exact.norm() < 0.15  # the 4-bit grid, as torch's int4 copy
     # 48 inputs (not whole groups of 32): int8 per channel, for at most SMALL_BATCH_TOKENS.
