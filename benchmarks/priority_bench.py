@@ -84,7 +84,10 @@ async def batch_client(http, url: str, seed: int, tier: str | None, args: argpar
         if tier:
             body["service_tier"] = tier
         r = await http.post(url, json=body)
-        r.raise_for_status()
+        if r.status_code != 200:  # counted (0 tokens) and retried: the load must not thin out silently
+            done.append((time.perf_counter(), 0))
+            await asyncio.sleep(1.0)
+            continue
         done.append((time.perf_counter(), r.json()["usage"]["completion_tokens"]))
 
 
@@ -130,7 +133,7 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
     return {"bench": "priority", "variant": variant, "n": len(ttfts),
             "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p90_ms": ms(percentile(ttfts, 90)),
             "ttft_mean_ms": ms(sum(ttfts) / len(ttfts)), "ttft_max_ms": ms(max(ttfts)),
-            "batch_output_tok_s": round(tokens / elapsed, 1),
+            "batch_output_tok_s": round(tokens / elapsed, 1), "batch_errors": sum(1 for _, n in done if n == 0),
             "step_ms_mean": round((after["step_seconds"] - before["step_seconds"]) / max(1, steps) * 1e3, 2),
             "running_at_start": before["num_running"], "waiting_at_start": before["num_waiting"],
             "preemptions": after["num_preemptions"] - before["num_preemptions"], "wall_s": round(elapsed, 1)}
