@@ -1,16 +1,19 @@
 """Priority scheduling under a saturating batch load: interactive time to first token against an idle server's.
 
-    flock /tmp/heavy.lock python benchmarks/priority_bench.py [--batch-clients 96] [--interactive 20]
-        [--rounds 2] [--variants idle,same,prio] [--set engine.scheduler.max_num_batched_tokens=256]
+    flock /tmp/heavy.lock python benchmarks/priority_bench.py [--batch-clients 96] [--interactive 16]
+        [--rounds 2] [--variants idle,same,prio_mixed,prio] [--set engine.scheduler.max_num_batched_tokens=256]
 
 Issue 38's target: with a saturating batch load at low priority, interactive requests' time to first token
-stays within 2x of an idle server's. One app, cluster.yaml's args as shipped with `scheduler.policy:
-priority` (each `--set dotted.key=json` changes one more; the JSON says what ran), in one Ray session:
+stays within 2x of an idle server's. Two apps in one Ray session, both cluster.yaml's args as shipped with
+`scheduler.policy: priority` (each `--set dotted.key=json` changes one more; the JSON says what ran):
+`mixed` with `prompt_steps_alone: false`, `alone` with it true (the default). Variants:
 
-- `idle`: the interactive requests alone.
-- `same`: beside --batch-clients closed-loop batch clients, every request at the same priority (the
-  baseline: what fcfs gives).
-- `prio`: the same load with the batch at `service_tier: flex` (priority +1), interactive at the default.
+- `idle` (mixed): the interactive requests alone.
+- `same` (mixed): beside --batch-clients closed-loop batch clients, every request at the same priority
+  (the baseline: what fcfs gives).
+- `prio_mixed` (mixed): the same load with the batch at `service_tier: flex` (priority +1), interactive at
+  the default; an urgent prompt is computed in a step beside the batch's decode rows.
+- `prio` (alone): the same, with the urgent prompt's step leaving the batch out.
 
 Batch requests are non-streamed chats of about --batch-words words of fresh text with --batch-tokens new
 tokens (ignore_eos); more clients than `max_num_seqs`, so the engine's queue never empties. Interactive
@@ -91,17 +94,20 @@ async def batch_client(http, url: str, seed: int, tier: str | None, args: argpar
         done.append((time.perf_counter(), r.json()["usage"]["completion_tokens"]))
 
 
+VARIANTS = {"idle": ("mixed", None), "same": ("mixed", None), "prio_mixed": ("mixed", "flex"), "prio": ("alone", "flex")}
+
+
 async def run_variant(base: str, handle, variant: str, seed: int, args: argparse.Namespace) -> dict:
     import httpx
 
     url = f"{base}/v1/chat/completions"
+    tier = VARIANTS[variant][1]
     rng = random.Random(seed)
     done: list[tuple[float, int]] = []
     limits = httpx.Limits(max_connections=args.batch_clients + args.interactive + 8)
     async with httpx.AsyncClient(timeout=900, limits=limits) as http:
         load = []
         if variant != "idle":
-            tier = "flex" if variant == "prio" else None
             load = [asyncio.create_task(batch_client(http, url, seed * 1000 + i, tier, args, done))
                     for i in range(args.batch_clients)]
             await asyncio.sleep(args.warmup_s)
@@ -130,7 +136,7 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
     def ms(v: float | None) -> float | None:
         return None if v is None else round(v * 1e3, 1)
 
-    return {"bench": "priority", "variant": variant, "n": len(ttfts),
+    return {"bench": "priority", "variant": variant, "app": VARIANTS[variant][0], "n": len(ttfts),
             "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p90_ms": ms(percentile(ttfts, 90)),
             "ttft_mean_ms": ms(sum(ttfts) / len(ttfts)), "ttft_max_ms": ms(max(ttfts)),
             "batch_output_tok_s": round(tokens / elapsed, 1), "batch_errors": sum(1 for _, n in done if n == 0),
@@ -139,13 +145,14 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
             "preemptions": after["num_preemptions"] - before["num_preemptions"], "wall_s": round(elapsed, 1)}
 
 
-async def run_round(base: str, app: str, variants: list[str], rnd: int, args: argparse.Namespace) -> list[dict]:
+async def run_round(base: str, variants: list[str], rnd: int, args: argparse.Namespace) -> list[dict]:
     from ray import serve
 
-    handle = serve.get_deployment_handle("llm", app)
     out = []
     for v in variants:
-        line = await run_variant(base, handle, v, 1000 * rnd + 7, args) | {"round": rnd}
+        app = VARIANTS[v][0]
+        handle = serve.get_deployment_handle("llm", app)
+        line = await run_variant(f"{base}/{app}", handle, v, 1000 * rnd + 7, args) | {"round": rnd}
         print(json.dumps(line), flush=True)
         out.append(line)
     return out
@@ -153,16 +160,16 @@ async def run_round(base: str, app: str, variants: list[str], rnd: int, args: ar
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="idle,same,prio")
+    ap.add_argument("--variants", default="idle,same,prio_mixed,prio")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-clients", type=int, default=96, help="closed-loop batch clients (> max_num_seqs)")
     ap.add_argument("--batch-words", type=int, default=150)
     ap.add_argument("--batch-tokens", type=int, default=128)
-    ap.add_argument("--interactive", type=int, default=20, help="interactive requests per variant")
+    ap.add_argument("--interactive", type=int, default=16, help="interactive requests per variant")
     ap.add_argument("--interactive-words", type=int, default=12)
     ap.add_argument("--interactive-tokens", type=int, default=16)
     ap.add_argument("--interval-s", type=float, default=1.0, help="mean gap between interactive requests")
-    ap.add_argument("--warmup-s", type=float, default=15.0, help="batch load before the first interactive request")
+    ap.add_argument("--warmup-s", type=float, default=12.0, help="batch load before the first interactive request")
     ap.add_argument("--set", action="append", default=[], help="dotted.key=json over cluster.yaml's app args")
     args = ap.parse_args()
 
@@ -177,28 +184,30 @@ def main() -> None:
     print(json.dumps({"bench": "priority", "event": "config", "args": vars(args),
                       "scheduler": config["engine"]["scheduler"]}), flush=True)
     port = free_port()
-    ray.init(include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,  # two apps' model replicas at 1 CPU each
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}/prio"
+    base = f"http://127.0.0.1:{port}"
     try:
-        serve.run(build_app(config), name="prio", route_prefix="/prio", blocking=False)
         import httpx
 
-        deadline = time.time() + 600
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("the app did not become healthy")
-            time.sleep(0.5)
+        for app, alone in (("mixed", False), ("alone", True)):
+            config["engine"]["scheduler"]["prompt_steps_alone"] = alone
+            serve.run(build_app(config), name=app, route_prefix=f"/{app}", blocking=False)
+            deadline = time.time() + 600
+            while True:
+                try:
+                    if httpx.get(f"{base}/{app}/health", timeout=10).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"the app {app} did not become healthy")
+                time.sleep(0.5)
         variants = args.variants.split(",")
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]
-            lines = {x["variant"]: x for x in asyncio.run(run_round(base, "prio", order, rnd, args))}
+            lines = {x["variant"]: x for x in asyncio.run(run_round(base, order, rnd, args))}
             if "idle" in lines:
                 idle = lines["idle"]
                 print(json.dumps({"bench": "priority", "event": "ratio", "round": rnd} | {
