@@ -156,6 +156,7 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
             "batch_output_tok_s": round(tokens / elapsed, 1), "batch_errors": sum(1 for _, n in done if n == 0),
             "step_ms_mean": round((after["step_seconds"] - before["step_seconds"]) / max(1, steps) * 1e3, 2),
             "running_at_start": before["num_running"], "waiting_at_start": before["num_waiting"],
+            "kv_usage_at_start": round(before["kv_usage"], 3), "kv_usage_at_end": round(after["kv_usage"], 3),
             "preemptions": after["num_preemptions"] - before["num_preemptions"], "wall_s": round(elapsed, 1)} | phases
 
 
