@@ -6,7 +6,7 @@
 Issue 38's target: with a saturating batch load at low priority, interactive requests' time to first token
 stays within 2x of an idle server's. Two apps in one Ray session, both cluster.yaml's args as shipped with
 `scheduler.policy: priority` (each `--set dotted.key=json` changes one more; the JSON says what ran):
-`mixed` with `prompt_steps_alone: false`, `alone` with it true (the default). Variants:
+`mixed` with `prompt_steps_alone: false` (the default), `alone` with it true. Variants:
 
 - `idle` (mixed): the interactive requests alone.
 - `same` (mixed): beside --batch-clients closed-loop batch clients, every request at the same priority
@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.prefix_router_bench import free_port, words  # noqa: E402
 from benchmarks.serve_stats import percentile  # noqa: E402
-from benchmarks.trace_breakdown import Receiver, traceparent  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,22 +64,17 @@ async def engine_stats(handle) -> dict:
     return await handle.stats.remote()  # the engine's counters (EngineStats) as a dict
 
 
-async def interactive(http, url: str, rng: random.Random, args: argparse.Namespace, sent: dict | None) -> float:
-    """One streamed chat: seconds to its first content delta. With `sent`, it is traced (trace_breakdown.py)."""
+async def interactive(http, url: str, rng: random.Random, args: argparse.Namespace) -> float:
+    """One streamed chat: seconds to its first content delta."""
     body = {"messages": [{"role": "user", "content": f"Quick question: {words(rng, args.interactive_words)}?"}],
             "max_tokens": args.interactive_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-    headers = {}
-    if sent is not None:
-        trace_id, headers["traceparent"] = traceparent()
-    send_ns, t0 = time.time_ns(), time.perf_counter()
-    async with http.stream("POST", url, json=body, headers=headers) as r:
+    t0 = time.perf_counter()
+    async with http.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 for choice in json.loads(line[6:]).get("choices") or []:
                     if (choice.get("delta") or {}).get("content"):
-                        if sent is not None:
-                            sent[trace_id] = (send_ns, time.time_ns())
                         return time.perf_counter() - t0
     raise RuntimeError("no content streamed")
 
@@ -104,8 +98,7 @@ async def batch_client(http, url: str, seed: int, tier: str | None, args: argpar
 VARIANTS = {"idle": ("mixed", None), "same": ("mixed", None), "prio_mixed": ("mixed", "flex"), "prio": ("alone", "flex")}
 
 
-async def run_variant(base: str, handle, variant: str, seed: int, args: argparse.Namespace,
-                      receiver: Receiver | None) -> dict:
+async def run_variant(base: str, handle, variant: str, seed: int, args: argparse.Namespace) -> dict:
     import httpx
 
     url = f"{base}/v1/chat/completions"
@@ -122,9 +115,8 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
         before = await engine_stats(handle)
         t0 = time.perf_counter()
         tasks = []
-        sent: dict | None = {} if receiver is not None else None
         for _ in range(args.interactive):
-            tasks.append(asyncio.create_task(interactive(http, url, random.Random(rng.random()), args, sent)))
+            tasks.append(asyncio.create_task(interactive(http, url, random.Random(rng.random()), args)))
             await asyncio.sleep(rng.uniform(0.5, 1.5) * args.interval_s)
         ttfts = list(await asyncio.gather(*tasks))
         elapsed = time.perf_counter() - t0
@@ -145,11 +137,6 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
     def ms(v: float | None) -> float | None:
         return None if v is None else round(v * 1e3, 1)
 
-    phases = {}
-    if receiver is not None:
-        rows = receiver.breakdown(sent)
-        phases = {f"{k}_p50_ms": ms(percentile([r[k] / 1e3 for r in rows], 50))
-                  for k in ("to_engine", "queue", "first_step", "back")} | {"traced": len(rows)}
     return {"bench": "priority", "variant": variant, "app": VARIANTS[variant][0], "n": len(ttfts),
             "ttft_p50_ms": ms(percentile(ttfts, 50)), "ttft_p90_ms": ms(percentile(ttfts, 90)),
             "ttft_mean_ms": ms(sum(ttfts) / len(ttfts)), "ttft_max_ms": ms(max(ttfts)),
@@ -157,18 +144,17 @@ async def run_variant(base: str, handle, variant: str, seed: int, args: argparse
             "step_ms_mean": round((after["step_seconds"] - before["step_seconds"]) / max(1, steps) * 1e3, 2),
             "running_at_start": before["num_running"], "waiting_at_start": before["num_waiting"],
             "kv_usage_at_start": round(before["kv_usage"], 3), "kv_usage_at_end": round(after["kv_usage"], 3),
-            "preemptions": after["num_preemptions"] - before["num_preemptions"], "wall_s": round(elapsed, 1)} | phases
+            "preemptions": after["num_preemptions"] - before["num_preemptions"], "wall_s": round(elapsed, 1)}
 
 
-async def run_round(base: str, variants: list[str], rnd: int, args: argparse.Namespace,
-                    receiver: Receiver | None) -> list[dict]:
+async def run_round(base: str, variants: list[str], rnd: int, args: argparse.Namespace) -> list[dict]:
     from ray import serve
 
     out = []
     for v in variants:
         app = VARIANTS[v][0]
         handle = serve.get_deployment_handle("llm", app)
-        line = await run_variant(f"{base}/{app}", handle, v, 1000 * rnd + 7, args, receiver) | {"round": rnd}
+        line = await run_variant(f"{base}/{app}", handle, v, 1000 * rnd + 7, args) | {"round": rnd}
         print(json.dumps(line), flush=True)
         out.append(line)
     return out
@@ -186,8 +172,6 @@ def main() -> None:
     ap.add_argument("--interactive-tokens", type=int, default=16)
     ap.add_argument("--interval-s", type=float, default=1.0, help="mean gap between interactive requests")
     ap.add_argument("--warmup-s", type=float, default=12.0, help="batch load before the first interactive request")
-    ap.add_argument("--trace", action="store_true", help="break the interactive requests' TTFT into phases "
-                    "from the app's own spans (trace_breakdown.py)")
     ap.add_argument("--set", action="append", default=[], help="dotted.key=json over cluster.yaml's app args")
     args = ap.parse_args()
 
@@ -199,10 +183,6 @@ def main() -> None:
 
     os.environ.update(serving_env())
     config = app_args(args.set)
-    receiver = Receiver() if args.trace else None
-    if receiver is not None:  # only requests that send a sampled traceparent (the interactive ones) are traced
-        config["tracing"] = {"enabled": True, "otlp_endpoint": receiver.endpoint, "sample_ratio": 0.0,
-                             "export_interval_s": 0.5}
     print(json.dumps({"bench": "priority", "event": "config", "args": vars(args),
                       "scheduler": config["engine"]["scheduler"]}), flush=True)
     port = free_port()
@@ -229,7 +209,7 @@ def main() -> None:
         variants = args.variants.split(",")
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]
-            lines = {x["variant"]: x for x in asyncio.run(run_round(base, order, rnd, args, receiver))}
+            lines = {x["variant"]: x for x in asyncio.run(run_round(base, order, rnd, args))}
             if "idle" in lines:
                 idle = lines["idle"]
                 print(json.dumps({"bench": "priority", "event": "ratio", "round": rnd} | {

@@ -146,7 +146,7 @@ def test_an_urgent_prompt_gets_the_budget_before_a_running_batch_prefill(policy)
     """A batch prompt (200 tokens, chunked 64 a step) is mid-prefill when an urgent one arrives. With
     priority the urgent prompt is computed in the next step, the batch chunk takes what is left, and a
     running batch decode still gets its token; fcfs serves the running prefill first."""
-    s = sched(policy=policy, max_num_seqs=4, prompt_steps_alone=False)
+    s = sched(policy=policy, max_num_seqs=4)
     s.add(seq("dec", n=4, priority=1))
     assert computed(s.schedule()) == {"dec": 4}  # then one token to decode per step
     s.add(seq("batch", n=200, priority=1))
@@ -169,7 +169,7 @@ def test_an_urgent_prompt_step_leaves_out_what_it_outranks_within_the_aging_boun
     next step, beside the urgent one's decode. A request running for longer than the aging bound is not
     left out."""
     aging = 10
-    s = sched(policy="priority", max_num_seqs=8, priority_aging_steps=aging)
+    s = sched(policy="priority", max_num_seqs=8, priority_aging_steps=aging, prompt_steps_alone=True)
     s.add(old := seq("old", n=4, priority=1))
     computed(s.schedule())
     for _ in range(aging):  # `old` decodes for aging steps: past the bound for what arrives from now on
