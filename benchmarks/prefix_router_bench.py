@@ -59,7 +59,9 @@ def deploy(base: str, name: str, router: str, replicas: int, args: argparse.Name
     app = build_app({"replica_num_cpus": 0.5, "router": router, "stream_interval_s": 0.05,
                      "llm_deployment_options": {"num_replicas": replicas, "max_ongoing_requests": 256},
                      "engine": {"model": {"max_model_len": 4096}, "cache": {"kv_cache_bytes": args.kv_cache_bytes},
-                                "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024}}})
+                                "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
+                                "parallel": {"cpu": {"threads_per_rank": args.threads,
+                                                     "threads_single_sequence": args.threads}}}})
     serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -138,10 +140,12 @@ def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args
     last_ttft = [t["ttft"] for t in last]
     all_ttft = [t["ttft"] for t in flat]
     return {"bench": "prefix_router", "variant": variant, "round": rnd, "conversations": args.conversations,
-            "turns": args.turns, "max_tokens": args.max_tokens, "think_s": args.think_s, "hit_rate": rate(flat), "hit_rate_last_turn": rate(last),
+            "turns": args.turns, "max_tokens": args.max_tokens, "think_s": args.think_s, "threads": args.threads,
+            "hit_rate": rate(flat), "hit_rate_last_turn": rate(last),
             "ttft_last_turn_p50_ms": ms(last_ttft, 50), "ttft_last_turn_mean_ms": ms(last_ttft),
             "ttft_all_p50_ms": ms(all_ttft, 50), "ttft_all_p90_ms": ms(all_ttft, 90),
             "prompt_tokens_last_turn_mean": round(sum(t["prompt"] for t in last) / len(last)),
+            "uncached_tokens_last_turn_mean": round(sum(t["prompt"] - t["cached"] for t in last) / len(last)),
             "same_replica_as_previous_turn": round(sum(stay) / max(1, len(stay)), 3),
             "requests_per_replica": sorted(per_replica.values()), "wall_s": round(wall_s, 1)}
 
@@ -180,6 +184,8 @@ def main() -> None:
     ap.add_argument("--variants", default="power_of_two,prefix,single")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per replica's engine (0 = all cores "
+                    "each); 1 keeps two replicas on a 2-core machine from taking each other's cores")
     args = ap.parse_args()
     print(json.dumps(router_cost()), flush=True)
 
@@ -204,10 +210,16 @@ def main() -> None:
                               "s": round(time.perf_counter() - t0, 1)}), file=sys.stderr, flush=True)
         for rnd in range(args.rounds):
             order = variants if rnd % 2 == 0 else variants[::-1]
+            lines = {}
             for v in order:
                 t0 = time.perf_counter()
                 convs = asyncio.run(run_variant(base, v, args, seed=1000 * rnd + 7))
-                print(json.dumps(summary(v, rnd, convs, time.perf_counter() - t0, args)), flush=True)
+                lines[v] = summary(v, rnd, convs, time.perf_counter() - t0, args)
+                print(json.dumps(lines[v]), flush=True)
+            if "prefix" in lines and "power_of_two" in lines:  # issue 38's target: <= 0.6
+                print(json.dumps({"bench": "prefix_router", "event": "ratio", "round": rnd} | {
+                    f"prefix_over_power_of_two_{k}": round(lines["prefix"][k] / lines["power_of_two"][k], 3)
+                    for k in ("ttft_last_turn_p50_ms", "ttft_last_turn_mean_ms", "ttft_all_p50_ms")}), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -5,7 +5,8 @@ prefill is many. Each step hands out a token budget: running sequences first (ol
 waiting ones. When blocks run out, the newest running sequence is preempted: its blocks are freed
 and it goes back into the queue at its arrival rank (so near the front) to be recomputed (mostly from the prefix cache).
 With policy priority the queue is ordered by aged priority (wait_queue.py), running sequences are
-served best first and the worst is the one preempted.
+served best first and the worst is the one preempted; a queue head that outranks running prefills gets
+its prompt's budget before them.
 """
 
 from __future__ import annotations
@@ -110,18 +111,57 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
+    def _head_reserve(self) -> tuple[tuple[int, int], int] | None:
+        """Priority policy: the rank and prompt size of a queue head that has a slot this step and outranks
+        a running sequence. Running prefill chunks ranked after it leave it that much of the token budget,
+        so a batch's long prompts cannot hold an urgent request's prefill back a step at a time."""
+        if not self.waiting or not self.running or len(self.running) >= self.config.max_num_seqs:
+            return None
+        head = self.waiting[0]
+        if head.is_finished or self._capped(head) or rank(head) > rank(self.running[-1]):
+            return None
+        return rank(head), head.num_uncomputed_tokens
+
+    def _urgent_prompt(self, reserve: tuple[tuple[int, int], int] | None) -> tuple[tuple[int, int], int] | None:
+        """Priority policy, prompt_steps_alone: the rank and priority of the best-ranked sequence whose prompt
+        is computed this step (running, or the head about to be admitted)."""
+        urgent = next(((rank(s), s.params.priority) for s in self.running
+                       if s.num_output_tokens == 0 and s.num_uncomputed_tokens > 0), None)
+        if reserve is not None:
+            head = (reserve[0], self.waiting[0].params.priority)
+            urgent = head if urgent is None or head < urgent else urgent
+        return urgent
+
+    @staticmethod
+    def _sits_out(seq: Sequence, urgent: tuple[tuple[int, int], int] | None) -> bool:
+        """Whether `seq` is left out of a step that computes the urgent prompt: it is of strictly lower
+        priority and ranks after it (the preemption rule, so the aging bound holds here too)."""
+        return urgent is not None and seq.params.priority > urgent[1] and rank(seq) > urgent[0]
+
     def schedule(self) -> list[ScheduledSeq]:
         self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        reserve = urgent = None
         if self.by_priority:
             self._preempt_for_head()
             self.running.sort(key=rank)  # best first, so pop() below preempts the worst
+            reserve = self._head_reserve()
+            if self.config.prompt_steps_alone:
+                urgent = self._urgent_prompt(reserve)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._sits_out(seq, urgent):  # keeps its blocks, runs again next step
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
+            if reserve is not None and n > 1 and rank(seq) > reserve[0]:  # decodes (one token) always run
+                n = min(n, budget - reserve[1])
+                if n < 1:
+                    i += 1
+                    continue
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -142,6 +182,8 @@ class Scheduler:
             if self._capped(seq):
                 self.parked.setdefault(seq.params.tenant, deque()).append(self.waiting.popleft())
                 continue
+            if self._sits_out(seq, urgent):
+                break
             if not seq.block_table:
                 # Prompt logprobs and mean pooling need every prompt position computed: they skip the cache.
                 full = seq.params.prompt_logprobs is not None or seq.pooling == "mean"

@@ -20,6 +20,7 @@ from rayllm.protocol.limits import MAX_CHAT_TEMPLATE_CHARS
 from rayllm.protocol.messages import Strict
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.structured import check_json_schema
+from rayllm.schema.sampling_params import MAX_PRIORITY
 
 MAX_INPUT_ITEMS = 256  # items in one request's `input`
 MAX_CONTEXT_ITEMS = 4096  # items of a whole chain (previous responses or a conversation, plus this input)
@@ -93,7 +94,9 @@ class ResponseCreate(Strict):
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # Scheduling, as on chat (honoured with scheduler.policy: priority): OpenAI's tier, or vLLM's priority
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("metadata")
     @classmethod
@@ -297,6 +300,7 @@ def chat_request(req: ResponseCreate, messages: list[dict[str, Any]]) -> ChatCom
         "reasoning_effort": req.reasoning.effort if req.reasoning else None,
         "logprobs": wants_logprobs(req), "top_logprobs": req.top_logprobs if wants_logprobs(req) else None,
         "user": req.user, "chat_template": req.chat_template,
+        "priority": req.priority, "service_tier": req.service_tier,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})

@@ -298,10 +298,11 @@ class LLMServer:
                 done = asyncio.gather(*tasks, return_exceptions=True)
                 done.add_done_callback(lambda _: self.loras.release(adapter, queue))  # type: ignore[union-attr]
 
-    async def embed(self, request_id: str, prompts: list[list[int]], cache_salt: str | None = None) -> list[list[float]]:
+    async def embed(self, request_id: str, prompts: list[list[int]], cache_salt: str | None = None,
+                    tenant: str | None = None) -> list[list[float]]:
         """One /v1/embeddings request: every input as a pooling sequence in the engine, batched with the
-        rest of its work; unit-length vectors in input order."""
-        params = SamplingParams(embed=True, cache_salt=cache_salt)
+        rest of its work (and counted in its tenant's running share); unit-length vectors in input order."""
+        params = SamplingParams(embed=True, cache_salt=cache_salt, tenant=tenant)
 
         async def one(i: int, prompt: list[int]) -> list[float]:
             async for o in self.engine.generate(f"{request_id}-{i}", prompt, params):

@@ -131,6 +131,63 @@ def test_aged_request_is_not_preempted_by_a_much_later_higher_priority_one():
     assert old.status is SequenceStatus.RUNNING and s.num_preemptions == 0
 
 
+def computed(step) -> dict[str, int]:
+    """What the engine does after a step: the scheduled tokens are computed, and a chunk that reaches the
+    end samples a token. Returns tokens per id."""
+    for sc in step:
+        if sc.samples:
+            sc.seq.token_ids.append(7)
+        sc.seq.num_computed_tokens += sc.num_tokens
+    return {sc.seq.request_id: sc.num_tokens for sc in step}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_an_urgent_prompt_gets_the_budget_before_a_running_batch_prefill(policy):
+    """A batch prompt (200 tokens, chunked 64 a step) is mid-prefill when an urgent one arrives. With
+    priority the urgent prompt is computed in the next step, the batch chunk takes what is left, and a
+    running batch decode still gets its token; fcfs serves the running prefill first."""
+    s = sched(policy=policy, max_num_seqs=4)
+    s.add(seq("dec", n=4, priority=1))
+    assert computed(s.schedule()) == {"dec": 4}  # then one token to decode per step
+    s.add(seq("batch", n=200, priority=1))
+    assert computed(s.schedule()) == {"dec": 1, "batch": 63}
+    s.add(seq("urgent", n=20, priority=0))
+    got = computed(s.schedule())
+    assert got == ({"dec": 1, "batch": 43, "urgent": 20} if policy == "priority" else {"dec": 1, "batch": 63})
+    s.add(seq("big", n=100, priority=-1))  # more than the budget: the batch chunk waits a step, the decodes not
+    got = computed(s.schedule())
+    if policy == "priority":
+        assert got == {"urgent": 1, "dec": 1, "big": 62}
+    s.add(seq("late", n=20, priority=1))  # same priority as the batch, later: no reserve
+    got = computed(s.schedule())
+    assert got["batch"] > 0 and "late" not in got
+
+
+def test_an_urgent_prompt_step_leaves_out_what_it_outranks_within_the_aging_bound():
+    """prompt_steps_alone: the step that computes an urgent prompt leaves out the running sequences of lower
+    priority that rank after it (decodes and queued prompts alike); they keep their blocks and run in the
+    next step, beside the urgent one's decode. A request running for longer than the aging bound is not
+    left out."""
+    aging = 10
+    s = sched(policy="priority", max_num_seqs=8, priority_aging_steps=aging, prompt_steps_alone=True)
+    s.add(old := seq("old", n=4, priority=1))
+    computed(s.schedule())
+    for _ in range(aging):  # `old` decodes for aging steps: past the bound for what arrives from now on
+        computed(s.schedule())
+    s.add(seq("b0", n=4, priority=1))
+    s.add(b1 := seq("b1", n=4, priority=1))
+    assert computed(s.schedule()) == {"old": 1, "b0": 4, "b1": 4}
+    blocks = list(b1.block_table)
+    s.add(seq("urgent", n=20, priority=0))
+    s.add(seq("b2", n=4, priority=1))  # queued behind the urgent one: not in its step either
+    assert computed(s.schedule()) == {"old": 1, "urgent": 20}  # old ranks ahead: 1 * 10 + 0 < 0 * 10 + 12
+    assert b1.block_table == blocks and b1.status is SequenceStatus.RUNNING and s.num_preemptions == 0
+    assert computed(s.schedule()) == {"old": 1, "urgent": 1, "b0": 1, "b1": 1, "b2": 4}
+    s.add(seq("same", n=4, priority=1))  # equal priority: an ordinary step
+    assert computed(s.schedule()) == {"old": 1, "urgent": 1, "b0": 1, "b1": 1, "b2": 1, "same": 4}
+    assert old.status is SequenceStatus.RUNNING
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_one_tenant_holds_at_most_its_share_of_slots(policy):
     s = sched(policy=policy, max_num_seqs=4, max_running_share=0.5)

@@ -11,6 +11,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from rayllm.protocol import protocol as P
 from rayllm.protocol import responses_api as R
 from rayllm.protocol.errors import APIError, from_validation_error
 
@@ -77,6 +78,15 @@ def test_chat_request_carries_every_option():
     assert chat.store is False  # the Responses route stores on its own
 
 
+@pytest.mark.parametrize("body, engine_priority", [
+    ({}, 0), ({"service_tier": "flex"}, 1), ({"service_tier": "priority"}, -1), ({"priority": 5}, 5),
+    ({"priority": -3, "service_tier": "flex"}, -3),  # an explicit priority wins, as on chat
+])
+def test_priority_and_service_tier_reach_the_engine(body, engine_priority):
+    chat = R.chat_request(create(**body), [{"role": "user", "content": "hi"}])
+    assert P.to_sampling_params(chat, prompt_len=3, max_model_len=64).priority == engine_priority
+
+
 @pytest.mark.parametrize("fmt, expect", [
     ({"type": "text"}, None),
     ({"type": "json_object"}, {"type": "json_object"}),
@@ -106,6 +116,8 @@ def test_hosted_tools_are_refused_by_name(tools, words):
     ({"tools": [{"type": "function", "name": "f"}] * (R.MAX_TOOLS + 1)}, "tools"),
     ({"metadata": {"k": "v" * 513}}, "metadata"),
     ({"include": ["x"] * 17}, "include"),
+    ({"priority": 10**7}, "priority"),
+    ({"service_tier": "fastest"}, "service_tier"),
     ({"unknown_field": 1}, "unknown_field"),
 ])
 def test_request_bounds_name_the_field(body, param):

@@ -1,6 +1,6 @@
 """Priority scheduling and per-tenant shares through the real app (Ray Serve, the model, API keys): an
-urgent request (service_tier "priority") overtakes running low-priority ("flex") streams, and one key
-cannot take every running slot."""
+urgent request (service_tier "priority") overtakes running low-priority ("flex") streams, on chat and on
+the Responses route, and one key cannot take every running slot, embeddings included."""
 
 from __future__ import annotations
 
@@ -72,10 +72,54 @@ def test_one_key_holds_at_most_its_share(prio):
     asyncio.run(run())
 
 
+def test_responses_route_honours_service_tier_and_priority(prio):
+    """Both slots hold default-priority chat streams (keys A and B); a Responses request of the admin key
+    finishes before either only if its tier (or vLLM's priority) reached the engine: at the same priority it
+    could not preempt, and would wait for a slot."""
+    async def urgent_response(client: openai.AsyncOpenAI, **kw) -> float:
+        r = await client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=SHORT, temperature=0,
+                                          **kw)
+        assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+        return time.monotonic()
+
+    async def run():
+        a, b, admin = clients(prio)
+        first = asyncio.create_task(timed(a, LONG))
+        await started(first)
+        second = asyncio.create_task(timed(b, LONG))
+        await started(second)
+        by_tier = await urgent_response(admin, service_tier="priority")  # preempts the later stream
+        by_priority = await urgent_response(admin, extra_body={"priority": -1})  # the same, vLLM's field
+        assert max(by_tier, by_priority) < min(await first, await second)
+    asyncio.run(run())
+
+
+def test_embeddings_count_in_their_keys_share(prio):
+    """Key A holds its one slot with a chat stream; its embeddings request waits for that slot (not the free
+    one), which key B's request takes at once."""
+    async def embedded(client: openai.AsyncOpenAI) -> float:
+        r = await client.embeddings.create(model=MODEL, input=["one input", "and another"])
+        assert len(r.data) == 2
+        return time.monotonic()
+
+    async def run():
+        a, b, _ = clients(prio)
+        first = asyncio.create_task(timed(a, LONG))
+        await started(first)
+        embedding = asyncio.create_task(embedded(a))  # a free slot, but key A holds its share: parked
+        await asyncio.sleep(0.5)
+        other = await timed(b, SHORT)
+        assert other < await first < await embedding
+    asyncio.run(run())
+
+
 def test_priority_is_bounded_and_service_tier_checked(prio):
     a = openai.OpenAI(base_url=f"{prio}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     for body in ({"priority": 10**7}, {"service_tier": "fastest"}):
         with pytest.raises(openai.BadRequestError) as err:
             a.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                       extra_body=body)
+        assert err.value.body["param"] == next(iter(body))
+        with pytest.raises(openai.BadRequestError) as err:  # the Responses route bounds them alike
+            a.responses.create(model=MODEL, input="hi", max_output_tokens=1, extra_body=body)
         assert err.value.body["param"] == next(iter(body))

@@ -44,6 +44,7 @@ class EmbeddingsRoutes:
         encoded = iter(await self.tokenizer.encode_batch.remote(texts) if texts else [])  # one round trip
         prompts = [list(x) if isinstance(x, list) else next(encoded) for x in items]
         total = E.check_tokens(prompts, per_input, (await self.tokenizer_info())["vocab_size"])
-        vectors = await call_model(self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None)),
-                                   self.config.retry_after_s)
+        # The key's owner is the tenant: scheduler.max_running_share caps its pooling sequences as its generations
+        embed = self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None), owner or None)
+        vectors = await call_model(embed, self.config.retry_after_s)
         return JSONResponse(E.response_body(vectors, req, req.model or self.model_name, total))
