@@ -99,3 +99,10 @@ def test_tests_mirror_the_package():
         if rel.parts[0] in extra or "__pycache__" in rel.parts:
             continue
         assert (PACKAGE / rel).is_dir(), f"tests/{rel} mirrors no rayllm/{rel}"
+
+
+def test_test_file_names_are_unique():
+    """pytest imports test files by their base name (no packages under tests/): two of one name fail
+    collection of the whole suite."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert not {n for n in names if names.count(n) > 1}
