@@ -22,6 +22,8 @@ Paths (the int4 ones are forced onto their kernel for every position, as decode 
   down_proj), whose activations are int8 in one pass: which projections lose most to int8 activations;
 - int4_head_bf16 / int4_vnni_head_bf16: int4 / int4_vnni with the LM head on its bf16 weights (no int8 copy of
   the GGUF's Q8_0 embedding, which the other paths use as steps of up to 4 rows do): what that copy costs;
+- int4_head_q8 / int4_vnni_head_q8: the same with the LM head on the Q8_0 weight itself (cpu_qgemm's two 4-bit
+  planes, two activation passes) instead of the per-channel int8 copy;
 - quantized / quantized_vnni: `model.weights: quantized` (no dense copy), torch's int4 kernel / cpu_qgemm.
 
 One JSON line per path: top-1 agreement with fp32, KL(fp32 || path) per token (mean, p99), the mean drop
@@ -77,6 +79,8 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     **{f"int8_only_{t}": ("bfloat16", "auto", "small-batch", "auto") for t in LAYER_TYPES},
     "int4_head_bf16": ("bfloat16", "weight_only", "small-batch", "auto"),
     "int4_vnni_head_bf16": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4_head_q8": ("bfloat16", "weight_only", "small-batch", "auto"),
+    "int4_vnni_head_q8": ("bfloat16", "auto", "small-batch", "auto"),
     "quantized": ("bfloat16", "none", "default", "quantized"),
     "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
 }
@@ -102,7 +106,7 @@ def use_kernel(kind: str) -> None:
 
 def repack(engine: LLMEngine, name: str) -> None:
     """int4_vnni_1pass, int4_vnni_gateup2 and int8_only_<type>: rebuild the 4-bit layers' packed copies (not
-    the LM head's); *_head_bf16: drop the LM head's int8 copy."""
+    the LM head's); *_head_bf16: drop the LM head's int8 copy; *_head_q8: the LM head on cpu_qgemm's Q8_0 planes."""
     for mod_name, module in engine.executor.worker.model.named_modules():
         packed = getattr(module, "packed", None)
         if not isinstance(packed, parallel.PackedWeight):
@@ -110,6 +114,8 @@ def repack(engine: LLMEngine, name: str) -> None:
         if isinstance(module, parallel.ParallelLMHead):
             if name.endswith("_head_bf16"):
                 module.packed = None
+            elif name.endswith("_head_q8") and cpu_qgemm.available():
+                packed.vnni = cpu_qgemm.Int8VnniWeight(module.weight.data)
             continue
         if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith("int8_only_"):
             continue
@@ -218,7 +224,8 @@ def references(path: str, batch: list[list[int]], greedy: SamplingParams, cache:
 LABELS = {"fp32": "fp32 (reference)", "bf16": "bf16 weights, oneDNN (small_batch_quant none)",
           "int4": "int4 x bf16 activations (weight_only)", "int4_vnni": "int4 x int8, 2 passes (auto, shipped)",
           "int4_vnni_1pass": "int4 x int8, 1 pass (int8_passes 1)", "int4_vnni_gateup2": "int4 x int8, 2 passes on gate/up",
-          "int4_head_bf16": "int4, LM head on bf16 weights", "int4_vnni_head_bf16": "int4 x int8 2 passes, LM head bf16"}
+          "int4_head_bf16": "int4, LM head on bf16 weights", "int4_vnni_head_bf16": "int4 x int8 2 passes, LM head bf16",
+          "int4_head_q8": "int4, LM head on Q8_0 (VNNI)", "int4_vnni_head_q8": "int4 x int8 2 passes, LM head Q8_0 (VNNI)"}
 
 
 def table(files: list[str]) -> str:
@@ -233,7 +240,7 @@ def table(files: list[str]) -> str:
             "| --- | --- | --- | --- | --- | --- | --- |")
     row = ("| {} | {prompts} | {top1_agree:.4f} | {kl_mean:.5f} | {kl_p99:.4f} | {greedy_same_as_int4:.3f} "
            "| {greedy_same_as_fp32:.3f} |")
-    paths = [n for n in lines if not n.startswith("int8_only_") and not n.endswith("_head_bf16")]
+    paths = [n for n in lines if not n.startswith("int8_only_") and "_head_" not in n]
     layers = [n for n in lines if n not in paths]
     out = [head.format("path"), *[row.format(LABELS.get(n, n), **lines[n]) for n in paths]]
     if layers:

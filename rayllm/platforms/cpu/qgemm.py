@@ -89,3 +89,26 @@ class Int4VnniWeight:
 
     def nbytes(self) -> int:
         return self.packed.nbytes
+
+
+class Int8VnniWeight:
+    """An 8-bit weight in groups of 32 (GGUF's Q8_0: w = d * q, q in -127..127), e.g. a tied LM head, run on
+    the 4-bit kernel as two 4-bit planes: q + 128 = 16 * hi + lo, so w = 16d * hi - 128d + d * lo, and the
+    planes side by side along the input make one GEMM with K doubled (each row given twice). Both
+    activation passes: the product is the Q8_0 weight's to bf16 rounding, from 1.25 bytes a weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        g = weight.float().view(n, k // GROUP, GROUP)
+        # The group's largest |w| was q = +-127 in Q8_0, so its scale and values come back from the weight.
+        d = g.abs().amax(-1) / 127
+        q = (g / d.clamp(min=1e-30).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int32) + 128
+        self.k = k
+        self.inner = Int4VnniWeight(torch.cat([(q >> 4).view(n, k), (q & 15).view(n, k)], 1),
+                                    torch.cat([16 * d, d], 1), torch.cat([-128 * d, torch.zeros_like(d)], 1), passes=2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.cat([x, x], 1))
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
