@@ -24,6 +24,9 @@ Paths (the int4 ones are forced onto their kernel for every position, as decode 
   the GGUF's Q8_0 embedding, which the other paths use as steps of up to 4 rows do): what that copy costs;
 - int4_head_q8 / int4_vnni_head_q8: the same with the LM head on the Q8_0 weight itself (cpu_qgemm's two 4-bit
   planes, two activation passes) instead of the per-channel int8 copy;
+- int4_fp32acc: int4's own arithmetic done another way (the same 4-bit weights dequantized to fp32, bf16 rows
+  multiplied in fp32, rounded to bf16): how identical greedy answers can be to int4's when only the
+  summation order and rounding differ (the floor for any other kernel);
 - quantized / quantized_vnni: `model.weights: quantized` (no dense copy), torch's int4 kernel / cpu_qgemm.
 
 One JSON line per path: top-1 agreement with fp32, KL(fp32 || path) per token (mean, p99), the mean drop
@@ -80,6 +83,7 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "int4_head_bf16": ("bfloat16", "weight_only", "small-batch", "auto"),
     "int4_vnni_head_bf16": ("bfloat16", "auto", "small-batch", "auto"),
     "int4_head_q8": ("bfloat16", "weight_only", "small-batch", "auto"),
+    "int4_fp32acc": ("bfloat16", "weight_only", "small-batch", "auto"),
     "int4_vnni_head_q8": ("bfloat16", "auto", "small-batch", "auto"),
     "quantized": ("bfloat16", "none", "default", "quantized"),
     "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
@@ -104,6 +108,23 @@ def use_kernel(kind: str) -> None:
     parallel.linear = forced  # the layers look `linear` up in their module at call time
 
 
+class Fp32Int4:
+    """A 4-bit layer as torch's int4 kernel defines it ((q - 8) * scale + zero, scale and zero in bf16, groups
+    of 32), dequantized to fp32 and multiplied in fp32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        g = weight.float().view(n, k // 32, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo).clamp(min=1e-8) / 15
+        q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
+        d, z = scale.to(torch.bfloat16).float(), (lo + 8 * scale).to(torch.bfloat16).float()
+        self.w = ((q - 8) * d.unsqueeze(-1) + z.unsqueeze(-1)).view(n, k).T.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ self.w).to(x.dtype)
+
+
 def repack(engine: LLMEngine, name: str) -> None:
     """int4_vnni_1pass, int4_vnni_gateup2 and int8_only_<type>: rebuild the 4-bit layers' packed copies (not
     the LM head's); *_head_bf16: drop the LM head's int8 copy; *_head_q8: the LM head on cpu_qgemm's Q8_0 planes."""
@@ -116,6 +137,9 @@ def repack(engine: LLMEngine, name: str) -> None:
                 module.packed = None
             elif name.endswith("_head_q8") and cpu_qgemm.available():
                 packed.vnni = cpu_qgemm.Int8VnniWeight(module.weight.data)
+            continue
+        if name == "int4_fp32acc":
+            module.packed = Fp32Int4(module.weight.data)
             continue
         if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith("int8_only_"):
             continue

@@ -103,12 +103,12 @@ def test_the_build_without_avx512_bf16_rounds_its_output_the_same(tmp_path):
     same round-to-nearest-even as the BF16 instruction, so the same bits."""
     lib = ctypes.CDLL(str(cpu_kernels.build(tmp_path, [*cpu_kernels.CFLAGS, "-mno-avx512bf16"])))
     gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                       ctypes.c_void_p, *[ctypes.c_int] * 4], ctypes.c_int)
+                                                       ctypes.c_void_p, *[ctypes.c_int] * 6], ctypes.c_int)
     q, d, m = random_weight(960, 576, seed=4)
     weight = cpu_qgemm.Int4VnniWeight(q, d, m)
     x = torch.randn(19, 576).bfloat16() * 30  # outputs over a wide range of exponents
     out = torch.empty(19, 960, dtype=torch.bfloat16)
-    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1) == 0
+    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1, 0, 1) == 0
     assert torch.equal(out, weight(x))
 
 
