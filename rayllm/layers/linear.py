@@ -91,10 +91,10 @@ class PackedWeight:
             scale = (hi - lo).clamp(min=1e-8) / 15
             q = ((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.int32).view(n, k)
             if vnni and weight.dtype == torch.bfloat16 and cpu_qgemm.supports(n, k) and cpu_qgemm.available():
-                # The weights of torch's int4 kernel below (bf16 scale and zero at q = 8): with two int8 passes
-                # the two paths then give the same greedy answers (issue 35's measure, docs/cpu.md).
+                # The weights of torch's int4 kernel below, its bf16 scale and zero (at q = 8) as they are: with two
+                # int8 passes the outputs then differ from that kernel's only where the activations' rounding does.
                 d = scale.to(torch.bfloat16).float()
-                self.vnni = Int4VnniWeight(q, d, (lo + 8 * scale).to(torch.bfloat16).float() - 8 * d, passes)
+                self.vnni = Int4VnniWeight(q, d, (lo + 8 * scale).to(torch.bfloat16).float(), passes, zero_offset=8)
                 self.max_tokens = max(max_tokens, VNNI_TOKENS)
                 return
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

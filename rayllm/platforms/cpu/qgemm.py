@@ -21,7 +21,7 @@ TILE = 16  # output columns per tile
 class _Lib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i, i], ctypes.c_int)
+        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i, i, i], ctypes.c_int)
 
 
 @cache
@@ -43,7 +43,7 @@ def supports(n: int, k: int) -> bool:
 
 
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """q: 4-bit values [N, K] (any integer dtype, 0..15); d, m: [N, K/32] with w = d * q + m.
+    """q: 4-bit values [N, K] (any integer dtype, 0..15); d, m: [N, K/32] with w = d * (q - o) + m.
     Returns the kernel's layout: uint8 [N/16, K/32, 320] (per tile and group: 256 bytes of nibbles,
     then d and m as 16 fp16 each)."""
     n, k = q.shape
@@ -58,9 +58,11 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 class Int4VnniWeight:
     """A layer's weight packed for qgemm_int4_bf16; called with bf16 rows [M, K] -> bf16 [M, N].
-    passes 2: each row's int8 quantization residual is quantized and multiplied too (ACCURATE_LAYERS)."""
+    passes 2: each row's int8 quantization residual is quantized and multiplied too (parallel.cpu.int8_passes).
+    zero_offset o: w = d * (q - o) + m; 8 takes torch's int4 kernel's bf16 scale and zero as they are (fp16
+    holds both exactly; their m = zero - 8d in fp16 would be rounded, turning ~1 in 7 outputs' last bit)."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, passes: int = 1) -> None:
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, passes: int = 1, zero_offset: int = 0) -> None:
         lib = _lib()
         if lib is None:
             raise RuntimeError("the CPU kernels have no AVX-512 VNNI build on this machine")
@@ -68,6 +70,9 @@ class Int4VnniWeight:
         if passes not in (1, 2):
             raise ValueError("int4 VNNI GEMM: passes must be 1 or 2")
         self.passes = passes
+        if zero_offset not in (0, 8):
+            raise ValueError("int4 VNNI GEMM: zero_offset must be 0 or 8")
+        self.zero_offset = zero_offset
         self.n, self.k = q.shape
         self.packed = pack(q, d, m)
 
@@ -80,7 +85,7 @@ class Int4VnniWeight:
         if x.stride(1) != 1:
             x = x.contiguous()
         code = self._gemm(x.data_ptr(), x.stride(0), self.packed.data_ptr(), out.data_ptr(), x.shape[0], self.n,
-                          self.k, self.passes, torch.get_num_threads())
+                          self.k, self.passes, self.zero_offset, torch.get_num_threads())
         if code == 1:
             raise MemoryError("int4 VNNI GEMM: out of memory for the quantized rows")
         if code:
@@ -89,3 +94,26 @@ class Int4VnniWeight:
 
     def nbytes(self) -> int:
         return self.packed.nbytes
+
+
+class Int8VnniWeight:
+    """An 8-bit weight in groups of 32 (GGUF's Q8_0: w = d * q, q in -127..127), e.g. a tied LM head, run on
+    the 4-bit kernel as two 4-bit planes: q + 128 = 16 * hi + lo, so w = 16d * hi - 128d + d * lo, and the
+    planes side by side along the input make one GEMM with K doubled (each row given twice). Both
+    activation passes: the product is the Q8_0 weight's to bf16 rounding, from 1.25 bytes a weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        g = weight.float().view(n, k // GROUP, GROUP)
+        # The group's largest |w| was q = +-127 in Q8_0, so its scale and values come back from the weight.
+        d = g.abs().amax(-1) / 127
+        q = (g / d.clamp(min=1e-30).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int32) + 128
+        self.k = k
+        self.inner = Int4VnniWeight(torch.cat([(q >> 4).view(n, k), (q & 15).view(n, k)], 1),
+                                    torch.cat([16 * d, d], 1), torch.cat([-128 * d, torch.zeros_like(d)], 1), passes=2)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.cat([x, x], 1))
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()

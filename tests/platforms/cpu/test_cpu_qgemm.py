@@ -107,12 +107,12 @@ def test_the_build_without_avx512_bf16_rounds_its_output_the_same(tmp_path):
     same round-to-nearest-even as the BF16 instruction, so the same bits."""
     lib = ctypes.CDLL(str(cpu_kernels.build(tmp_path, [*cpu_kernels.CFLAGS, "-mno-avx512bf16"])))
     gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                       ctypes.c_void_p, *[ctypes.c_int] * 4], ctypes.c_int)
+                                                       ctypes.c_void_p, *[ctypes.c_int] * 6], ctypes.c_int)
     q, d, m = random_weight(960, 576, seed=4)
     weight = cpu_qgemm.Int4VnniWeight(q, d, m)
     x = torch.randn(19, 576).bfloat16() * 30  # outputs over a wide range of exponents
     out = torch.empty(19, 960, dtype=torch.bfloat16)
-    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1) == 0
+    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1, 0, 1) == 0
     assert torch.equal(out, weight(x))
 
 
@@ -133,3 +133,23 @@ def test_two_passes_reach_bf16_precision():
     assert torch.equal(two(x[:3]), two(x)[:3])  # rows still do not depend on the batch
     with pytest.raises(ValueError, match="passes"):
         cpu_qgemm.Int4VnniWeight(q, d, m, passes=3)
+
+
+def test_q8_0_weights_as_two_4bit_planes():
+    """Int8VnniWeight (an LM head's Q8_0 weight, here random and rounded to bf16 as the model holds it):
+    the product is the Q8_0 weight's to bf16 rounding, four times closer than a per-channel int8 copy."""
+    n, k = 1024, 576
+    g = torch.Generator().manual_seed(3)
+    groups = torch.randn(n, k // 32, 32, generator=g) * torch.rand(n, k // 32, 1, generator=g).add(0.05) * 0.1
+    d = (groups.abs().amax(-1) / 127).half().float()  # Q8_0: fp16 scale, max |q| = 127
+    w = ((groups / d[..., None]).round().clamp(-127, 127) * d[..., None]).view(n, k)
+    weight = cpu_qgemm.Int8VnniWeight(w.bfloat16())
+    x = torch.randn(5, k, generator=g).bfloat16()
+    exact = x.double() @ w.double().T
+    got = weight(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, n)
+    err = (got.double() - exact).norm() / exact.norm()
+    per_channel = PackedWeight(w.bfloat16(), 8)
+    err_channel = (per_channel(x).double() - exact).norm() / exact.norm()
+    assert err < 4e-3 and err < err_channel / 3, (err, err_channel)
+    assert torch.equal(weight(x[:2]), got[:2])

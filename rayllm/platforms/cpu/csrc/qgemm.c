@@ -1,7 +1,9 @@
 /* A 4-bit weight x 8-bit activation GEMM for steps of few rows on CPUs with AVX-512 VNNI.
  *
- * Weights: 4-bit values q in groups of 32 inputs, w = d * q + m (GGUF's Q4_1 form), laid out in tiles
- * of 16 output columns: per tile and group, 256 bytes of nibbles, then d and m as 16 fp16 each.
+ * Weights: 4-bit values q in groups of 32 inputs, w = d * (q - o) + z (o = 0: GGUF's Q4_1 form, z its m;
+ * o = 8: torch's int4 kernel's form, whose bf16 d and z fp16 holds exactly while its m = z - 8d would be
+ * rounded), laid out in tiles of 16 output columns: per tile and group, 256 bytes of nibbles, then d and
+ * z as 16 fp16 each; m = z - o * d is formed in fp32.
  * Byte c*4 + j of the tile's 64-byte word i holds column c's inputs 4i + j (low nibble, i < 4) and
  * 4(i + 4) + j (high nibble), so one load and two masks give two VNNI operands of 16 columns x 4 inputs.
  * Activations: each row quantized to int8 in groups of 32 (scale = max |x| / 127), as llama.cpp's Q8_1,
@@ -11,6 +13,7 @@
  * weights are a quarter of bf16's bytes. Each row's result does not depend on the other rows or on
  * the thread count (tiles split by columns; each row's sums run in one fixed order).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -33,15 +36,29 @@ int qgemm_available(void) {
 
 #ifdef HAVE_QGEMM
 /* One group of 32 fp32 values into int8 xq [32] with scale dx = max |x| / 127 (returned); with `res`, what
- * the int8 values miss (x - dx * q, within dx / 2) is written there. *qsum: the sum of the int8 values. */
+ * the int8 values miss (x - dx * q, in [-dx / 2, dx / 2)) is written there, and dx is the power of two at
+ * or above max |x| / 127 with ties rounded up: every value of the bf16 row within 2^8 of the group's
+ * largest then lies on the two passes' grid (dx / 256), so the two passes hold it exactly. *qsum: the
+ * sum of the int8 values. */
 static inline float quant_group(__m512 a, __m512 b, int8_t *xq, int *qsum, float *res) {
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
-    __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    __m512i qa, qb;
+    float dx = amax / 127.f;
+    if (res && amax > 0.f) {
+        int e;
+        frexpf(dx, &e); /* dx < 2^e, so |x| / 2^e < 127 */
+        dx = ldexpf(1.f, e);
+        __m512 inv = _mm512_set1_ps(ldexpf(1.f, -e)), half = _mm512_set1_ps(0.5f);
+        /* floor(x / dx + 0.5): exact in fp32, ties up, so the residual never reaches +dx / 2 */
+        qa = _mm512_cvt_roundps_epi32(_mm512_fmadd_ps(a, inv, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        qb = _mm512_cvt_roundps_epi32(_mm512_fmadd_ps(b, inv, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    } else {
+        __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* round to nearest even */
+        qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    }
     _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
-    float dx = amax / 127.f;
     *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
     if (res) {
         __m512 d = _mm512_set1_ps(dx);
@@ -51,14 +68,14 @@ static inline float quant_group(__m512 a, __m512 b, int8_t *xq, int *qsum, float
     return dx;
 }
 
-/* The residual (|r| <= dx / 2) in int8 at the fixed scale dx / 256, saturating at +-127, so that
+/* The residual (-dx / 2 <= r < dx / 2) in int8 at the fixed scale dx / 256, saturating at -128 / 127, so that
  * 256 * q + q2 is the group in 16-bit steps of dx / 256 and both passes sum into one int32. */
 static inline int quant_residual(const float *res, float dx, int8_t *xq) {
     __m512 inv = _mm512_set1_ps(dx > 0.f ? 256.f / dx : 0.f);
     __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(res), inv));
     __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(res + 16), inv));
-    qa = _mm512_max_epi32(_mm512_min_epi32(qa, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-    qb = _mm512_max_epi32(_mm512_min_epi32(qb, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    qa = _mm512_max_epi32(_mm512_min_epi32(qa, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
+    qb = _mm512_max_epi32(_mm512_min_epi32(qb, _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
     _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
     return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
@@ -105,7 +122,7 @@ static inline __m256i to_bf16(__m512 v) {
 /* R rows (a compile-time constant at each instantiation) against one tile: out [R][16] in bf16. */
 static inline __attribute__((always_inline)) void tile_rows(const int R, const int P, int G, const uint8_t *tile,
                                                              const int8_t *xq, const float *xs, int K,
-                                                             uint16_t *out, int64_t out_stride) {
+                                                             uint16_t *out, int64_t out_stride, float o) {
     __m512 acc[QGEMM_ROWS];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -119,7 +136,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
             w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
+        const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(o), d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288))));
 #pragma GCC unroll 16 /* keeps acc[] in registers */
         for (int r = 0; r < R; r++) {
             const int32_t *x4 = (const int32_t *)(xq + (size_t)r * P * K + g * QGEMM_GROUP);
@@ -145,16 +162,16 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, const i
 
 #define TILE_FN(R)                                                                                          \
     static void tile_##R(int G, const uint8_t *t, const int8_t *xq, const float *xs, int K, uint16_t *o,   \
-                         int64_t os) {                                                                      \
-        tile_rows(R, 1, G, t, xq, xs, K, o, os);                                                            \
+                         int64_t os, float zo) {                                                            \
+        tile_rows(R, 1, G, t, xq, xs, K, o, os, zo);                                                        \
     }                                                                                                       \
     static void tile2_##R(int G, const uint8_t *t, const int8_t *xq, const float *xs, int K, uint16_t *o,  \
-                          int64_t os) {                                                                     \
-        tile_rows(R, 2, G, t, xq, xs, K, o, os);                                                            \
+                          int64_t os, float zo) {                                                           \
+        tile_rows(R, 2, G, t, xq, xs, K, o, os, zo);                                                        \
     }
 TILE_FN(1) TILE_FN(2) TILE_FN(3) TILE_FN(4) TILE_FN(5) TILE_FN(6) TILE_FN(7) TILE_FN(8)
 TILE_FN(9) TILE_FN(10) TILE_FN(11) TILE_FN(12) TILE_FN(13) TILE_FN(14) TILE_FN(15) TILE_FN(16)
-typedef void (*tile_fn)(int, const uint8_t *, const int8_t *, const float *, int, uint16_t *, int64_t);
+typedef void (*tile_fn)(int, const uint8_t *, const int8_t *, const float *, int, uint16_t *, int64_t, float);
 static const tile_fn TILES[QGEMM_ROWS + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7,
                                               tile_8, tile_9, tile_10, tile_11, tile_12, tile_13, tile_14,
                                               tile_15, tile_16};
@@ -165,9 +182,10 @@ static const tile_fn TILES2[QGEMM_ROWS + 1] = {0, tile2_1, tile2_2, tile2_3, til
 
 /* x: bf16 [M][K], rows x_stride apart; packed: [N/16][K/32][320 bytes]; out: bf16 [M][N], contiguous.
  * passes: 1 (each row in int8) or 2 (and its quantization residual in int8: near bf16's precision).
+ * zero_offset: o in w = d * (q - o) + z (0 or 8).
  * Returns 0, 1 when out of memory, 5 when the shape is unsupported or the build has no VNNI. */
 int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, uint16_t *out, int M, int N,
-                    int K, int passes, int num_threads) {
+                    int K, int passes, int zero_offset, int num_threads) {
 #ifdef HAVE_QGEMM
     if (M <= 0 || N % QGEMM_TILE || K % QGEMM_GROUP || K <= 0 || passes < 1 || passes > 2) return 5;
     const int G = K / QGEMM_GROUP, tiles = N / QGEMM_TILE;
@@ -187,14 +205,15 @@ int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, 
         for (int r0 = 0; r0 < M; r0 += QGEMM_ROWS) {
             int R = M - r0 < QGEMM_ROWS ? M - r0 : QGEMM_ROWS;
             fns[R](G, packed + t * tile_bytes, xq + (size_t)r0 * passes * K, xs + (size_t)r0 * G * 2, K,
-                     out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N);
+                     out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N, (float)zero_offset);
         }
     }
     free(xq);
     free(xs);
     return 0;
 #else
-    (void)x, (void)x_stride, (void)packed, (void)out, (void)M, (void)N, (void)K, (void)passes, (void)num_threads;
+    (void)x, (void)x_stride, (void)packed, (void)out, (void)M, (void)N, (void)K, (void)passes, (void)zero_offset;
+    (void)num_threads;
     return 5;
 #endif
 }
