@@ -52,8 +52,8 @@ serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/serve run cluster.yaml
 
-# `make test PYTEST_ARGS="-n 2 --dist loadgroup"` runs two lanes at once (tests/conftest.py); not yet the
-# default: side by side on 2 cores, the Serve tests' time bounds are not yet calibrated for the other lane.
+# `make test PYTEST_ARGS="-n 2 --dist loadgroup"` runs two lanes at once (tests/conftest.py); not the
+# default: on 2 cores the lanes compete for the CPU and were no faster than one (docs/benchmarks.md, test time).
 test: install-test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
