@@ -3,6 +3,8 @@ real block manager (no torch, no model)."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from rayllm.engine.block_manager import BlockManager
@@ -13,7 +15,9 @@ from rayllm.schema.sampling_params import SamplingParams
 
 
 def seq(rid: str, n: int = 3, priority: int = 0, tenant: str | None = None) -> Sequence:
-    toks = [hash(rid) % 1000 + i for i in range(n)]  # distinct prompts: no prefix sharing between requests
+    # Distinct prompts, no prefix sharing between requests: a disjoint token range per id (not `hash`,
+    # which is salted per process and let ranges overlap on some runs).
+    toks = [zlib.crc32(rid.encode()) % 100_000 * 1_000 + i for i in range(n)]
     return Sequence(rid, toks, n, SamplingParams(max_tokens=4, priority=priority, tenant=tenant))
 
 
