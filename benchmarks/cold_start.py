@@ -12,7 +12,8 @@ application built by Serve's own build task, as an operator starts it (`make ser
 variables, HAProxy on ports of its own; --plain-env: without them).
 --mode make: the command of the tree's own Makefile `serve` target (sourcing serving.env, as `make serve`
 runs it; its venv's bin for $(BIN)) on a copy of cluster.yaml, with HAProxy on ports of its own.
---trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree);
+--trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree;
+TREE@K=V+K=V runs that tree with those environment variables, e.g. RAYLLM_RAY_DASHBOARD=1);
 another tree runs in a venv layered on this interpreter's site-packages with that tree first (Ray's workers
 and the engine child run the driver's interpreter, with its working directory, the tree, first on sys.path).
 
@@ -340,15 +341,17 @@ def main() -> None:
         print(json.dumps({"bench": "cold_start", "tree": a.child} | result), flush=True)
         return
     for r in range(a.rounds):
-        for tree in a.trees.split(","):
+        for variant in a.trees.split(","):
+            tree, _, env_spec = variant.partition("@")  # TREE@K=V+K=V: that tree with those variables
+            env = os.environ | dict(kv.split("=", 1) for kv in env_spec.split("+") if kv)
             cmd = [python_for(tree), __file__, "--child", tree, "--mode", a.mode,
                    "--kv-cache-bytes", str(a.kv_cache_bytes), "--wakes", str(a.wakes)] + (["--model", a.model] if a.model else []) \
                 + (["--plain-env"] if a.plain_env else [])
             # cwd too: Ray puts the driver's working directory on its workers' sys.path, first.
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree, env=env)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-            print(lines[-1] if lines else json.dumps({"bench": "cold_start", "tree": tree, "round": r,
-                                                      "error": out.stderr[-2000:]}), flush=True)
+            result = json.loads(lines[-1]) if lines else {"bench": "cold_start", "tree": tree, "error": out.stderr[-2000:]}
+            print(json.dumps(result | {"round": r, "env": env_spec}), flush=True)
 
 
 if __name__ == "__main__":
