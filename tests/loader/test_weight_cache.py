@@ -129,7 +129,7 @@ def test_other_settings_or_a_changed_file_find_no_entry(env, loaded):
         os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_a_damaged_or_foreign_entry_is_not_used(env, loaded, tmp_path):
+def test_a_damaged_or_foreign_entry_is_not_used(env, loaded):
     model, _ = env
     cache = _entry(model)
     good = cache.path.read_bytes()
