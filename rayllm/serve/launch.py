@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 # serve run's options that reach its own ray.init: with any of them, serve run starts (or joins) Ray itself.
 RAY_INIT_OPTIONS = ("--address", "-a", "--runtime-env", "--runtime-env-json", "--working-dir")
 USAGE = "usage: python -m rayllm.serve.launch serve run [serve run's options] CONFIG_OR_IMPORT_PATH"
 
 
-def starts_ray_here(run_args: list[str], environ: dict[str, str] | os._Environ = os.environ) -> bool:
+def starts_ray_here(run_args: list[str], environ: Mapping[str, str] = os.environ) -> bool:
     """Whether this launcher starts the local Ray (without the dashboard) before `serve run` gets run_args."""
     if environ.get("RAYLLM_RAY_DASHBOARD", "0").lower() in ("1", "true", "yes"):
         return False
