@@ -48,9 +48,11 @@ install-gpu:
 # serving.env: the Ray processes' environment (worker niceness, Serve's throughput mode and HAProxy).
 # The module adds what the file cannot hold (absolute paths): HAProxy started so that it dies with its
 # parent (rayllm/serve/haproxy_guard.py), so no stop, however hard, leaves it holding port 8000.
+# rayllm.serve.launch runs `serve run` as it is, on a local Ray started without Ray's dashboard (seconds of
+# the cold start on a few cores); RAYLLM_RAY_DASHBOARD=1 make serve starts it (`serve status`, `ray list`).
 serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
-	exec $(BIN)/serve run cluster.yaml
+	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml
 
 # `make test PYTEST_ARGS="-n 2 --dist loadgroup"` runs two lanes at once (tests/conftest.py); not the
 # default: on 2 cores the lanes compete for the CPU and were no faster than one (docs/benchmarks.md, test time).

@@ -1,6 +1,6 @@
 """Cold start of the whole app, as `serve run cluster.yaml` does it, to the first streamed token.
 
-    python benchmarks/cold_start.py [--rounds 2] [--mode api|cli|wake] [--wakes 2] [--trees DIR,DIR] [--model SOURCE]
+    python benchmarks/cold_start.py [--rounds 2] [--mode api|cli|make|wake] [--wakes 2] [--trees DIR,DIR] [--model SOURCE]
                                     [--kv-cache-bytes N] [--plain-env]
 
 Each round runs in a fresh process (fresh imports, a fresh Ray), then one streamed chat request.
@@ -10,13 +10,18 @@ model to its first token, --wakes times per round;
 --mode cli: the real `serve run` on a copy of cluster.yaml (its port and KV size changed), the
 application built by Serve's own build task, as an operator starts it (`make serve`: with serving.env's
 variables, HAProxy on ports of its own; --plain-env: without them).
---trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree);
+--mode make: the command of the tree's own Makefile `serve` target (sourcing serving.env, as `make serve`
+runs it; its venv's bin for $(BIN)) on a copy of cluster.yaml, with HAProxy on ports of its own.
+--trees: source trees to alternate, round by round (e.g. a `git archive` of the baseline and this tree;
+TREE@K=V+K=V runs that tree with those environment variables, e.g. RAYLLM_RAY_DASHBOARD=1);
 another tree runs in a venv layered on this interpreter's site-packages with that tree first (Ray's workers
 and the engine child run the driver's interpreter, with its working directory, the tree, first on sys.path).
 
 Prints one JSON line per round and tree: wall seconds from the start to Ray up, to /health 200 and to
 the first token; `timeline`: when each deployment's replica was added by Serve's controller, began and
-finished its constructor, and was reported running (Serve's own logs); and the model replica's `cold start`
+finished its constructor, and was reported running (Serve's own logs); `ray` (cli and make modes): when the
+local Ray's GCS, dashboard, raylet and driver, Serve's controller and the application's build began (their
+logs); and the model replica's `cold start`
 record (rayllm.common.startup_phases.cold_start_record: download, engine child's imports, GGUF/config header,
 load to device, KV cache, CUDA graphs, tokenizer, constructor, process age at the constructor's start).
 """
@@ -68,6 +73,40 @@ def timeline(session_dir: str, t0: float) -> dict[str, dict[str, float]]:
             if m and m.group(2).startswith(("Started initializing replica", "Finished initializing replica")):
                 key = "init_start" if m.group(2).startswith("Started") else "init_end"
                 out.setdefault(dep, {}).setdefault(key, round(_epoch(m.group(1)) - t0, 2))
+    return out
+
+
+_RAY_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_TEXT_LINE = re.compile(r"^(?:\w+ )?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+_CONTROLLER = {"controller": "Controller starting", "deploy": "Deploying new app",
+               "built": "Registering autoscaling state", "added": "Adding "}
+
+
+def ray_timeline(session_dir: str, t0: float) -> dict[str, float]:
+    """When the local Ray's processes and Serve's start-up steps began, in seconds since t0 (their logs)."""
+    logs = os.path.join(session_dir, "logs")
+    out: dict[str, float] = {}
+    for key, name, pat in (("gcs", "gcs_server.out", _RAY_LINE), ("raylet", "raylet.out", _RAY_LINE),
+                           ("dashboard", "dashboard.log", _TEXT_LINE)):
+        try:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                m = pat.match(f.readline())
+        except OSError:
+            continue
+        if m:
+            out[key] = round(_epoch(m.group(1)) - t0, 2)
+    out["dashboard_modules"] = len(glob.glob(os.path.join(logs, "dashboard_*Head.log")))
+    driver = glob.glob(os.path.join(logs, "python-core-driver-*.log"))
+    if driver:
+        m = _RAY_LINE.match(open(driver[0], errors="replace").readline())
+        if m:
+            out["driver"] = round(_epoch(m.group(1)) - t0, 2)
+    for path in glob.glob(os.path.join(logs, "serve", "controller_[0-9]*.log")):
+        for line in open(path, errors="replace"):
+            m = _LINE.match(line)
+            for key, text in _CONTROLLER.items():
+                if m and key not in out and m.group(2).startswith(text):
+                    out[key] = round(_epoch(m.group(1)) - t0, 2)
     return out
 
 
@@ -214,7 +253,17 @@ def serving_env_of(root: str) -> dict[str, str]:
                             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
 
 
-def round_cli(root: str, model: str | None, kv_cache_bytes: int, with_serving_env: bool = True) -> dict:
+def make_serve_command(root: str, config_path: str) -> str:
+    """The tree's Makefile `serve` recipe as one shell line, on config_path, with this interpreter's bin."""
+    makefile = open(os.path.join(root, "Makefile")).read()
+    body = makefile.split("\nserve:", 1)[1].split("\n\n", 1)[0].split("\n")[1:]
+    line = " ".join(part.strip().rstrip("\\").strip() for part in body if part.startswith("\t"))
+    bin_dir = os.path.dirname(sys.executable)
+    return line.replace("$(BIN)", bin_dir).replace("$$", "$").replace("cluster.yaml", config_path)
+
+
+def round_cli(root: str, model: str | None, kv_cache_bytes: int, with_serving_env: bool = True,
+              make: bool = False) -> dict:
     import yaml
 
     port = free_port()
@@ -225,9 +274,14 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int, with_serving_en
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     serve_cli = os.path.join(os.path.dirname(sys.executable), "serve")
-    env = dict(os.environ) | (serving_env_of(root) if with_serving_env else {})
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+    if make:  # the recipe sources serving.env itself
+        env, cmd = dict(os.environ) | ports, ["bash", "-c", make_serve_command(root, f.name)]
+    else:
+        env, cmd = dict(os.environ) | (serving_env_of(root) if with_serving_env else {}), [serve_cli, "run", f.name]
+    env.pop("RAY_ADDRESS", None)
     t0 = time.time()
-    proc = subprocess.Popen([serve_cli, "run", f.name], cwd=root, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         healthy, first = first_token(f"http://127.0.0.1:{port}", t0)
@@ -240,8 +294,9 @@ def round_cli(root: str, model: str | None, kv_cache_bytes: int, with_serving_en
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         os.unlink(f.name)
-    return {"mode": "cli", "serving_env": with_serving_env, "healthy_s": round(healthy, 2), "first_token_s": round(first, 2),
-            "timeline": timeline(session, t0), "replica": _relative(record, t0)}
+    return {"mode": "make" if make else "cli", "serving_env": with_serving_env or make, "healthy_s": round(healthy, 2),
+            "first_token_s": round(first, 2), "timeline": timeline(session, t0), "ray": ray_timeline(session, t0),
+            "replica": _relative(record, t0)}
 
 
 def python_for(tree: str) -> str:
@@ -266,7 +321,7 @@ def python_for(tree: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--mode", choices=("api", "cli", "wake"), default="api")
+    ap.add_argument("--mode", choices=("api", "cli", "make", "wake"), default="api")
     ap.add_argument("--wakes", type=int, default=2, help="--mode wake: wake-ups per round")
     ap.add_argument("--trees", default=HERE, help="comma-separated source trees, alternated each round")
     ap.add_argument("--model", default=None)
@@ -282,19 +337,21 @@ def main() -> None:
         elif a.mode == "wake":
             result = round_wake(a.child, a.model, a.kv_cache_bytes, a.wakes)
         else:
-            result = round_cli(a.child, a.model, a.kv_cache_bytes, not a.plain_env)
+            result = round_cli(a.child, a.model, a.kv_cache_bytes, not a.plain_env, make=a.mode == "make")
         print(json.dumps({"bench": "cold_start", "tree": a.child} | result), flush=True)
         return
     for r in range(a.rounds):
-        for tree in a.trees.split(","):
+        for variant in a.trees.split(","):
+            tree, _, env_spec = variant.partition("@")  # TREE@K=V+K=V: that tree with those variables
+            env = os.environ | dict(kv.split("=", 1) for kv in env_spec.split("+") if kv)
             cmd = [python_for(tree), __file__, "--child", tree, "--mode", a.mode,
                    "--kv-cache-bytes", str(a.kv_cache_bytes), "--wakes", str(a.wakes)] + (["--model", a.model] if a.model else []) \
                 + (["--plain-env"] if a.plain_env else [])
             # cwd too: Ray puts the driver's working directory on its workers' sys.path, first.
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tree, env=env)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-            print(lines[-1] if lines else json.dumps({"bench": "cold_start", "tree": tree, "round": r,
-                                                      "error": out.stderr[-2000:]}), flush=True)
+            result = json.loads(lines[-1]) if lines else {"bench": "cold_start", "tree": tree, "error": out.stderr[-2000:]}
+            print(json.dumps(result | {"round": r, "env": env_spec}), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from rayllm.common import startup_phases
 from rayllm.common.errors import first_line
 from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.layers.linear import TPGroup
+from rayllm.loader import weight_cache
 from rayllm.loader.loader import load_weights
 from rayllm.loader.weight_methods import choose_weight_methods
 from rayllm.lora.layers import LoRAManager
@@ -108,6 +109,7 @@ class Worker:
         # ever exists. Rotary tables are built in float64 and stored fp32 explicitly, so they stay fp32.
         with torch.device(device), default_dtype(self.dtype):
             self.model = model_class(arch)(arch, self.tp, self.attn_backend)
+        cache = None  # a GGUF's dense weights and small-batch copies from an earlier start (loader/weight_cache.py)
         if config.model.weights == "quantized":
             from rayllm.loader.quantized import load_quantized_weights
 
@@ -116,8 +118,13 @@ class Worker:
             log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations,
                                                                            config.parallel.cpu.int8_passes))
         else:
-            source_bits = load_weights(self.model, model_path, show_progress=rank == 0)
+            cache = weight_cache.for_worker(config, model_path, arch, self.dtype, self.tp, self.platform)
+            # A hit leaves nothing to pack: choose_weight_methods then only lays out oneDNN's weights.
+            source_bits = ({} if cache is not None and cache.restore(self.model)
+                           else load_weights(self.model, model_path, show_progress=rank == 0))
         choose_weight_methods(self.model, config, self.platform, self.dtype, source_bits)
+        if cache is not None and not cache.hit:
+            cache.save(self.model)
         invariant = config.scheduler.batch_invariant
         self.model.eval()
         self.arch = arch

@@ -182,4 +182,6 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
             entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
             ServingPriority.of(one), config.tracing)
     tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, priority, config.tracing)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, tokenizer, llms)
+    # Model deployments first (keywords, in this order): Serve deploys and starts replicas in the order it finds
+    # them here, and the first start takes the worker process Ray has idle, which the slowest replica needs most.
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(config, llms=llms, tokenizer=tokenizer)

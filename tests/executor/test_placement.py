@@ -142,7 +142,8 @@ def test_build_app_binds_the_resolved_device(gpu_cluster):
 
 def _llm_deployment(app):
     ingress = app._bound_deployment
-    args = [v for a in ingress.init_args for v in (a.values() if isinstance(a, dict) else [a])]  # llms: a dict
+    bound = [*ingress.init_args, *ingress.init_kwargs.values()]
+    args = [v for a in bound for v in (a.values() if isinstance(a, dict) else [a])]  # llms: a dict
     return next(a for a in args if getattr(a, "_bound_deployment", None) is not None
                 and a._bound_deployment.name == "llm")._bound_deployment
 
@@ -177,7 +178,7 @@ def test_one_deployment_per_model(tmp_path):
          "deployment": {"num_replicas": 2}},
     ]})
     ingress = build_app_with(config)._bound_deployment
-    tokenizer, llms = ingress.init_args[1]._bound_deployment, ingress.init_args[2]
+    tokenizer, llms = ingress.init_kwargs["tokenizer"]._bound_deployment, ingress.init_kwargs["llms"]
     deployments = {name: h._bound_deployment for name, h in llms.items()}
     assert {n: d.name for n, d in deployments.items()} == {"SmolLM2-135M-Instruct": "llm", "tiny/v1": "llm-tiny-v1"}
     assert deployments["tiny/v1"].num_replicas == 2 and deployments["SmolLM2-135M-Instruct"].num_replicas == 1

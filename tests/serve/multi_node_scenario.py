@@ -37,10 +37,10 @@ def _pinned_to_head(app):
     loses only model replicas."""
     head = {"num_cpus": 0, "resources": {"head": 0.001}}
     ingress = app._bound_deployment
-    config, tokenizer, llms = ingress.init_args
-    tok = tokenizer._bound_deployment
+    (config,), bound = ingress.init_args, ingress.init_kwargs
+    tok = bound["tokenizer"]._bound_deployment
     tokenizer = tok.options(ray_actor_options=head).bind(*tok.init_args)
-    return ingress.options(ray_actor_options=head).bind(config, tokenizer, llms)
+    return ingress.options(ray_actor_options=head).bind(config, llms=bound["llms"], tokenizer=tokenizer)
 
 
 def _replica_nodes() -> dict[str, list[str]]:

@@ -38,7 +38,8 @@ def app_of(path: str) -> dict:
 def bound_llm(app):
     """The model deployment bound into a built app (the ingress holds the models as a dict)."""
     ingress = app._bound_deployment
-    args = [v for a in ingress.init_args for v in (a.values() if isinstance(a, dict) else [a])]
+    bound = [*ingress.init_args, *ingress.init_kwargs.values()]
+    args = [v for a in bound for v in (a.values() if isinstance(a, dict) else [a])]
     return next(a for a in args if getattr(a, "_bound_deployment", None) is not None
                 and a._bound_deployment.name == "llm")._bound_deployment
 
