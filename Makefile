@@ -48,8 +48,8 @@ install-gpu:
 # serving.env: the Ray processes' environment (worker niceness, Serve's throughput mode and HAProxy).
 # The module adds what the file cannot hold (absolute paths): HAProxy started so that it dies with its
 # parent (rayllm/serve/haproxy_guard.py), so no stop, however hard, leaves it holding port 8000.
-# rayllm.serve.launch runs `serve run` as it is, on a local Ray started without Ray's dashboard (seconds of
-# the cold start on a few cores); RAYLLM_RAY_DASHBOARD=1 make serve starts it (`serve status`, `ray list`).
+# rayllm.serve.launch runs `serve run` as it is; `RAYLLM_RAY_DASHBOARD=0 make serve` starts the local Ray
+# without Ray's dashboard (~2 s less cold start on 2 cores; `serve status` and `ray list` need it).
 serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml

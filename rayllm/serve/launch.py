@@ -1,12 +1,11 @@
 """`make serve`'s launcher: `python -m rayllm.serve.launch serve run [serve run's options] cluster.yaml`.
 
-Ray Serve's own `serve run`, unchanged (the same config, application build, Ctrl-C and exit), with the local
-Ray that it would start with `ray.init()`'s defaults started here first, without Ray's dashboard. `ray.init`
-waits for the dashboard's web server and its module processes before it starts the raylet, and on two cores
-that was the largest single step of `make serve`'s cold start (docs/benchmarks.md). Ray's metrics agent (the
-`ray_vllm_*` exporter of docs/operations.md) runs either way; what needs the dashboard is its web UI, `serve
-status` / `serve config` and `ray list ...`: `RAYLLM_RAY_DASHBOARD=1 make serve` starts it as `serve run`
-does. Where `serve run` would not start a local Ray (RAY_ADDRESS set, or `--address`) or would start it with
+Ray Serve's own `serve run`, unchanged (the same config, application build, Ctrl-C and exit). With
+`RAYLLM_RAY_DASHBOARD=0` it first starts the local Ray that `serve run` would start with `ray.init()`'s
+defaults, without Ray's dashboard: `ray.init` waits for the dashboard's web server and its module processes
+before it starts the raylet, about 2 s of `make serve`'s cold start on two cores (docs/benchmarks.md). The
+dashboard stays on by default because `serve status` / `serve config`, `ray list ...` and its web UI need it;
+Ray's metrics agent (the `ray_vllm_*` exporter of docs/operations.md) runs either way. Where `serve run` would not start a local Ray (RAY_ADDRESS set, or `--address`) or would start it with
 a runtime environment (`--runtime-env`, `--runtime-env-json`, `--working-dir`), it runs as it is.
 """
 
@@ -22,8 +21,9 @@ USAGE = "usage: python -m rayllm.serve.launch serve run [serve run's options] CO
 
 
 def starts_ray_here(run_args: list[str], environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this launcher starts the local Ray (without the dashboard) before `serve run` gets run_args."""
-    if environ.get("RAYLLM_RAY_DASHBOARD", "0").lower() in ("1", "true", "yes"):
+    """Whether this launcher starts the local Ray (without the dashboard: RAYLLM_RAY_DASHBOARD=0) before
+    `serve run` gets run_args."""
+    if environ.get("RAYLLM_RAY_DASHBOARD", "1").lower() not in ("0", "false", "no"):
         return False
     if environ.get("RAY_ADDRESS"):
         return False
