@@ -11,7 +11,6 @@ import pytest
 
 from rayllm.serve.launch import USAGE, starts_ray_here
 
-
 NO_DASHBOARD = {"RAYLLM_RAY_DASHBOARD": "0"}
 
 
