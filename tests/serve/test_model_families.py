@@ -17,23 +17,36 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
-def test_chat_completion_on_a_tiny_random_model(server, apps, hf_tokenizer, tmp_path, family):
+FAMILIES = ["qwen3", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def families(server, apps, hf_tokenizer, tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """One app serving every family's tiny model (a `models` list: each on its own model deployment behind
+    one ingress and tokenizer), so their replicas start together; its URL and each family's directory."""
+    paths = {}
+    for family in FAMILIES:
+        path = make_checkpoint(tmp_path_factory.mktemp(family), family, vocab_size=len(hf_tokenizer),
+                               bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id)
+        hf_tokenizer.save_pretrained(path)
+        paths[family] = path
+    apps.append("families")
+    base = deploy(server, "families", {"api_keys": [API_KEY], "models": [
+        {"served_model_name": f"tiny-{family}",
+         "engine": {"model": {"model": path, "dtype": "float32", "max_model_len": 256},
+                    "cache": {"kv_cache_bytes": 32 << 20},
+                    "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}}
+        for family, path in paths.items()]})
+    return base, paths
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_completion_on_a_tiny_random_model(families, hf_tokenizer, family):
     from openai import OpenAI
     from transformers import AutoModelForCausalLM
 
-    path = make_checkpoint(tmp_path / family, family, vocab_size=len(hf_tokenizer),
-                           bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id)
-    hf_tokenizer.save_pretrained(path)
-    name = f"family-{family}"
-    base = deploy(server, name, {
-        "api_keys": [API_KEY],
-        "engine": {"model": {"model": path, "served_model_name": f"tiny-{family}", "dtype": "float32",
-                             "max_model_len": 256},
-                   "cache": {"kv_cache_bytes": 32 << 20},
-                   "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}},
-    })
-    apps.append(name)
+    base, paths = families
+    path = paths[family]
     client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     r = client.chat.completions.create(model=f"tiny-{family}", messages=QUESTION, max_tokens=MAX_TOKENS,
                                        temperature=0)
