@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import API_KEY
-from ops_apps import deploy
-from tiny_families import make_checkpoint
+from ops_apps import FAMILIES, multi_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -17,27 +16,11 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 
 
-FAMILIES = ["qwen3", "mixtral"]
-
-
 @pytest.fixture(scope="module")
-def families(server, apps, hf_tokenizer, tmp_path_factory) -> tuple[str, dict[str, str]]:
-    """One app serving every family's tiny model (a `models` list: each on its own model deployment behind
-    one ingress and tokenizer), so their replicas start together; its URL and each family's directory."""
-    paths = {}
-    for family in FAMILIES:
-        path = make_checkpoint(tmp_path_factory.mktemp(family), family, vocab_size=len(hf_tokenizer),
-                               bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id)
-        hf_tokenizer.save_pretrained(path)
-        paths[family] = path
-    apps.append("families")
-    base = deploy(server, "families", {"api_keys": [API_KEY], "models": [
-        {"served_model_name": f"tiny-{family}",
-         "engine": {"model": {"model": path, "dtype": "float32", "max_model_len": 256},
-                    "cache": {"kv_cache_bytes": 32 << 20},
-                    "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}}
-        for family, path in paths.items()]})
-    return base, paths
+def families(request, shared_apps, tiny_models) -> tuple[str, dict[str, str]]:
+    """test_multi_model.py's app, which serves every family's tiny model beside its own (a `models` list:
+    each on its own model deployment), so their replicas start together; its URL and the models' folders."""
+    return shared_apps.get(request, "multi", multi_args(tiny_models)), tiny_models
 
 
 @pytest.mark.parametrize("family", FAMILIES)

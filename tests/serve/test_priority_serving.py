@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.serve.conftest import ADMIN_KEY, API_KEY, API_KEY_2
-from tests.serve.ops_apps import MODEL, deploy
+from tests.serve.ops_apps import MODEL, prio_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -19,14 +19,10 @@ LONG, SHORT = 160, 4
 
 
 @pytest.fixture(scope="module")
-def prio(server, apps) -> str:
-    """Two running slots, priority order, at most one slot per key (three keys)."""
-    apps.append("prio")
-    return deploy(server, "prio", {
-        "api_keys": [API_KEY, API_KEY_2], "admin_api_keys": [ADMIN_KEY],
-        "engine": {"model": {"dtype": "float32", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
-                   "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "policy": "priority",
-                                 "max_running_share": 0.5}}})
+def prio(request, shared_apps, otlp_receiver) -> str:
+    """Two running slots, priority order, at most one slot per key (three keys); shared with
+    test_tracing_serving.py, whose spans it exports (see prio_args)."""
+    return shared_apps.get(request, "prio", prio_args(otlp_receiver.server_port))
 
 
 async def timed(client: openai.AsyncOpenAI, tokens: int, **kw) -> float:
