@@ -146,11 +146,10 @@ class SharedApps:
 
     def get(self, request: pytest.FixtureRequest, name: str, args: dict) -> str:
         config = json.dumps(args, sort_keys=True, default=str)
+        assert self.configs.setdefault(name, config) == config, f"app {name} asked for with other args: {config}"
+        self.users.setdefault(name, set()).add(request.fixturename)  # deleted after its users, even if it fails
         if name not in self.urls:
             self.urls[name] = deploy(self.server, name, args)
-            self.configs[name] = config
-        assert self.configs[name] == config, f"app {name} asked for with other args: {config}"
-        self.users.setdefault(name, set()).add(request.fixturename)
         return self.urls[name]
 
     def release_after(self, item: pytest.Item) -> None:
@@ -163,7 +162,8 @@ class SharedApps:
         here = self._position.get(id(item), -1)
         for name, users in list(self.users.items()):
             if all(self._last_use.get(user, -1) <= here for user in users):
-                del self.urls[name], self.users[name]
+                self.urls.pop(name, None)
+                del self.users[name]
                 try:
                     serve.delete(name, _blocking=False)
                 except Exception:

@@ -55,7 +55,7 @@ async def until(engine, task: asyncio.Task, running: int = 0, waiting: int = 0, 
         if s["num_running"] >= running and s["num_waiting"] >= waiting:
             break
         assert not task.done() and time.monotonic() < deadline, s
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
     assert not task.done()
 
 
