@@ -22,6 +22,7 @@ for _k, _v in serving_env().items():
 import ray.serve._private.constants  # noqa: E402, F401
 
 from tests.serve.ops_apps import (  # noqa: E402
+    SHARED_APPS,
     Receiver,
     deploy,
     free_port,
@@ -132,22 +133,23 @@ def apps():
 
 class SharedApps:
     """Extra apps shared across modules: each deployed once, by the first module fixture that asks for it,
-    and reused by every later one that asks for the same name with the same args (a different config under
-    the same name fails loudly). An app is deleted after the last collected test that uses one of the
-    fixtures that asked for it (pytest_runtest_teardown below), so it holds no CPUs beyond its users."""
+    and reused by every later one (the same name must come with the same args, or it fails loudly). An app
+    is deleted after the last collected test that uses one of its fixtures (ops_apps.SHARED_APPS names
+    them; pytest_runtest_teardown below), so it holds no CPUs beyond its users."""
 
     def __init__(self, server: str) -> None:
         self.server = server
         self.urls: dict[str, str] = {}
         self.configs: dict[str, str] = {}
-        self.users: dict[str, set[str]] = {}  # app -> names of the fixtures that asked for it
+        self.users: dict[str, frozenset[str]] = {}  # deployed app -> the fixtures that use it
         self._last_use: dict[str, int] | None = None
         self._position: dict[int, int] = {}
 
     def get(self, request: pytest.FixtureRequest, name: str, args: dict) -> str:
+        assert request.fixturename in SHARED_APPS[name], f"add {request.fixturename} to SHARED_APPS[{name!r}]"
         config = json.dumps(args, sort_keys=True, default=str)
         assert self.configs.setdefault(name, config) == config, f"app {name} asked for with other args: {config}"
-        self.users.setdefault(name, set()).add(request.fixturename)  # deleted after its users, even if it fails
+        self.users[name] = SHARED_APPS[name]  # deleted after its users, even if the deploy fails
         if name not in self.urls:
             self.urls[name] = deploy(self.server, name, args)
         return self.urls[name]

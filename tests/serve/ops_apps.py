@@ -110,6 +110,13 @@ class Pace:
         return f"Pace(request {self.request_s * 1e3:.0f} ms, step {self.step_s * 1e3:.1f} ms)"
 
 
+# Extra apps that several modules share (conftest.SharedApps): app name -> the module fixtures that use it.
+SHARED_APPS: dict[str, frozenset[str]] = {
+    "prio": frozenset({"prio", "traced"}),  # test_priority_serving.py, test_tracing_serving.py
+    "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py
+}
+
+
 def prio_args(otlp_port: int) -> dict:
     """test_priority_serving.py's app: two running slots, priority order, at most one slot per key (three
     keys). test_tracing_serving.py traces through the same app: its spans go to an OTLP receiver on
