@@ -63,11 +63,26 @@ def run_app(server: str, app, name: str, wait_s: float = 300) -> str:
     return wait_healthy(f"{server}/{name}", wait_s)
 
 
-def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
+def small_app(args: dict):
+    """An app of `args` on half a CPU per replica, with SMALL_ENGINE unless `args` brings its engines."""
     from rayllm.serve.builder import build_app
 
     small = {} if "models" in args else {"engine": SMALL_ENGINE}  # a `models` list brings its own engines
-    return run_app(server, build_app({"replica_num_cpus": 0.5} | small | args), name, wait_s)
+    return build_app({"replica_num_cpus": 0.5} | small | args)
+
+
+def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
+    return run_app(server, small_app(args), name, wait_s)
+
+
+def deploy_all(server: str, specs: dict[str, dict], wait_s: float = 300) -> dict[str, str]:
+    """Several apps (name -> args) submitted at once, so their replicas start side by side rather than one
+    app after another; their URLs once every one is healthy."""
+    from ray import serve
+
+    serve.run_many([serve.RunTarget(small_app(args), name=name, route_prefix=f"/{name}")
+                    for name, args in specs.items()], wait_for_applications_running=False)
+    return {name: wait_healthy(f"{server}/{name}", wait_s) for name in specs}
 
 
 def sse_lines(r: httpx.Response) -> list[str]:
