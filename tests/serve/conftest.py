@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import threading
 
 import pytest
 
@@ -19,7 +21,15 @@ for _k, _v in serving_env().items():
         del os.environ[_k]
 import ray.serve._private.constants  # noqa: E402, F401
 
-from tests.serve.ops_apps import free_port, own_haproxy_env, wait_healthy  # noqa: E402
+from tests.serve.ops_apps import (  # noqa: E402
+    SHARED_APPS,
+    Receiver,
+    deploy,
+    free_port,
+    own_haproxy_env,
+    tiny_checkpoints,
+    wait_healthy,
+)
 
 os.environ.update(serving_env())
 
@@ -119,3 +129,76 @@ def apps():
             serve.delete(name, _blocking=False)
         except Exception:
             pass
+
+
+class SharedApps:
+    """Extra apps shared across modules: each deployed once, by the first module fixture that asks for it,
+    and reused by every later one (the same name must come with the same args, or it fails loudly). An app
+    is deleted after the last collected test that uses one of its fixtures (ops_apps.SHARED_APPS names
+    them; pytest_runtest_teardown below), so it holds no CPUs beyond its users."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.urls: dict[str, str] = {}
+        self.configs: dict[str, str] = {}
+        self.users: dict[str, frozenset[str]] = {}  # deployed app -> the fixtures that use it
+        self._last_use: dict[str, int] | None = None
+        self._position: dict[int, int] = {}
+
+    def get(self, request: pytest.FixtureRequest, name: str, args: dict) -> str:
+        assert request.fixturename in SHARED_APPS[name], f"add {request.fixturename} to SHARED_APPS[{name!r}]"
+        config = json.dumps(args, sort_keys=True, default=str)
+        assert self.configs.setdefault(name, config) == config, f"app {name} asked for with other args: {config}"
+        self.users[name] = SHARED_APPS[name]  # deleted after its users, even if the deploy fails
+        if name not in self.urls:
+            self.urls[name] = deploy(self.server, name, args)
+        return self.urls[name]
+
+    def release_after(self, item: pytest.Item) -> None:
+        """Delete the apps that no later test uses (without waiting for their replicas to stop)."""
+        from ray import serve
+
+        if self._last_use is None:  # fixture name -> position of the last collected test using it
+            self._last_use = {name: i for i, it in enumerate(item.session.items) for name in it.fixturenames}
+            self._position = {id(it): i for i, it in enumerate(item.session.items)}
+        here = self._position.get(id(item), -1)
+        for name, users in list(self.users.items()):
+            if all(self._last_use.get(user, -1) <= here for user in users):
+                self.urls.pop(name, None)
+                del self.users[name]
+                try:
+                    serve.delete(name, _blocking=False)
+                except Exception:
+                    pass
+
+
+_SHARED = pytest.StashKey[SharedApps]()
+
+
+@pytest.fixture(scope="session")
+def shared_apps(server, request) -> SharedApps:
+    apps = SharedApps(server)
+    request.config.stash[_SHARED] = apps
+    return apps
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    apps = item.config.stash.get(_SHARED, None)
+    if apps is not None and apps.users:
+        apps.release_after(item)
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Receiver:
+    """An OTLP/HTTP receiver in this process, for apps that export traces (see ops_apps.prio_args)."""
+    receiver = Receiver()
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    yield receiver
+    receiver.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, hf_tokenizer) -> dict[str, str]:
+    """The tiny random models of ops_apps.multi_args, by name."""
+    return tiny_checkpoints(tmp_path_factory.mktemp("tiny_models"), hf_tokenizer)

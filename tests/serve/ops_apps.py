@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -61,11 +63,26 @@ def run_app(server: str, app, name: str, wait_s: float = 300) -> str:
     return wait_healthy(f"{server}/{name}", wait_s)
 
 
-def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
+def small_app(args: dict):
+    """An app of `args` on half a CPU per replica, with SMALL_ENGINE unless `args` brings its engines."""
     from rayllm.serve.builder import build_app
 
     small = {} if "models" in args else {"engine": SMALL_ENGINE}  # a `models` list brings its own engines
-    return run_app(server, build_app({"replica_num_cpus": 0.5} | small | args), name, wait_s)
+    return build_app({"replica_num_cpus": 0.5} | small | args)
+
+
+def deploy(server: str, name: str, args: dict, wait_s: float = 300) -> str:
+    return run_app(server, small_app(args), name, wait_s)
+
+
+def deploy_all(server: str, specs: dict[str, dict], wait_s: float = 300) -> dict[str, str]:
+    """Several apps (name -> args) submitted at once, so their replicas start side by side rather than one
+    app after another; their URLs once every one is healthy."""
+    from ray import serve
+
+    serve.run_many([serve.RunTarget(small_app(args), name=name, route_prefix=f"/{name}")
+                    for name, args in specs.items()], wait_for_applications_running=False)
+    return {name: wait_healthy(f"{server}/{name}", wait_s) for name in specs}
 
 
 def sse_lines(r: httpx.Response) -> list[str]:
@@ -106,3 +123,129 @@ class Pace:
 
     def __repr__(self) -> str:
         return f"Pace(request {self.request_s * 1e3:.0f} ms, step {self.step_s * 1e3:.1f} ms)"
+
+
+# Extra apps that several modules share (conftest.SharedApps): app name -> the module fixtures that use it.
+SHARED_APPS: dict[str, frozenset[str]] = {
+    "prio": frozenset({"prio", "traced"}),  # test_priority_serving.py, test_tracing_serving.py
+    "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py
+}
+
+
+def prio_args(otlp_port: int) -> dict:
+    """test_priority_serving.py's app: two running slots, priority order, at most one slot per key (three
+    keys). test_tracing_serving.py traces through the same app: its spans go to an OTLP receiver on
+    `otlp_port` (the session's)."""
+    from tests.serve.conftest import ADMIN_KEY, API_KEY, API_KEY_2
+
+    return {"api_keys": [API_KEY, API_KEY_2], "admin_api_keys": [ADMIN_KEY],
+            "engine": {"model": {"dtype": "float32", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
+                       "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "policy": "priority",
+                                     "max_running_share": 0.5}},
+            "tracing": {"enabled": True, "otlp_endpoint": f"http://127.0.0.1:{otlp_port}/v1/traces",
+                        "export_interval_s": 0.2, "service_name": "rayllm-test"}}
+
+
+FAMILIES = ("qwen3", "mixtral")
+TINY_ENGINE = {"cache": {"kv_cache_bytes": 32 << 20}, "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}
+
+
+def tiny_checkpoints(root: Path, tok) -> dict[str, str]:
+    """Tiny random models (weights random, built by transformers here; `tok`, SmolLM2's tokenizer, saved
+    beside each so chat templates render): a Llama ("tiny-llama") and one per added family (FAMILIES)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.tiny_families import make_checkpoint
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.1,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    paths = {"tiny-llama": str(root / "tiny-llama")}
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(paths["tiny-llama"],
+                                                                                 safe_serialization=True)
+    for family in FAMILIES:
+        paths[family] = make_checkpoint(root / family, family, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                        eos_token_id=tok.eos_token_id)
+    for path in paths.values():
+        tok.save_pretrained(path)
+    return paths
+
+
+def multi_args(paths: dict[str, str]) -> dict:
+    """One app of several base models (a `models` list: each its own model deployment behind one ingress
+    and tokenizer): SmolLM2 ("smol"), the tiny Llama on two replicas ("tiny"), and each added family's tiny
+    model; test_multi_model.py and test_model_families.py share it."""
+    from tests.serve.conftest import API_KEY
+
+    def engine(name: str) -> dict:
+        return {"model": {"model": paths[name], "dtype": "float32", "max_model_len": 256}} | TINY_ENGINE
+
+    return {"api_keys": [API_KEY], "models": [
+        {"engine": SMALL_ENGINE, "aliases": ["smol"]},
+        {"served_model_name": "tiny-llama", "aliases": ["tiny"], "deployment": {"num_replicas": 2},
+         "engine": engine("tiny-llama")},
+        *({"served_model_name": f"tiny-{family}", "engine": engine(family)} for family in FAMILIES)]}
+
+
+def _value(v) -> object:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_value(x) for x in v.array_value.values)
+    return getattr(v, kind) if kind else None
+
+
+class Receiver(ThreadingHTTPServer):
+    """POST /v1/traces (OTLP/HTTP protobuf): every span, as a dict, with its process's resource attributes."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(handler) -> None:  # noqa: N805
+                from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+                    ExportTraceServiceRequest,
+                    ExportTraceServiceResponse,
+                )
+
+                body = handler.rfile.read(int(handler.headers["Content-Length"]))
+                self.add(ExportTraceServiceRequest.FromString(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                handler.send_response(200)
+                handler.send_header("Content-Type", "application/x-protobuf")
+                handler.send_header("Content-Length", str(len(reply)))
+                handler.end_headers()
+                handler.wfile.write(reply)
+
+            def log_message(handler, *args) -> None:  # noqa: N805
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+    def add(self, req) -> None:  # an ExportTraceServiceRequest
+        for rs in req.resource_spans:
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    with self.lock:
+                        self.spans.append({
+                            "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
+                            "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
+                            "end": s.end_time_unix_nano, "status": s.status.code,
+                            "attrs": {a.key: _value(a.value) for a in s.attributes}, "resource": resource})
+
+    def wait_for(self, match, names: set[str], timeout: float = 60) -> dict[str, list[dict]]:
+        """The spans `match` picks, by name, once every name in `names` has arrived."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                got: dict[str, list[dict]] = {}
+                for s in self.spans:
+                    if match(s):
+                        got.setdefault(s["name"], []).append(s)
+            if names <= set(got) or time.monotonic() > deadline:
+                assert names <= set(got), f"missing spans {names - set(got)}; got {sorted(got)}"
+                return got
+            time.sleep(0.1)

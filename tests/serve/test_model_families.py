@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import API_KEY
-from ops_apps import deploy
-from tiny_families import make_checkpoint
+from ops_apps import FAMILIES, multi_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -17,23 +16,20 @@ QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
-def test_chat_completion_on_a_tiny_random_model(server, apps, hf_tokenizer, tmp_path, family):
+@pytest.fixture(scope="module")
+def families(request, shared_apps, tiny_models) -> tuple[str, dict[str, str]]:
+    """test_multi_model.py's app, which serves every family's tiny model beside its own (a `models` list:
+    each on its own model deployment), so their replicas start together; its URL and the models' folders."""
+    return shared_apps.get(request, "multi", multi_args(tiny_models)), tiny_models
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_completion_on_a_tiny_random_model(families, hf_tokenizer, family):
     from openai import OpenAI
     from transformers import AutoModelForCausalLM
 
-    path = make_checkpoint(tmp_path / family, family, vocab_size=len(hf_tokenizer),
-                           bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id)
-    hf_tokenizer.save_pretrained(path)
-    name = f"family-{family}"
-    base = deploy(server, name, {
-        "api_keys": [API_KEY],
-        "engine": {"model": {"model": path, "served_model_name": f"tiny-{family}", "dtype": "float32",
-                             "max_model_len": 256},
-                   "cache": {"kv_cache_bytes": 32 << 20},
-                   "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}},
-    })
-    apps.append(name)
+    base, paths = families
+    path = paths[family]
     client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     r = client.chat.completions.create(model=f"tiny-{family}", messages=QUESTION, max_tokens=MAX_TOKENS,
                                        temperature=0)

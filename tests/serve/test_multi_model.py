@@ -13,45 +13,26 @@ import httpx
 import pytest
 import torch
 from conftest import API_KEY
-from ops_apps import MODEL, SMALL_ENGINE, deploy
+from ops_apps import FAMILIES, MODEL, multi_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 TINY = "tiny-llama"
+FAMILY_MODELS = {f"tiny-{family}" for family in FAMILIES}  # test_model_families.py's, in the same app
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory, hf_tokenizer) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    tok = hf_tokenizer
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.1,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+def tiny_path(tiny_models) -> str:
+    return tiny_models[TINY]
 
 
 @pytest.fixture(scope="module")
-def multi(server, apps, tiny_path) -> str:
-    """The two-model app; the tiny model runs two replicas, SmolLM2 one."""
-    base = deploy(server, "multi", {
-        "api_keys": [API_KEY],
-        "models": [
-            {"engine": SMALL_ENGINE, "aliases": ["smol"]},
-            {"served_model_name": TINY, "aliases": ["tiny"], "deployment": {"num_replicas": 2},
-             "engine": {"model": {"model": tiny_path, "dtype": "float32", "max_model_len": 256},
-                        "cache": {"kv_cache_bytes": 32 << 20},
-                        "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}},
-        ],
-    })
-    apps.append("multi")
-    return base
+def multi(request, shared_apps, tiny_models) -> str:
+    """The several-model app; the tiny Llama runs two replicas, SmolLM2 one (test_model_families.py's
+    models are in it too)."""
+    return shared_apps.get(request, "multi", multi_args(tiny_models))
 
 
 def _reference_tiny(path: str, tok) -> str:
@@ -98,14 +79,14 @@ def test_models_lists_every_model_and_alias_and_unknown_is_404(multi):
 
     c = OpenAI(base_url=f"{multi}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     cards = {m.id: m for m in c.models.list().data}
-    assert set(cards) == {MODEL, "smol", TINY, "tiny"}
+    assert set(cards) == {MODEL, "smol", TINY, "tiny"} | FAMILY_MODELS
     assert cards["smol"].root == MODEL and cards["tiny"].root == TINY
     assert c.models.retrieve("tiny").root == TINY
     with pytest.raises(NotFoundError) as err:
         c.chat.completions.create(model="nope", messages=QUESTION, max_tokens=2)
     body = err.value.body
     assert body["code"] == "model_not_found" and body["param"] == "model"
-    assert all(name in body["message"] for name in (MODEL, "smol", TINY, "tiny"))
+    assert all(name in body["message"] for name in (MODEL, "smol", TINY, "tiny", *FAMILY_MODELS))
 
 
 def test_each_model_has_its_own_replicas(multi):
@@ -113,6 +94,7 @@ def test_each_model_has_its_own_replicas(multi):
     from ray import serve
 
     deployments = serve.status().applications["multi"].deployments
-    assert set(deployments) == {"ingress", "tokenizer", "llm", "llm-tiny-llama"}
+    families = {f"llm-{m}" for m in FAMILY_MODELS}
+    assert set(deployments) == {"ingress", "tokenizer", "llm", "llm-tiny-llama"} | families
     assert deployments["llm"].replica_states == {"RUNNING": 1}
     assert deployments["llm-tiny-llama"].replica_states == {"RUNNING": 2}

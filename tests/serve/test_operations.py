@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.ops_apps import MODEL, QUESTION, SMALL_ENGINE, Pace, chat_body, deploy, sse_lines
+from tests.serve.ops_apps import MODEL, QUESTION, SMALL_ENGINE, Pace, chat_body, deploy_all, sse_lines
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -82,24 +82,33 @@ class AppURL(str):
 
 
 @pytest.fixture(scope="module")
-def limited(server, apps, auth) -> AppURL:
+def module_apps(server, apps, auth) -> dict:
+    """The module's three apps, deployed together (their replicas start side by side): their URLs, and the
+    request timeout of ops-limits (see `limited`)."""
+    pace = Pace(server, headers=auth)
+    timeout_s = max(1.0, round(min(pace.bound(8, margin=6.0), TIMEOUT_CAP * pace.step_s / 4), 1))
+    specs = {"ops-limits": LIMITS | {"request_timeout_s": timeout_s}, "ops-queue": LIMITS,
+             "ops-ray": {"engine": SMALL_ENGINE | {"parallel": {"executor": "ray"}},
+                         "llm_deployment_options": {"health_check_period_s": 2}}}
+    apps.extend(specs)
+    return deploy_all(server, specs) | {"timeout_s": timeout_s}
+
+
+@pytest.fixture(scope="module")
+def limited(module_apps) -> AppURL:
     """The bounds above and a request timeout that ordinary requests clear by far on this machine (6x an
     8-token request, measured on the session app, same model), so only the timeout test's meet it; and
     at most a quarter of the longest request the bounds allow, so that one outlasts it twice over."""
-    pace = Pace(server, headers=auth)
-    timeout_s = max(1.0, round(min(pace.bound(8, margin=6.0), TIMEOUT_CAP * pace.step_s / 4), 1))
-    apps.append("ops-limits")
-    url = AppURL(deploy(server, "ops-limits", LIMITS | {"request_timeout_s": timeout_s}))
-    url.timeout_s = timeout_s
+    url = AppURL(module_apps["ops-limits"])
+    url.timeout_s = module_apps["timeout_s"]
     return url
 
 
 @pytest.fixture(scope="module")
-def queue_bound(server, apps) -> str:
+def queue_bound(module_apps) -> str:
     """The same queue bounds with no request timeout: the back-pressure test's long streams must not
     meet one."""
-    apps.append("ops-queue")
-    return deploy(server, "ops-queue", LIMITS)
+    return module_apps["ops-queue"]
 
 
 def _error(r: httpx.Response) -> dict:
@@ -211,12 +220,10 @@ def _rank_actors(app: str) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def ops_ray(server, apps) -> str:
+def ops_ray(module_apps) -> str:
     """TP ranks as Ray actors (executor: ray), health checked every 2 s. Each test that kills part of
     it waits until Serve has replaced it, so the next finds it healthy."""
-    apps.append("ops-ray")
-    return deploy(server, "ops-ray", {"engine": SMALL_ENGINE | {"parallel": {"executor": "ray"}},
-                                      "llm_deployment_options": {"health_check_period_s": 2}})
+    return module_apps["ops-ray"]
 
 
 def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray):

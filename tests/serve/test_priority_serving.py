@@ -11,22 +11,20 @@ import openai
 import pytest
 
 from tests.serve.conftest import ADMIN_KEY, API_KEY, API_KEY_2
-from tests.serve.ops_apps import MODEL, deploy
+from tests.serve.ops_apps import MODEL, prio_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
-LONG, SHORT = 160, 4
+# A long request runs ~5 s here (the urgent one ~0.3 s); the short one is sent as soon as the engine has
+# admitted the long ones (polled, no fixed wait), so 100 tokens leave the margin that 160 left after 3 s of sleeps.
+LONG, SHORT = 100, 4
 
 
 @pytest.fixture(scope="module")
-def prio(server, apps) -> str:
-    """Two running slots, priority order, at most one slot per key (three keys)."""
-    apps.append("prio")
-    return deploy(server, "prio", {
-        "api_keys": [API_KEY, API_KEY_2], "admin_api_keys": [ADMIN_KEY],
-        "engine": {"model": {"dtype": "float32", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
-                   "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "policy": "priority",
-                                 "max_running_share": 0.5}}})
+def prio(request, shared_apps, otlp_receiver) -> str:
+    """Two running slots, priority order, at most one slot per key (three keys); shared with
+    test_tracing_serving.py, whose spans it exports (see prio_args)."""
+    return shared_apps.get(request, "prio", prio_args(otlp_receiver.server_port))
 
 
 async def timed(client: openai.AsyncOpenAI, tokens: int, **kw) -> float:
@@ -38,8 +36,28 @@ async def timed(client: openai.AsyncOpenAI, tokens: int, **kw) -> float:
     return time.monotonic()
 
 
-async def started(task: asyncio.Task, delay: float = 1.5) -> None:
-    await asyncio.sleep(delay)  # the request is admitted and decoding
+@pytest.fixture(scope="module")
+def engine(prio):
+    """The prio app's engine gauges (running and waiting sequences), read through its model deployment."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("llm", app_name="prio")
+
+    async def stats() -> dict:
+        return await handle.stats.remote()
+    return stats
+
+
+async def until(engine, task: asyncio.Task, running: int = 0, waiting: int = 0, wait_s: float = 60) -> None:
+    """Polls the engine until at least `running` sequences run and `waiting` wait (the request just sent was
+    admitted, or parked), with `task` still unfinished: no fixed sleep standing in for either."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        s = await engine()
+        if s["num_running"] >= running and s["num_waiting"] >= waiting:
+            break
+        assert not task.done() and time.monotonic() < deadline, s
+        await asyncio.sleep(0.05)
     assert not task.done()
 
 
@@ -48,31 +66,31 @@ def clients(base: str) -> list[openai.AsyncOpenAI]:
             for k in (API_KEY, API_KEY_2, ADMIN_KEY)]
 
 
-def test_priority_tier_overtakes_running_flex_streams(prio):
+def test_priority_tier_overtakes_running_flex_streams(prio, engine):
     async def run():
         a, b, admin = clients(prio)
         flex1 = asyncio.create_task(timed(a, LONG, service_tier="flex"))
-        await started(flex1)
+        await until(engine, flex1, running=1)
         flex2 = asyncio.create_task(timed(b, LONG, service_tier="flex"))
-        await started(flex2)
+        await until(engine, flex2, running=2)
         urgent = await timed(admin, SHORT, service_tier="priority")  # both slots taken: it preempts flex2
         assert urgent < min(await flex1, await flex2)
     asyncio.run(run())
 
 
-def test_one_key_holds_at_most_its_share(prio):
+def test_one_key_holds_at_most_its_share(prio, engine):
     async def run():
         a, b, _ = clients(prio)
         first = asyncio.create_task(timed(a, LONG))
-        await started(first)
+        await until(engine, first, running=1)
         second = asyncio.create_task(timed(a, LONG))  # a free slot, but key A holds its share: parked
-        await asyncio.sleep(0.5)
+        await until(engine, second, running=1, waiting=1)
         other = await timed(b, SHORT)  # key B gets the second slot at once
         assert other < await first < await second
     asyncio.run(run())
 
 
-def test_responses_route_honours_service_tier_and_priority(prio):
+def test_responses_route_honours_service_tier_and_priority(prio, engine):
     """Both slots hold default-priority chat streams (keys A and B); a Responses request of the admin key
     finishes before either only if its tier (or vLLM's priority) reached the engine: at the same priority it
     could not preempt, and would wait for a slot."""
@@ -85,16 +103,16 @@ def test_responses_route_honours_service_tier_and_priority(prio):
     async def run():
         a, b, admin = clients(prio)
         first = asyncio.create_task(timed(a, LONG))
-        await started(first)
+        await until(engine, first, running=1)
         second = asyncio.create_task(timed(b, LONG))
-        await started(second)
+        await until(engine, second, running=2)
         by_tier = await urgent_response(admin, service_tier="priority")  # preempts the later stream
         by_priority = await urgent_response(admin, extra_body={"priority": -1})  # the same, vLLM's field
         assert max(by_tier, by_priority) < min(await first, await second)
     asyncio.run(run())
 
 
-def test_embeddings_count_in_their_keys_share(prio):
+def test_embeddings_count_in_their_keys_share(prio, engine):
     """Key A holds its one slot with a chat stream; its embeddings request waits for that slot (not the free
     one), which key B's request takes at once."""
     async def embedded(client: openai.AsyncOpenAI) -> float:
@@ -105,9 +123,9 @@ def test_embeddings_count_in_their_keys_share(prio):
     async def run():
         a, b, _ = clients(prio)
         first = asyncio.create_task(timed(a, LONG))
-        await started(first)
+        await until(engine, first, running=1)
         embedding = asyncio.create_task(embedded(a))  # a free slot, but key A holds its share: parked
-        await asyncio.sleep(0.5)
+        await until(engine, embedding, running=1, waiting=1)
         other = await timed(b, SHORT)
         assert other < await first < await embedding
     asyncio.run(run())

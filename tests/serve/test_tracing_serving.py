@@ -6,101 +6,27 @@ and the model replica (with the engine's phases), continuing the client's `trace
 from __future__ import annotations
 
 import json
-import threading
-import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 
 from tests.serve.conftest import API_KEY
-from tests.serve.ops_apps import MODEL, QUESTION, deploy
+from tests.serve.ops_apps import MODEL, QUESTION, prio_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _value(v) -> object:
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return tuple(_value(x) for x in v.array_value.values)
-    return getattr(v, kind) if kind else None
-
-
-class Receiver(ThreadingHTTPServer):
-    """POST /v1/traces (OTLP/HTTP protobuf): every span, as a dict, with its process's resource attributes."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.lock = threading.Lock()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(handler) -> None:  # noqa: N805
-                body = handler.rfile.read(int(handler.headers["Content-Length"]))
-                self.add(ExportTraceServiceRequest.FromString(body))
-                reply = ExportTraceServiceResponse().SerializeToString()
-                handler.send_response(200)
-                handler.send_header("Content-Type", "application/x-protobuf")
-                handler.send_header("Content-Length", str(len(reply)))
-                handler.end_headers()
-                handler.wfile.write(reply)
-
-            def log_message(handler, *args) -> None:  # noqa: N805
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-
-    def add(self, req: ExportTraceServiceRequest) -> None:
-        for rs in req.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    with self.lock:
-                        self.spans.append({
-                            "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
-                            "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
-                            "end": s.end_time_unix_nano, "status": s.status.code,
-                            "attrs": {a.key: _value(a.value) for a in s.attributes}, "resource": resource})
-
-    def wait_for(self, match, names: set[str], timeout: float = 60) -> dict[str, list[dict]]:
-        """The spans `match` picks, by name, once every name in `names` has arrived."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                got: dict[str, list[dict]] = {}
-                for s in self.spans:
-                    if match(s):
-                        got.setdefault(s["name"], []).append(s)
-            if names <= set(got) or time.monotonic() > deadline:
-                assert names <= set(got), f"missing spans {names - set(got)}; got {sorted(got)}"
-                return got
-            time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
-def receiver():
-    r = Receiver()
-    threading.Thread(target=r.serve_forever, daemon=True).start()
-    yield r
-    r.shutdown()
+def traced(request, shared_apps, otlp_receiver) -> str:
+    """test_priority_serving.py's app, which exports its spans to the session's OTLP receiver (tracing and
+    the priority scheduler coexist, so one app serves both modules)."""
+    return shared_apps.get(request, "prio", prio_args(otlp_receiver.server_port))
 
 
-@pytest.fixture(scope="module")
-def traced(server, apps, receiver) -> str:
-    apps.append("traced")
-    return deploy(server, "traced", {
-        "api_keys": [API_KEY],
-        "tracing": {"enabled": True, "otlp_endpoint": f"http://127.0.0.1:{receiver.server_port}/v1/traces",
-                    "export_interval_s": 0.2, "service_name": "rayllm-test"}})
-
-
-def test_one_trace_across_ingress_tokenizer_and_model(traced, receiver):
+def test_one_trace_across_ingress_tokenizer_and_model(traced, otlp_receiver):
     trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
     xrid = f"trace-test-{uuid.uuid4().hex[:8]}"
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
@@ -113,7 +39,7 @@ def test_one_trace_across_ingress_tokenizer_and_model(traced, receiver):
     usage, rid = last["usage"], last["id"]
     assert usage["completion_tokens"] == 4
 
-    spans = receiver.wait_for(lambda s: s["trace"] == trace_id, {
+    spans = otlp_receiver.wait_for(lambda s: s["trace"] == trace_id, {
         "POST /v1/chat/completions", "validate", "render", "tokenizer.render", "llm.generate", "engine.queue",
         "engine.prefill", "engine.decode", "storage.write"})
     one = {name: only for name, (only,) in spans.items()}  # one span of each: one request, one choice
@@ -150,7 +76,7 @@ def test_one_trace_across_ingress_tokenizer_and_model(traced, receiver):
     assert decode["attrs"]["gen_ai.usage.output_tokens"] == 4
 
 
-def test_new_traces_per_choice_phases_and_a_client_that_samples_out(traced, receiver):
+def test_new_traces_per_choice_phases_and_a_client_that_samples_out(traced, otlp_receiver):
     unsampled = uuid.uuid4().hex
     r = httpx.post(f"{traced}/v1/chat/completions", headers=AUTH | {"traceparent": f"00-{unsampled}-"
                    f"{uuid.uuid4().hex[:16]}-00"}, json={"model": MODEL, "messages": QUESTION, "max_tokens": 2},
@@ -161,9 +87,9 @@ def test_new_traces_per_choice_phases_and_a_client_that_samples_out(traced, rece
         "seed": 1, "ignore_eos": True})
     assert r.status_code == 200
     rid = r.json()["id"]
-    (llm,) = receiver.wait_for(lambda s: s["attrs"].get("gen_ai.response.id") == rid, {"llm.generate"})[
+    (llm,) = otlp_receiver.wait_for(lambda s: s["attrs"].get("gen_ai.response.id") == rid, {"llm.generate"})[
         "llm.generate"]
-    spans = receiver.wait_for(lambda s: s["trace"] == llm["trace"], {
+    spans = otlp_receiver.wait_for(lambda s: s["trace"] == llm["trace"], {
         "POST /v1/completions", "validate", "llm.generate", "engine.queue", "engine.prefill", "engine.decode"})
     (root,) = spans["POST /v1/completions"]
     assert root["parent"] == "" and llm["parent"] == root["id"]  # no traceparent: a trace of its own
@@ -173,4 +99,4 @@ def test_new_traces_per_choice_phases_and_a_client_that_samples_out(traced, rece
         assert all(s["parent"] == llm["id"] for s in spans[phase])
     assert root["attrs"]["gen_ai.usage.output_tokens"] == 6 == llm["attrs"]["gen_ai.usage.output_tokens"]
     # The first request's spans went out before the second's, through the same exporters: none were kept.
-    assert not [s for s in receiver.spans if s["trace"] == unsampled]
+    assert not [s for s in otlp_receiver.spans if s["trace"] == unsampled]
