@@ -1,7 +1,8 @@
 """Stopping `serve run cluster.yaml` leaves no process behind and frees the HTTP port, whatever the signal.
 
-The real `serve run` on the shipped cluster.yaml (default model) with the environment `make serve` gives
-it (serving.env plus haproxy_guard's paths). "force" stands in for `ray stop --force`, scoped to this
+The real `serve run` on the shipped cluster.yaml (default model), started as `make serve` starts it
+(`python -m rayllm.serve.launch serve run`, serving.env plus haproxy_guard's paths); the SIGINT run (Ctrl-C,
+what `make serve`'s users send) with `RAYLLM_RAY_DASHBOARD=0`, so the launcher starts Ray itself there. "force" stands in for `ray stop --force`, scoped to this
 run's processes: that command SIGKILLs every Ray process on the machine by name (never HAProxy), which
 would also stop other Ray instances here; killing this run's tree by pid is the same signal to the same
 processes.
@@ -28,7 +29,6 @@ from tests.serve.ops_apps import free_port, own_haproxy_env
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVE = Path(sys.executable).parent / "serve"
 HOWS = ("SIGTERM", "SIGINT", "force")
 
 
@@ -40,7 +40,7 @@ class Run:
     log: Path
 
 
-def _launch(run_dir: Path) -> Run:
+def _launch(run_dir: Path, how: str) -> Run:
     port = free_port()
     config = (ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}")
     (run_dir / "cluster.yaml").write_text(config)
@@ -48,9 +48,11 @@ def _launch(run_dir: Path) -> Run:
     env = os.environ | serving_env() | own_haproxy_env()
     env["PYTHONPATH"] = str(ROOT)
     env.pop("RAY_ADDRESS", None)
+    env["RAYLLM_RAY_DASHBOARD"] = "0" if how == "SIGINT" else "1"
     log = run_dir / "serve.log"
     # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
-    proc = subprocess.Popen([str(SERVE), "run", str(run_dir / "cluster.yaml")], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "rayllm.serve.launch", "serve", "run", str(run_dir / "cluster.yaml")],
+                            cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
     return Run(proc, port, env["RAY_SERVE_HAPROXY_STATS_PORT"], log)
 
@@ -71,7 +73,7 @@ def _wait_up(run: Run, deadline: float) -> None:
 def runs(tmp_path_factory) -> dict[str, Run]:
     """One `serve run` per way of stopping, started together (each its own Ray instance): their starts
     overlap instead of queueing one behind another."""
-    started = {how: _launch(tmp_path_factory.mktemp(how)) for how in HOWS}
+    started = {how: _launch(tmp_path_factory.mktemp(how), how) for how in HOWS}
     try:
         deadline = time.monotonic() + 400
         for run in started.values():
