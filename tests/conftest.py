@@ -101,6 +101,27 @@ def eos(hf_tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="session")
+def hf_greedy(hf_model, eos):
+    """transformers' greedy generate of one prompt alone, stopping at the chat EOS ids; memoised for the
+    session: a shorter request is the prefix of a longer one already made (greedy steps are the same)."""
+    import torch
+
+    made: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+
+    def greedy(ids: list[int], max_new_tokens: int) -> list[int]:
+        n, tokens = made.get(tuple(ids), (0, []))
+        if n < max_new_tokens:
+            with torch.no_grad():
+                gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=eos, pad_token_id=eos[0])
+            n, tokens = max_new_tokens, gen[0, len(ids):].tolist()
+            made[tuple(ids)] = n, tokens
+        return tokens[:max_new_tokens]
+
+    return greedy
+
+
+@pytest.fixture(scope="session")
 def chat_prompts(hf_tokenizer) -> list[list[int]]:
     questions = [
         "What is the capital of France?",
