@@ -111,15 +111,13 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
     assert agree >= 0.93, f"{path}: top-1 agreement with fp32 {agree:.3f}"
 
 
-def test_shipped_kernels_answer_the_readme_example(gguf_path, request):
+def test_shipped_kernels_answer_the_readme_example(hf_tokenizer, request):
     """The README's chat example at temperature 0 on the shipped setting (small_batch_quant auto, the
     int4 x int8 kernel with two int8 passes on every 4-bit layer). With one pass everywhere it answered
     "L'Étoile, la Marseillaise, ..." (issue 35)."""
     if not cpu_qgemm.available():
         pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf_path).rpartition("/")[0], gguf_file=str(gguf_path).rpartition("/")[2])
+    tok = hf_tokenizer  # transformers' tokenizer of the default model's GGUF
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
                                    add_generation_prompt=True)
     engine = request.getfixturevalue("shipped")
