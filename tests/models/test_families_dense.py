@@ -96,25 +96,13 @@ def _ids(n: int, seed: int) -> list[int]:
     return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))]
 
 
-def _executor(path: str, tp: int, loras: int):
+def our_logits(path: str, tp: int, ids: list[int], lora: str | None = None) -> torch.Tensor:
+    """lora: a PEFT adapter directory to score with."""
     config = EngineConfig(model=ModelConfig(model=path, dtype="float32"),
                           cache=CacheConfig(kv_cache_bytes=16 << 20, block_size=4),
                           parallel=ParallelConfig(tensor_parallel_size=tp, device="cpu"),
-                          lora=LoRAConfig(max_loras=loras, max_lora_rank=8))
-    return make_executor(config, path, read_arch(path))
-
-
-def our_logits(path: str, tp: int, ids: list[int], lora: str | None = None, shared: dict | None = None) -> torch.Tensor:
-    """lora: a PEFT adapter directory to score with. shared: TP=2 executors by checkpoint (one LoRA slot each),
-    kept for the module: the logits and LoRA tests of a family start one pair of rank processes, not two."""
-    if shared is not None:
-        if path not in shared:
-            shared[path] = _executor(path, tp, 1)
-        executor = shared[path]
-        if lora:
-            executor.load_lora(1, 101, lora)
-        return executor.score(ids, 101 if lora else 0)
-    executor = _executor(path, tp, 1 if lora else 0)
+                          lora=LoRAConfig(max_loras=1 if lora else 0, max_lora_rank=8))
+    executor = make_executor(config, path, read_arch(path))
     try:
         if lora:
             executor.load_lora(1, 101, lora)
@@ -123,26 +111,16 @@ def our_logits(path: str, tp: int, ids: list[int], lora: str | None = None, shar
         executor.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tp2_executors():
-    made: dict = {}
-    yield made
-    for executor in made.values():
-        executor.shutdown()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logits_match_transformers(checkpoints, family, tp, request):
     """40 tokens: past every sliding window, and past Phi-3's original context (long LongRoPE factors)."""
-    shared = None
     if tp > 1:
         request.getfixturevalue("ray_local")
-        shared = request.getfixturevalue("tp2_executors")
     ids = _ids(40, 1)
     with torch.no_grad():
         expected = _reference(checkpoints[family])(torch.tensor([ids])).logits[0]
-    got = our_logits(checkpoints[family], tp, ids, shared=shared)
+    got = our_logits(checkpoints[family], tp, ids)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -186,10 +164,8 @@ def test_lora_matches_peft(checkpoints, family, tp, tmp_path, request):
     checkpoint's fused qkv_proj and gate_up_proj -- through our layers and through PEFT itself."""
     from peft import PeftModel
 
-    shared = None
     if tp > 1:
         request.getfixturevalue("ray_local")
-        shared = request.getfixturevalue("tp2_executors")
     path = checkpoints[family]
     targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family == "phi3" else tuple(TARGETS)
     adapter = random_peft_adapter(str(tmp_path / "adapter"), read_arch(path), rank=4, seed=3, targets=targets)
@@ -200,7 +176,7 @@ def test_lora_matches_peft(checkpoints, family, tp, tmp_path, request):
         with ref.disable_adapter():
             base = ref(torch.tensor([ids])).logits[0]
     assert (expected - base).abs().max() > 0.1  # the adapter really changes the output
-    torch.testing.assert_close(our_logits(path, tp, ids, adapter, shared), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(our_logits(path, tp, ids, adapter), expected, atol=1e-4, rtol=1e-4)
 
 
 def write_gguf(family: str, hf_dir: str, out_path: str) -> None:
