@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -75,11 +76,38 @@ def gguf_path() -> str:
     return default_model_path()
 
 
+@contextlib.contextmanager
+def parsed_once():
+    """transformers' GGUF loading, parsing each file once: it builds a gguf.GGUFReader of the file for the
+    tokenizer, again for the config and again for the weights (~5 s each for the default model's 49k-token
+    vocabulary), and gguf's tensor-name map once per tensor (~6 s in all). Both are read-only and depend on
+    their arguments alone, so these fixtures share them; transformers' own conversion runs unchanged."""
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def once(key: tuple, make):
+        if key not in _GGUF_PARSED:
+            _GGUF_PARSED[key] = make()
+        return _GGUF_PARSED[key]
+
+    gguf.GGUFReader = lambda path, mode="r": once(("reader", str(path), mode), lambda: reader(path, mode))
+    gguf.get_tensor_name_map = lambda arch, n: once(("names", arch, n), lambda: names(arch, n))
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
+
+
+_GGUF_PARSED: dict = {}
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    with parsed_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
 
 
 @pytest.fixture(scope="session")
@@ -88,9 +116,11 @@ def hf_model(gguf_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    )
+    with parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+        )
+    _GGUF_PARSED.clear()  # the tokenizer (first) and the model were the readers' users
     return model.eval()
 
 
@@ -98,6 +128,27 @@ def hf_model(gguf_path):
 def eos(hf_tokenizer) -> list[int]:
     """The default model's end-of-turn and end-of-text ids: what stops a chat answer."""
     return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, eos):
+    """transformers' greedy generate of one prompt alone, stopping at the chat EOS ids; memoised for the
+    session: a shorter request is the prefix of a longer one already made (greedy steps are the same)."""
+    import torch
+
+    made: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+
+    def greedy(ids: list[int], max_new_tokens: int) -> list[int]:
+        n, tokens = made.get(tuple(ids), (0, []))
+        if n < max_new_tokens:
+            with torch.no_grad():
+                gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                        eos_token_id=eos, pad_token_id=eos[0])
+            n, tokens = max_new_tokens, gen[0, len(ids):].tolist()
+            made[tuple(ids)] = n, tokens
+        return tokens[:max_new_tokens]
+
+    return greedy
 
 
 @pytest.fixture(scope="session")

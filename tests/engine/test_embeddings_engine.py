@@ -92,9 +92,12 @@ def test_pooling_beside_generation_leaves_greedy_outputs_unchanged(engine, chat_
     assert engine.stats().kv_usage == 0.0 and not engine.seqs
 
 
-def test_mean_pooling_equals_transformers(gguf_path, eos, hf_model, hf_tokenizer):
-    eng = make_engine(gguf_path, eos)
-    eng.config = dataclasses.replace(eng.config, model=dataclasses.replace(eng.config.model, pooling="mean"))
+def test_mean_pooling_equals_transformers(engine, hf_model, hf_tokenizer):
+    # model.pooling is read when a pooling request is added (nothing the worker holds): this is the engine
+    # a `pooling: mean` config builds; the module's engine goes back to last-token pooling after.
+    eng, config = engine, engine.config
+    eng.config = dataclasses.replace(config, model=dataclasses.replace(config.model, pooling="mean"))
+    eng.reset_prefix_cache()
     try:
         ids = hf_tokenizer("Mean pooling over every token of a prompt in several chunks. " * 8).input_ids
         embed_all(eng, [ids])  # fills the prefix cache: mean pooling must not reuse it
@@ -102,4 +105,4 @@ def test_mean_pooling_equals_transformers(gguf_path, eos, hf_model, hf_tokenizer
         torch.testing.assert_close(torch.tensor(got), reference(hf_model, ids, "mean"), rtol=1e-4, atol=1e-4)
         assert eng.stats().kv_usage == 0.0
     finally:
-        eng.shutdown()
+        eng.config = config

@@ -46,15 +46,9 @@ def engine(gguf_path, eos) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def reference_outputs(hf_model, chat_prompts, eos) -> list[list[int]]:
+def reference_outputs(hf_greedy, chat_prompts) -> list[list[int]]:
     """transformers' greedy generate, each prompt alone, stopping at the same EOS ids."""
-    outs = []
-    for ids in chat_prompts:
-        with torch.no_grad():
-            gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=eos[0])
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return [hf_greedy(ids, GREEDY.max_tokens) for ids in chat_prompts]
 
 
 def test_batched_greedy_equals_transformers_alone(engine, chat_prompts, reference_outputs):

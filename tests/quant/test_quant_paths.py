@@ -66,12 +66,23 @@ PATHS = {  # name -> (model.weights, small_batch_quant)
 }
 
 
+@pytest.fixture(scope="module")
+def shipped(gguf_path):
+    """The shipped bf16 setting (weights auto, small_batch_quant auto): the int4_vnni path below and the
+    README example run on this one engine (the path's test puts back what it changes)."""
+    engine = make_engine(gguf_path, "bfloat16")
+    yield engine
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("path", list(PATHS))
-def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, path):
+def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, path, request):
     if path.endswith("_vnni") and not cpu_qgemm.available():
         pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
     weights, small = PATHS[path]
-    engine = make_engine(gguf_path, "bfloat16", weights, small)
+    own = (weights, small) != ("auto", "auto")
+    engine = make_engine(gguf_path, "bfloat16", weights, small) if own else request.getfixturevalue("shipped")
+    changed: list = []
     try:
         layers = [m.method.small for m in engine.executor.worker.model.modules()
                   if isinstance(getattr(m, "method", None), SmallBatchMethod)]
@@ -81,6 +92,7 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
             body = [p for p in layers if p.max_tokens != parallel.SMALL_BATCH_TOKENS_LM_HEAD]
             assert body and all((p.vnni is not None) == (path == "int4_vnni") for p in body)
             for p in body:
+                changed.append((p, p.max_tokens))
                 p.max_tokens = 1 << 30
         else:
             assert not layers
@@ -90,29 +102,27 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
             assert all((p.vnni is not None) == path.endswith("_vnni") for p in kept)
         agree = agreement(engine, chat_prompts, reference)
     finally:
-        engine.shutdown()
+        for p, max_tokens in changed:
+            p.max_tokens = max_tokens
+        if own:
+            engine.shutdown()
     # Measured (benchmarks/quant_quality.py, 1,024 positions): bf16 0.97, int4 0.97, int4_vnni 0.96;
     # the rejected per-token W8A8 candidate 0.88. A broken kernel gives ~0.
     assert agree >= 0.93, f"{path}: top-1 agreement with fp32 {agree:.3f}"
 
 
-def test_shipped_kernels_answer_the_readme_example(gguf_path):
+def test_shipped_kernels_answer_the_readme_example(hf_tokenizer, request):
     """The README's chat example at temperature 0 on the shipped setting (small_batch_quant auto, the
     int4 x int8 kernel with two int8 passes on every 4-bit layer). With one pass everywhere it answered
     "L'Étoile, la Marseillaise, ..." (issue 35)."""
     if not cpu_qgemm.available():
         pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(gguf_path).rpartition("/")[0], gguf_file=str(gguf_path).rpartition("/")[2])
+    tok = hf_tokenizer  # transformers' tokenizer of the default model's GGUF
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
                                    add_generation_prompt=True)
-    engine = make_engine(gguf_path, "bfloat16")
-    try:
-        body = [m.method.small for n, m in engine.executor.worker.model.named_modules() if n.endswith("_proj")]
-        assert body and all(p.vnni is not None and p.vnni.passes == 2 for p in body)
-        out = engine.generate([tok(text, add_special_tokens=False).input_ids],
-                              SamplingParams(temperature=0, max_tokens=16))[0]
-    finally:
-        engine.shutdown()
+    engine = request.getfixturevalue("shipped")
+    body = [m.method.small for n, m in engine.executor.worker.model.named_modules() if n.endswith("_proj")]
+    assert body and all(p.vnni is not None and p.vnni.passes == 2 for p in body)
+    out = engine.generate([tok(text, add_special_tokens=False).input_ids],
+                          SamplingParams(temperature=0, max_tokens=16))[0]
     assert "Paris" in tok.decode(out)
