@@ -31,7 +31,7 @@ from rayllm.protocol.io_struct import GenerateRequest
 from rayllm.serve.prefix_affinity import PrefixTable, RouterConfig, block_chain, pick
 
 ROUTER_CLASS = "rayllm.serve.prefix_router:PrefixRouter"
-RESERVATION_S = 1.0  # a choice Serve did not send (the replica was full) stops counting after this
+RESERVATION_S = 1.0  # a choice not sent (the replica was full), or a send not answered, stops counting after this
 
 
 def request_router_config(router: RouterConfig, block_size: int) -> dict[str, Any]:
@@ -59,9 +59,14 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.config = RouterConfig.from_value({"policy": "prefix", **kwargs})
         self.table = PrefixTable(self.config.max_blocks_per_replica)
         self.rng = random.Random()
-        # Choices not yet sent, per replica (times; one is dropped as each request is sent, or after
-        # RESERVATION_S if Serve sent it elsewhere), so that a burst routed at once sees itself.
+        # This router's own count per replica, so that a burst routed at once sees itself: choices not yet
+        # sent, requests sent but not yet accepted (times; dropped after RESERVATION_S, as when Serve sent
+        # it elsewhere or the replica refused it), and accepted requests not yet finished. Serve's cache
+        # alone undercounts a burst: a replica's answer to one request overwrites it with the count the
+        # replica saw then, without the requests still on their way to it.
         self.reserved: dict[ReplicaID, deque[float]] = {}
+        self.sent: dict[ReplicaID, deque[float]] = {}
+        self.accepted: dict[ReplicaID, int] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -102,25 +107,38 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                     loads[r.replica_id] = q
         now = time.monotonic()
         for rid in loads:
-            pending = self.reserved.get(rid)
-            while pending and now - pending[0] > RESERVATION_S:
-                pending.popleft()
-            loads[rid] += len(pending or ())
+            own = self.accepted.get(rid, 0) + len(_fresh(self.sent.get(rid), now))
+            loads[rid] = max(loads[rid], own) + len(_fresh(self.reserved.get(rid), now))
         return {rid: q for rid, q in loads.items() if rid in self._replicas}
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
-        """Serve's count now includes the request: its reservation goes."""
+        """Sent: its reservation becomes a send awaiting the replica's answer."""
         pending = self.reserved.get(replica_id)
         if pending:
             pending.popleft()
+        self.sent.setdefault(replica_id, deque()).append(time.monotonic())
         super().on_send_request(replica_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
-        """The replica accepted the request: it will hold the prompt's blocks (until its cache evicts them)."""
+        """The replica accepted the request: it counts until it finishes, and the replica will hold the
+        prompt's blocks (until its cache evicts them)."""
+        sent = self.sent.get(replica_id)
+        if sent:
+            sent.popleft()
+        self.accepted[replica_id] = self.accepted.get(replica_id, 0) + 1
         chain = routing_key(pending_request, self.block_size, self.config.max_prompt_blocks)
         if chain:
             self.table.insert(replica_id, chain)
+
+    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
+        """A sent request finished (Serve calls this for accepted requests, and for every request where
+        replicas cannot refuse one, which never reach on_request_routed)."""
+        if self.accepted.get(replica_id, 0) > 0:
+            self.accepted[replica_id] -= 1
+        elif self.sent.get(replica_id):
+            self.sent[replica_id].popleft()
+        super().decrement_queue_len_cache(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -128,10 +146,22 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         for gone in set(self.table.lru) - self._replica_id_set:
             self.table.remove(gone)
-        for gone in set(self.reserved) - self._replica_id_set:
-            del self.reserved[gone]
+        for own in (self.reserved, self.sent, self.accepted):
+            for gone in set(own) - self._replica_id_set:
+                del own[gone]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         if hasattr(self, "table"):
             self.table.remove(replica_id)
+            for own in (self.reserved, self.sent, self.accepted):
+                own.pop(replica_id, None)
+
+
+def _fresh(times: deque[float] | None, now: float) -> deque[float]:
+    """Drops the entries older than RESERVATION_S; returns what is left."""
+    if times is None:
+        return deque()
+    while times and now - times[0] > RESERVATION_S:
+        times.popleft()
+    return times
