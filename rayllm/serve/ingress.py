@@ -257,6 +257,9 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             else:
                 prompts.append(list(p))
                 texts.append(await self.tokenizer.decode.remote(list(p), False) if req.echo else "")
+        for i, p in enumerate(prompts):  # "" on a model without BOS: nothing for the model to continue
+            if not p:
+                raise APIError(400, f"prompt {i} is empty: it encodes to no tokens", param="prompt")
         vocab = (await self.tokenizer_info())["vocab_size"]
         # Each prompt is validated against the context on its own; the strictest sets max_tokens.
         params = min(

@@ -112,3 +112,15 @@ def test_a_choice_longer_than_max_tokens_is_cut_with_length(client, model_name, 
                                     extra_body={"guided_choice": [long]})
     assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
     assert long.startswith(cut.choices[0].text) and cut.choices[0].text != long
+
+
+@pytest.mark.parametrize("guided", [None, {"guided_choice": CHOICES}], ids=["free", "choice"])
+def test_an_empty_prompt_is_a_400_naming_prompt(client, model_name, hf_tokenizer, guided):
+    """SmolLM2 has no BOS, so "" encodes to no tokens: nothing to continue or to score a choice after (the
+    fuzz found this answered 500 with guided_choice)."""
+    import openai
+
+    assert hf_tokenizer.encode("") == []
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model_name, prompt="", max_tokens=2, extra_body=guided)
+    assert e.value.body["param"] == "prompt"
