@@ -226,8 +226,16 @@ def _snapshot(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict
     return {k: v.contiguous() for k, v in tensors.items()}, packs
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """The tensor in torch's own (64-byte aligned) memory. safetensors places tensors 8-byte aligned in the file,
+    and torch's int8 weight kernel read the LM head's copy at such an address out of bounds (SIGSEGV in the
+    engine process at steps of 4 rows)."""
+    return t.clone()
+
+
 def _packed_weight(fields: dict, tensors: dict[str, torch.Tensor]) -> PackedWeight:
     """A PackedWeight as its constructor left it, from the entry's fields and tensors (no re-quantization)."""
+    tensors = {name: _owned(t) for name, t in tensors.items()}
     small = PackedWeight.__new__(PackedWeight)
     small.max_tokens, small.bits, small.vnni = int(fields["max_tokens"]), int(fields["bits"]), None
     if fields["vnni"] is None:
