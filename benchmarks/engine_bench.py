@@ -40,6 +40,7 @@ from engine_bench_shape import SHAPES, bench_shape  # noqa: E402
 
 from rayllm.engine.engine import LLMEngine  # noqa: E402
 from rayllm.loader.model_files import default_model_path  # noqa: E402
+from rayllm.platforms.cpu import qgemm as cpu_qgemm  # noqa: E402
 from rayllm.platforms.cpu.onednn import OneDNNWeight, onednn_available  # noqa: E402
 from rayllm.schema.config import (  # noqa: E402
     CacheConfig,
@@ -186,7 +187,8 @@ def main() -> None:
                     help="comma list of engine settings: default, weight_only (parallel.cpu.small_batch_quant), "
                     "batch_invariant, quantized (model.weights), int4_vnni_1pass (one int8 pass on every 4-bit layer; "
                     "the default, parallel.cpu.int8_passes, gives two), int4_vnni_gateup2 (two on gate/up only), "
-                    "int4_vnni_head_q8 / int4_vnni_head_bf16 (the LM head on cpu_qgemm's Q8_0 planes / its bf16 weights)")
+                    "int4_vnni_head_q8 / int4_vnni_head_bf16 (the LM head on cpu_qgemm's Q8_0 planes / its bf16 weights); "
+                    "joined by +: halves (parallel.cpu.half_step_tokens 48), qgemm2 (parallel.cpu.qgemm_threads 2)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", choices=sorted(SHAPES), help="a model of this shape with random weights "
@@ -242,7 +244,9 @@ def main() -> None:
                                               batch_invariant=variant == "batch_invariant"),
                     parallel=ParallelConfig(device=args.device, cpu=CpuConfig(
                         threads_per_rank=args.threads,
-                        small_batch_quant="weight_only" if variant == "weight_only" else "auto")),
+                        small_batch_quant="weight_only" if variant == "weight_only" else "auto",
+                        half_step_tokens=48 if "halves" in variant.split("+") else 0,
+                        qgemm_threads=2 if "qgemm2" in variant.split("+") else 0)),
                 )
             )
             if variant.startswith("int4_vnni_"):  # other int8 passes per layer (quant_quality.py)
@@ -259,6 +263,8 @@ def main() -> None:
             ref_runs, floor_runs = [], []
             for _ in range(args.rounds):  # alternate, so drifting machine load hits both
                 for variant, engine in engines.items():
+                    if args.device == "cpu":  # the kernel pool's setting is per process: each engine's own
+                        cpu_qgemm.POOL.threads = engine.config.parallel.cpu.qgemm_threads
                     ours_runs[variant].append(bench_ours(engine, batch, args.new_tokens))
                 if hf is not None:
                     ref_runs.append(bench_transformers(hf, tokenizer, batch, args.new_tokens))

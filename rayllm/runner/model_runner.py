@@ -113,15 +113,12 @@ class ModelRunner:
         first, second = StepInput(step.seqs[:cut]), StepInput(step.seqs[cut:])
         split = sum(len(s.token_ids) for s in first.seqs)
         self.halves.steps += 1
-        self.halves.idle = False
-        try:
+        with self.halves.running():
             later = self.halves.submit(self._half, second, [r - split for r in rows if r >= split])
             try:
                 hidden, logits = self._half(first, [r for r in rows if r < split])
             finally:
                 hidden2, logits2 = later.result()  # the other half still writes this step's KV: wait for it
-        finally:
-            self.halves.idle = True
         parts = [x for x in (logits, logits2) if x is not None]
         return torch.cat([hidden, hidden2]), (torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None)
 

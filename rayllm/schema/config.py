@@ -145,6 +145,11 @@ class CpuConfig:
     # halves of its sequences on two threads, each its own GEMMs, meeting once at the step's end
     # (platforms/cpu/split_step.py). 0 = off; ignored with scheduler.batch_invariant and TP > 1.
     half_step_tokens: int = 0
+    # A step that runs on one torch thread and not in halves: its 4-bit int8 GEMMs (small_batch_quant auto)
+    # split their output columns over this many threads, the caller's and a pool's that claim chunks one at
+    # a time (platforms/cpu/csrc/pool.c), so the step never waits for a thread that a serving process holds.
+    # 0 or 1 = the caller's thread only.
+    qgemm_threads: int = 0
     # tensor_parallel_size > 1: the all-reduce of row-parallel outputs (rayllm/distributed/allreduce.py).
     # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
     # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
@@ -157,7 +162,8 @@ class CpuConfig:
             raise ValueError("parallel.cpu.int8_passes must be 1 or 2")
         if self.allreduce not in ("auto", "gloo", "deepspeed"):
             raise ValueError("parallel.cpu.allreduce must be auto, gloo or deepspeed")
-        for name in ("threads_per_rank", "threads_single_sequence", "wide_step_tokens", "half_step_tokens"):
+        for name in ("threads_per_rank", "threads_single_sequence", "wide_step_tokens", "half_step_tokens",
+                     "qgemm_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"parallel.cpu.{name} must be >= 0")
 

@@ -126,3 +126,22 @@ def test_shipped_kernels_answer_the_readme_example(hf_tokenizer, request):
     out = engine.generate([tok(text, add_special_tokens=False).input_ids],
                           SamplingParams(temperature=0, max_tokens=16))[0]
     assert "Paris" in tok.decode(out)
+
+
+def test_the_gemm_pool_changes_no_token(shipped, chat_prompts):
+    """parallel.cpu.qgemm_threads (cluster.yaml ships 2): on one torch thread a batch's 4-bit GEMMs split
+    their output columns between the caller and pool.c's helper; every greedy token stays what the
+    caller's thread alone gives (each output column is one thread's, summed in one order)."""
+    if not cpu_qgemm.available():
+        pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    threads, before = torch.get_num_threads(), cpu_qgemm.POOL.threads
+    try:
+        torch.set_num_threads(1)
+        cpu_qgemm.POOL.threads = 0
+        alone = shipped.generate(chat_prompts, greedy)
+        cpu_qgemm.POOL.threads = 2
+        assert shipped.generate(chat_prompts, greedy) == alone
+    finally:
+        cpu_qgemm.POOL.threads = before
+        torch.set_num_threads(threads)

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from rayllm.platforms.cpu import qgemm
 from rayllm.platforms.cpu.onednn import onednn_available
 from rayllm.platforms.interface import Platform
 from rayllm.schema.step import StepInput
@@ -22,6 +23,7 @@ class CpuPlatform(Platform):
         # Batch-invariant mode keeps a step's thread count a function of the lone sequence only
         # (what its tests cover), so a prefill chunk's thread count never depends on its neighbours.
         self.wide_step_tokens = 0 if self.config.scheduler.batch_invariant else cpu.wide_step_tokens
+        qgemm.POOL.threads = cpu.qgemm_threads if world == 1 else 0  # TP ranks already hold the cores
 
     def before_step(self, step: StepInput) -> None:
         if self.single_sequence_threads:

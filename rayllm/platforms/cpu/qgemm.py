@@ -21,7 +21,26 @@ TILE = 16  # output columns per tile
 class _Lib:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i, i, i], ctypes.c_int)
+        self.gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [p, i64, p, p, i, i, i, i, i, i, i], ctypes.c_int)
+
+
+class PoolThreads:
+    """How many threads the kernel's own pool (csrc/pool.c) gives a call made on one torch thread:
+    `parallel.cpu.qgemm_threads` (0 or 1: none). Paused while a step runs in halves (split_step.py), where
+    each half already holds a core. At more torch threads the kernel splits its tiles with OpenMP."""
+
+    threads = 0
+    paused = False
+
+    def for_call(self) -> tuple[int, int]:
+        """(OpenMP threads, pool threads) for a call now."""
+        torch_threads = torch.get_num_threads()
+        if torch_threads == 1 and not self.paused and self.threads > 1:
+            return 1, self.threads
+        return torch_threads, 0
+
+
+POOL = PoolThreads()
 
 
 @cache
@@ -85,7 +104,7 @@ class Int4VnniWeight:
         if x.stride(1) != 1:
             x = x.contiguous()
         code = self._gemm(x.data_ptr(), x.stride(0), self.packed.data_ptr(), out.data_ptr(), x.shape[0], self.n,
-                          self.k, self.passes, self.zero_offset, torch.get_num_threads())
+                          self.k, self.passes, self.zero_offset, *POOL.for_call())
         if code == 1:
             raise MemoryError("int4 VNNI GEMM: out of memory for the quantized rows")
         if code:

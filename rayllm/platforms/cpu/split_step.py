@@ -10,12 +10,14 @@ are computed exactly as in the whole step (the kernels are row-wise), so outputs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rayllm.platforms.cpu import qgemm
 from rayllm.platforms.cpu.onednn import OneDNNWeight
 
 if TYPE_CHECKING:
@@ -67,6 +69,16 @@ class HalfThread:
         self.idle = True  # False while a step runs in halves: then each half's LM head runs on its own thread
         self.steps = 0  # steps run in halves, for stats and tests
         self.lm_head_calls = 0  # LM head calls split over the vocabulary (VocabHalves)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """While a step runs in halves: each half's kernels stay on its own thread (no LM head split, no
+        GEMM pool), since each half already holds a core."""
+        self.idle, qgemm.POOL.paused = False, True
+        try:
+            yield
+        finally:
+            self.idle, qgemm.POOL.paused = True, False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._pool.submit(_inference, fn, *args)

@@ -71,6 +71,20 @@ def test_half_steps_need_one_thread_on_one_rank():
     assert half(threads_per_rank=1, tp=2) == 0
 
 
+def test_the_gemm_pool_is_for_a_single_rank():
+    """qgemm_threads: the kernel pool's helper joins a single rank's GEMMs; tensor-parallel ranks already hold
+    a core each, so theirs run on the rank's own thread."""
+    from rayllm.platforms.cpu import qgemm
+
+    before = qgemm.POOL.threads
+    try:
+        for tp, want in ((1, 2), (2, 0)):
+            CpuPlatform(config(False, tp, threads_per_rank=1, qgemm_threads=2), torch.device("cpu")).setup_worker()
+            assert qgemm.POOL.threads == want, tp
+    finally:
+        qgemm.POOL.threads = before
+
+
 def test_weight_forms_follow_the_dtype():
     cpu = CpuPlatform(config(), torch.device("cpu"))
     assert cpu.small_batch_weights(torch.bfloat16) and not cpu.small_batch_weights(torch.float32)

@@ -6,6 +6,7 @@ float32 summation order separate the two."""
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 import torch
@@ -71,6 +72,46 @@ def test_rows_do_not_depend_on_the_batch_or_the_thread_count():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_kernel_pool_gives_the_same_bits_and_yields_to_a_second_caller(passes):
+    """parallel.cpu.qgemm_threads: on one torch thread the tiles go in chunks to the caller and pool.c's
+    helper. Each output is the same whichever thread made it. A second caller while a job runs (the other
+    half of a half step) computes alone; many such calls at once from two threads still give the same bits,
+    and nothing deadlocks."""
+    q, d, m = random_weight(3072, 576, seed=5)
+    weight = cpu_qgemm.Int4VnniWeight(q, d, m, passes=passes, zero_offset=8)
+    xs = [torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16() for rows in (1, 7, 16, 64)]
+    threads, before = torch.get_num_threads(), cpu_qgemm.POOL.threads
+    try:
+        torch.set_num_threads(1)
+        cpu_qgemm.POOL.threads = 0
+        alone = [weight(x) for x in xs]
+        cpu_qgemm.POOL.threads = 2
+        assert cpu_qgemm.POOL.for_call() == (1, 2)
+        for x, want in zip(xs, alone, strict=True):
+            assert torch.equal(weight(x), want)
+        failures: list[int] = []
+
+        def hammer(i: int) -> None:
+            torch.set_num_threads(1)
+            for j in range(200):
+                k = (i + j) % len(xs)
+                if not torch.equal(weight(xs[k]), alone[k]):
+                    failures.append(k)
+
+        workers = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+        assert not any(w.is_alive() for w in workers) and not failures
+        cpu_qgemm.POOL.paused = True  # a step in halves: each half's calls stay on its own thread
+        assert cpu_qgemm.POOL.for_call() == (1, 0)
+    finally:
+        cpu_qgemm.POOL.threads, cpu_qgemm.POOL.paused = before, False
+        torch.set_num_threads(threads)
+
+
 def test_strided_rows_and_empty_batches():
     q, d, m = random_weight(64, 96, seed=3)
     weight = cpu_qgemm.Int4VnniWeight(q, d, m)
@@ -107,12 +148,12 @@ def test_the_build_without_avx512_bf16_rounds_its_output_the_same(tmp_path):
     same round-to-nearest-even as the BF16 instruction, so the same bits."""
     lib = ctypes.CDLL(str(cpu_kernels.build(tmp_path, [*cpu_kernels.CFLAGS, "-mno-avx512bf16"])))
     gemm = cpu_kernels._bind(lib, "qgemm_int4_bf16", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                       ctypes.c_void_p, *[ctypes.c_int] * 6], ctypes.c_int)
+                                                       ctypes.c_void_p, *[ctypes.c_int] * 7], ctypes.c_int)
     q, d, m = random_weight(960, 576, seed=4)
     weight = cpu_qgemm.Int4VnniWeight(q, d, m)
     x = torch.randn(19, 576).bfloat16() * 30  # outputs over a wide range of exponents
     out = torch.empty(19, 960, dtype=torch.bfloat16)
-    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1, 0, 1) == 0
+    assert gemm(x.data_ptr(), x.stride(0), weight.packed.data_ptr(), out.data_ptr(), 19, 960, 576, 1, 0, 1, 0) == 0
     assert torch.equal(out, weight(x))
 
 

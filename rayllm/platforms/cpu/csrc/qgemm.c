@@ -180,16 +180,51 @@ static const tile_fn TILES2[QGEMM_ROWS + 1] = {0, tile2_1, tile2_2, tile2_3, til
                                                tile2_15, tile2_16};
 #endif
 
+typedef void (*pool_fn)(void *ctx, int chunk);
+void pool_run(int threads, int chunks, pool_fn fn, void *ctx); /* pool.c */
+
+#ifdef HAVE_QGEMM
+typedef struct {
+    const tile_fn *fns;
+    const uint8_t *packed;
+    const int8_t *xq;
+    const float *xs;
+    uint16_t *out;
+    size_t tile_bytes;
+    int M, N, K, G, passes, tiles, per_chunk;
+    float zero_offset;
+} qgemm_job;
+
+/* Tiles [t0, t1) for every row: the unit of work that threads split (by output columns, so each thread
+ * reads only its tiles' weights, and each row's result is the same whichever thread computes it). */
+static void qgemm_tiles(const qgemm_job *j, int t0, int t1) {
+    for (int t = t0; t < t1; t++)
+        for (int r0 = 0; r0 < j->M; r0 += QGEMM_ROWS) {
+            int R = j->M - r0 < QGEMM_ROWS ? j->M - r0 : QGEMM_ROWS;
+            j->fns[R](j->G, j->packed + t * j->tile_bytes, j->xq + (size_t)r0 * j->passes * j->K,
+                      j->xs + (size_t)r0 * j->G * 2, j->K, j->out + (size_t)r0 * j->N + (size_t)t * QGEMM_TILE, j->N,
+                      j->zero_offset);
+        }
+}
+
+static void qgemm_chunk(void *ctx, int chunk) {
+    const qgemm_job *j = ctx;
+    int t0 = chunk * j->per_chunk, t1 = t0 + j->per_chunk;
+    qgemm_tiles(j, t0, t1 < j->tiles ? t1 : j->tiles);
+}
+#endif
+
 /* x: bf16 [M][K], rows x_stride apart; packed: [N/16][K/32][320 bytes]; out: bf16 [M][N], contiguous.
  * passes: 1 (each row in int8) or 2 (and its quantization residual in int8: near bf16's precision).
  * zero_offset: o in w = d * (q - o) + z (0 or 8).
+ * num_threads: OpenMP threads (the caller's torch thread count); pool_threads > 1 instead splits the tiles
+ * in chunks over the caller and pool.c's helpers (a step that runs on one torch thread).
  * Returns 0, 1 when out of memory, 5 when the shape is unsupported or the build has no VNNI. */
 int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, uint16_t *out, int M, int N,
-                    int K, int passes, int zero_offset, int num_threads) {
+                    int K, int passes, int zero_offset, int num_threads, int pool_threads) {
 #ifdef HAVE_QGEMM
     if (M <= 0 || N % QGEMM_TILE || K % QGEMM_GROUP || K <= 0 || passes < 1 || passes > 2) return 5;
     const int G = K / QGEMM_GROUP, tiles = N / QGEMM_TILE;
-    const tile_fn *fns = passes == 2 ? TILES2 : TILES;
     int8_t *xq = malloc((size_t)M * passes * K + 64);
     float *xs = malloc((size_t)M * G * 2 * sizeof(float));
     if (!xq || !xs) {
@@ -199,21 +234,26 @@ int qgemm_int4_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *packed, 
     }
     for (int r = 0; r < M; r++)
         quant_row(x + (size_t)r * x_stride, K, passes, xq + (size_t)r * passes * K, xs + (size_t)r * G * 2);
-    const size_t tile_bytes = (size_t)G * (256 + 64);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && tiles >= 8)
-    for (int t = 0; t < tiles; t++) {
-        for (int r0 = 0; r0 < M; r0 += QGEMM_ROWS) {
-            int R = M - r0 < QGEMM_ROWS ? M - r0 : QGEMM_ROWS;
-            fns[R](G, packed + t * tile_bytes, xq + (size_t)r0 * passes * K, xs + (size_t)r0 * G * 2, K,
-                     out + (size_t)r0 * N + (size_t)t * QGEMM_TILE, N, (float)zero_offset);
-        }
+    qgemm_job j = {passes == 2 ? TILES2 : TILES, packed, xq, xs, out, (size_t)G * (256 + 64), M, N, K, G, passes,
+                   tiles, 1, (float)zero_offset};
+    if (pool_threads > 1 && tiles >= 8) {
+        /* ~8 chunks a thread: a helper that starts late still finds work, and the caller's wait for a
+         * helper's last chunk stays short */
+        int chunks = pool_threads * 8 < tiles ? pool_threads * 8 : tiles;
+        j.per_chunk = (tiles + chunks - 1) / chunks;
+        pool_run(pool_threads, (tiles + j.per_chunk - 1) / j.per_chunk, qgemm_chunk, &j);
+    } else if (num_threads > 1 && tiles >= 8) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int t = 0; t < tiles; t++) qgemm_tiles(&j, t, t + 1);
+    } else {
+        qgemm_tiles(&j, 0, tiles);
     }
     free(xq);
     free(xs);
     return 0;
 #else
     (void)x, (void)x_stride, (void)packed, (void)out, (void)M, (void)N, (void)K, (void)passes, (void)zero_offset;
-    (void)num_threads;
+    (void)num_threads, (void)pool_threads;
     return 5;
 #endif
 }
