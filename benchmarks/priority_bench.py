@@ -6,7 +6,7 @@
 Issue 38's target: with a saturating batch load at low priority, interactive requests' time to first token
 stays within 2x of an idle server's. Two apps in one Ray session, both cluster.yaml's args as shipped with
 `scheduler.policy: priority` (each `--set dotted.key=json` changes one more; the JSON says what ran):
-`mixed` with `prompt_steps_alone: false` (the default), `alone` with it true. Variants:
+`mixed` with `prompt_steps_alone: false`, `alone` with it true (the default). Variants:
 
 - `idle` (mixed): the interactive requests alone.
 - `same` (mixed): beside --batch-clients closed-loop batch clients, every request at the same priority

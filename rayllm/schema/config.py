@@ -96,8 +96,9 @@ class SchedulerConfig:
     priority_aging_steps: int = 1000
     # Priority policy: a step that computes a prompt leaves out the running sequences it outranks in both
     # priority and rank (their decodes wait one step), so an urgent request's first token does not wait for
-    # a batch's decode rows. Off by default: its TTFT gain was not consistent in docs/benchmarks.md.
-    prompt_steps_alone: bool = False
+    # a batch's decode rows (first token under a saturating batch: 3.0x idle against 4.95x without it in
+    # docs/benchmarks.md). Only the priority policy reads it.
+    prompt_steps_alone: bool = True
     # Per-tenant fair share: one API key's owner holds at most this share of max_num_seqs running slots
     # (at least one). 1.0 = no cap. Requests without a tenant (API keys off) are never capped.
     max_running_share: float = 1.0

@@ -149,8 +149,10 @@ def computed(step) -> dict[str, int]:
 def test_an_urgent_prompt_gets_the_budget_before_a_running_batch_prefill(policy):
     """A batch prompt (200 tokens, chunked 64 a step) is mid-prefill when an urgent one arrives. With
     priority the urgent prompt is computed in the next step, the batch chunk takes what is left, and a
-    running batch decode still gets its token; fcfs serves the running prefill first."""
-    s = sched(policy=policy, max_num_seqs=4)
+    running batch decode still gets its token; fcfs serves the running prefill first. The token budget's
+    reserve alone: `prompt_steps_alone` (on by default) would leave the lower-priority rows out of that step
+    (the next test)."""
+    s = sched(policy=policy, max_num_seqs=4, prompt_steps_alone=False)
     s.add(seq("dec", n=4, priority=1))
     assert computed(s.schedule()) == {"dec": 4}  # then one token to decode per step
     s.add(seq("batch", n=200, priority=1))
