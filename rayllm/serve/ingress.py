@@ -75,7 +75,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     async def info(self) -> dict:
         route = self.routes.current
-        state = await self.model_status.state(route.llm.deployment_name)
+        state = await self.model_status.for_request(route.llm.deployment_name)
         await wake(route.name, state, lambda: call_model(route.llm.model_info.remote(), self.config.retry_after_s),
                    self.config.wake_timeout_s, self.config.retry_after_s)
         return await call_model(route.info(), self.config.retry_after_s)

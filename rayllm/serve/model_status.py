@@ -67,6 +67,7 @@ class ServeModelStatus:
         self._states: dict[str, DeploymentState] = {}
         self._at = -float("inf")
         self._lock = asyncio.Lock()
+        self._refresh: asyncio.Task | None = None
 
     async def states(self, fresh: bool = False) -> dict[str, DeploymentState]:
         async with self._lock:
@@ -78,6 +79,27 @@ class ServeModelStatus:
 
     async def state(self, deployment: str, fresh: bool = False) -> DeploymentState:
         return (await self.states(fresh)).get(deployment, DeploymentState("MISSING", 0))
+
+    async def for_request(self, deployment: str) -> DeploymentState:
+        """A request's read before it dispatches. A model the last read saw running and healthy is taken as
+        still so, and a stale read is renewed in the background: a controller call would cost the request
+        tens of milliseconds (more under load; docs/benchmarks.md). Anything else (asleep, starting, missing)
+        is read as `state` reads it, so a sleeping model's wake-up stays bounded. A model that fell asleep
+        since the last read is seen by the renewal; a request meanwhile wakes it through its handle."""
+        cached = self._states.get(deployment)
+        if cached is None or cached.running == 0 or not cached.healthy:
+            return await self.state(deployment)
+        if self._refresh is None and time.monotonic() - self._at > self.ttl_s:
+            self._refresh = asyncio.create_task(self._renew())
+        return cached
+
+    async def _renew(self) -> None:
+        try:
+            await self.states()
+        except Exception as exc:  # the next request's read tries again
+            log.debug("reading Serve's status failed: %s", exc)
+        finally:
+            self._refresh = None
 
 
 def model_waking(model: str, waited_s: float, retry_after_s: float) -> APIError:

@@ -4,6 +4,7 @@ own status classes; the end-to-end behaviour is tests/serve/test_scale_to_zero.p
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -61,6 +62,41 @@ async def test_a_deployment_not_yet_healthy_is_read_again_sooner():
     current[0] = serve_status(llm=(DeploymentStatus.UNHEALTHY, {"RUNNING": 1}))
     await asyncio.sleep(0.06)
     assert (await status.state("llm")).healthy and len(reads) == 2  # healthy: cached for ttl_s
+
+
+async def test_a_request_to_a_running_model_never_waits_for_the_controller():
+    """for_request (the ingress's read before each dispatch): a model last seen running is served from the
+    cache at once, a stale cache is renewed in the background (one read in flight at a time), and once the
+    renewal sees the model asleep the next request reads the status itself, so its wake-up stays bounded."""
+    release = threading.Event()
+    current = [serve_status(llm=(DeploymentStatus.HEALTHY, {"RUNNING": 1}))]
+    reads = []
+
+    def read():
+        reads.append(1)
+        if len(reads) == 2:  # the background renewal: held until released
+            release.wait(10)
+        return current[0]
+
+    status = ServeModelStatus("app", ttl_s=0.01, read=read)
+    assert (await status.for_request("llm")).running == 1  # nothing cached: read, awaited
+    current[0] = serve_status(llm=(DeploymentStatus.HEALTHY, {}))  # scaled to zero meanwhile
+    await asyncio.sleep(0.02)  # the cache is stale now
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert (await status.for_request("llm")).running == 1  # the cached state, without waiting
+    assert time.monotonic() - t0 < 0.5
+    await asyncio.sleep(0.05)
+    assert len(reads) == 2  # one renewal in flight, however many requests came
+    release.set()
+    for _ in range(200):
+        if status._refresh is None:
+            break
+        await asyncio.sleep(0.01)
+    assert status._refresh is None and len(reads) == 2
+    state = await status.for_request("llm")
+    assert state.asleep and len(reads) == 3  # seen asleep: read, not assumed (wake() then bounds the wait)
+    assert (await status.for_request("missing")).status == "MISSING"
 
 
 async def test_wake_is_bounded_then_503_with_retry_after():
