@@ -11,11 +11,12 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from tests.ports import free_port
 
 
 def find_bin_dir() -> str | None:
@@ -24,12 +25,6 @@ def find_bin_dir() -> str | None:
         return os.path.dirname(os.path.realpath(initdb))
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
     return os.path.dirname(found[-1]) if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_user() -> list[str]:
@@ -55,7 +50,7 @@ def postgres_server() -> Iterator[str]:
     run_as = _as_user()
     if run_as:
         shutil.chown(tmp, user=run_as[2])
-    data, port = os.path.join(tmp, "data"), _free_port()
+    data, port = os.path.join(tmp, "data"), free_port()
     pg_ctl = [*run_as, os.path.join(bindir, "pg_ctl"), "-D", data]
     try:
         subprocess.run([*run_as, os.path.join(bindir, "initdb"), "-D", data, "-A", "trust", "-U", "postgres",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 
 import pytest
 import torch
@@ -19,16 +18,11 @@ from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.engine.engine import LLMEngine
 from rayllm.schema.config import CacheConfig, CpuConfig, EngineConfig, ModelConfig, ParallelConfig
 from rayllm.schema.sampling_params import SamplingParams
+from tests.ports import free_port
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (pip install -e '.[deepspeed]')")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _sums(rank: int, world: int, init: str, dtype: torch.dtype) -> None:
@@ -61,7 +55,7 @@ def _sums(rank: int, world: int, init: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shm_kernel_sums_what_gloo_sums(dtype):
-    mp.spawn(_sums, args=(2, f"tcp://127.0.0.1:{_free_port()}", dtype), nprocs=2)
+    mp.spawn(_sums, args=(2, f"tcp://127.0.0.1:{free_port()}", dtype), nprocs=2)
 
 
 def _auto(rank: int, world: int, init: str, threads: int) -> None:
@@ -80,7 +74,7 @@ def _auto(rank: int, world: int, init: str, threads: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, len(os.sched_getaffinity(0))])
 def test_auto_needs_a_spare_core(threads):
-    mp.spawn(_auto, args=(2, f"tcp://127.0.0.1:{_free_port()}", threads), nprocs=2)
+    mp.spawn(_auto, args=(2, f"tcp://127.0.0.1:{free_port()}", threads), nprocs=2)
 
 
 def _backend(engine: LLMEngine) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from rayllm.loader import model_sources
+from tests.ports import free_port
 
 pytest.importorskip("adlfs", reason="the storage extra (adlfs) is not installed")
 
@@ -31,17 +31,11 @@ ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def azure(tmp_path_factory):
     """{files: {name: sha256}, fs}: Azurite with a model under abfs://models/llama/."""
     assert os.path.exists(AZURITE), "Azurite is missing: npm install azurite (.ci/run does)"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([AZURITE, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
                              "--skipApiVersionCheck", "--disableTelemetry", "--silent"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}/{ACCOUNT}"

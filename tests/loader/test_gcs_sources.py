@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,23 +23,18 @@ import httpx
 import pytest
 
 from rayllm.loader import model_sources
+from tests.ports import free_port
 
 # Not imported here: gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT when first imported (in the fixture).
 if importlib.util.find_spec("gcsfs") is None:
     pytest.skip("the storage extra (gcsfs) is not installed", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     """{files: {name: sha256}}: an emulator with a model under gs://models/llama/."""
     pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator (the test extra)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

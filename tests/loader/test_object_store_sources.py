@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ import httpx
 import pytest
 
 from rayllm.loader import model_sources
+from tests.ports import free_port
 
 BUCKET = "models"
 BIG = 256 << 20  # large enough that a download is still running when the test kills it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def s3(tmp_path_factory):
     """{endpoint, env, files}: a moto server with a model under s3://models/llama/ and a big GGUF-named blob."""
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or shutil.which("moto_server")
     assert moto, "moto_server is missing: pip install 'moto[server]' (the test extra)"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,29 +9,13 @@ from pathlib import Path
 
 import httpx
 
+from tests.ports import free_port
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
 SMALL_ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
                 "cache": {"kv_cache_bytes": 96 << 20},
                 "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}}
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999), so no
-    client connection or Ray process here can take it between this call and the server's bind."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, max(low, 20001))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # an unusual port range: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def own_haproxy_env() -> dict[str, str]:
