@@ -132,7 +132,7 @@ def ignored_on_gpu(config: ServerConfig) -> list[str]:
     """The CPU-only settings of a resolved config that a GPU app ignores (cluster.yaml's CPU tuning)."""
     names = {name for entry in config.models if entry.engine.parallel.device == "cuda"
              for name in cpu_only_settings(entry.engine)}
-    if config.serving_nice and all(entry.engine.parallel.device == "cuda" for entry in config.models):
+    if config.serving_nice not in (0, "auto") and all(entry.engine.parallel.device == "cuda" for entry in config.models):
         names.add(f"serving_nice ({config.serving_nice})")
     return sorted(names)
 

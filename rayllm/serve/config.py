@@ -82,7 +82,9 @@ class ServerConfig:
     engine_process: bool = True
     # CPU engines: the nice value added to the serving processes (ingress, tokenizer, the model replica
     # when its engine runs in its own process), so that they yield a shared core to the engine. 0 = off.
-    serving_nice: int = 10
+    # auto: 10, or 0 when a model schedules by priority (an urgent request's HTTP handling and render must
+    # not queue behind the engine: serving_priority.py).
+    serving_nice: int | str = "auto"
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: str = "auto"
     # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".
@@ -147,8 +149,9 @@ class ServerConfig:
                      "max_sequences_per_request", "max_requested_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
-        if not 0 <= self.serving_nice <= 19:
-            raise ValueError(f"serving_nice must be in 0..19, got {self.serving_nice}")
+        nice = self.serving_nice
+        if nice != "auto" and (isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19):
+            raise ValueError(f"serving_nice must be auto or in 0..19, got {self.serving_nice!r}")
         if self.wake_timeout_s <= 0:
             raise ValueError(f"wake_timeout_s must be > 0, got {self.wake_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

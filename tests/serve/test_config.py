@@ -71,6 +71,7 @@ def test_tp_placement_bundles():
 
 
 def test_serving_nice_is_bounded_and_only_for_cpu_engines():
+    from rayllm.serve.builder import model_config
     from rayllm.serve.serving_priority import ServingPriority
 
     def serving_nice(config: ServerConfig) -> int:
@@ -80,9 +81,25 @@ def test_serving_nice_is_bounded_and_only_for_cpu_engines():
         ServerConfig(serving_nice=20)
     with pytest.raises(ValueError):
         ServerConfig(serving_nice=-1)
+    with pytest.raises(ValueError, match="serving_nice"):
+        ServerConfig(serving_nice="high")
+    with pytest.raises(ValueError, match="serving_nice"):
+        ServerConfig(serving_nice=True)
     assert serving_nice(ServerConfig.from_args({"serving_nice": 7, "engine": {"parallel": {"device": "cpu"}}})) == 7
     # A GPU engine does not compete with the serving processes for cores (this checks the config only).
     assert serving_nice(ServerConfig.from_args({"serving_nice": 7, "engine": {"parallel": {"device": "cuda"}}})) == 0
+    # auto (the default): the serving processes step back for a CPU engine, unless a model schedules by
+    # priority, where the urgent request's own handling must not wait for the engine's threads.
+    cpu = {"parallel": {"device": "cpu"}}
+    assert serving_nice(ServerConfig.from_args({"engine": cpu})) == 10
+    assert serving_nice(ServerConfig.from_args({"engine": cpu | {"scheduler": {"policy": "priority"}}})) == 0
+    assert serving_nice(ServerConfig.from_args({"engine": cpu | {"scheduler": {"policy": "priority"}},
+                                                "serving_nice": 3})) == 3
+    fcfs, prio = {"model": {"served_model_name": "a"}} | cpu, {"model": {"served_model_name": "b"}} | cpu
+    prio |= {"scheduler": {"policy": "priority"}}
+    both = ServerConfig.from_args({"models": [{"engine": fcfs}, {"engine": prio}]})
+    assert serving_nice(both) == 0  # the ingress and tokenizer serve the priority model too
+    assert [serving_nice(model_config(both, m)) for m in both.models] == [10, 0]  # each model replica its own
 
 
 # ---- several base models (issue 20) ------------------------------------------------------------------

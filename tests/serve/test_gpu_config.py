@@ -102,6 +102,12 @@ def test_cluster_yaml_on_a_gpu_machine_takes_gpu_defaults_and_says_what_it_ignor
     assert engine.parallel.device == "cuda" and engine.cache.block_size == AUTO_BLOCK_SIZE["cuda"] == 64
     assert llm.ray_actor_options["num_gpus"] == 1 and nice == 0
     lines = [r.getMessage() for r in caplog.records if "CPU-only settings" in r.getMessage()]
+    assert lines == ["device cuda: ignoring the CPU-only settings engine.parallel.cpu"]  # serving_nice: auto
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        llm = bound_llm(build_app(shipped_args() | {"serving_nice": 10}))  # a value set for a CPU is named
+    assert llm.init_args[4].nice == 0
+    lines = [r.getMessage() for r in caplog.records if "CPU-only settings" in r.getMessage()]
     assert lines == ["device cuda: ignoring the CPU-only settings engine.parallel.cpu, serving_nice (10)"]
 
     # The same file on this CPU machine: the CPU defaults, the CPU tuning in force, no such line.
