@@ -187,7 +187,7 @@ def main() -> None:
                     help="comma list of engine settings: default, weight_only (parallel.cpu.small_batch_quant), "
                     "batch_invariant, quantized (model.weights), int4_vnni_1pass (one int8 pass on every 4-bit layer; "
                     "the default, parallel.cpu.int8_passes, gives two), int4_vnni_gateup2 (two on gate/up only), "
-                    "int4_vnni_head_q8 / int4_vnni_head_bf16 (the LM head on cpu_qgemm's Q8_0 planes / its bf16 weights); "
+                    "int4_vnni_head_i8 / int4_vnni_head_bf16 (the LM head on a per-channel int8 copy, the default before / its bf16 weights); "
                     "joined by +: halves (parallel.cpu.half_step_tokens 48), qgemm2 (parallel.cpu.qgemm_threads 2)")
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

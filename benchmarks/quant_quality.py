@@ -15,15 +15,17 @@ Paths (the int4 ones are forced onto their kernel for every position, as decode 
 - bf16: bf16 weights, oneDNN's GEMM (steps above the small-batch sizes);
 - int4: the GGUF's Q4 weights x bf16 activations (torch's int4 kernel; small_batch_quant weight_only);
 - int4_vnni: the shipped default (small_batch_quant auto, int8_passes 2): int4 x int8 activations in groups
-  of 32 (cpu_qgemm), each row then its quantization residual (two int8 passes) on every 4-bit layer;
+  of 32 (cpu_qgemm), each row then its quantization residual (two int8 passes) on every 4-bit layer, and the
+  tied LM head's Q8_0 weight as two 4-bit planes on the same kernel (two passes);
 - int4_vnni_1pass: one int8 pass everywhere (int8_passes 1; the default before issue 35);
 - int4_vnni_gateup2: two passes on gate/up only, one elsewhere (the first fix for issue 35);
 - int8_only_<type>: int4 with bf16 activations everywhere except <type> (qkv_proj, o_proj, gate_up_proj,
   down_proj), whose activations are int8 in one pass: which projections lose most to int8 activations;
-- int4_head_bf16 / int4_vnni_head_bf16: int4 / int4_vnni with the LM head on its bf16 weights (no int8 copy of
+- int4_head_bf16 / int4_vnni_head_bf16: int4 / int4_vnni with the LM head on its bf16 weights (no 8-bit copy of
   the GGUF's Q8_0 embedding, which the other paths use as steps of up to 4 rows do): what that copy costs;
-- int4_head_q8 / int4_vnni_head_q8: the same with the LM head on the Q8_0 weight itself (cpu_qgemm's two 4-bit
-  planes, two activation passes) instead of the per-channel int8 copy;
+- int4_head_q8: int4 with the LM head on the Q8_0 weight itself (cpu_qgemm's two 4-bit planes, two
+  activation passes, as int4_vnni runs it) instead of its per-channel int8 copy (torch's int8 kernel);
+- int4_vnni_head_i8: int4_vnni with the LM head on that per-channel int8 copy (the default before);
 - int4_fp32acc: int4's own arithmetic done another way (the same 4-bit weights dequantized to fp32, bf16 rows
   multiplied in fp32, rounded to bf16): how identical greedy answers can be to int4's when only the
   summation order and rounding differ (the floor for any other kernel);
@@ -85,7 +87,7 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "int4_vnni_head_bf16": ("bfloat16", "auto", "small-batch", "auto"),
     "int4_head_q8": ("bfloat16", "weight_only", "small-batch", "auto"),
     "int4_fp32acc": ("bfloat16", "weight_only", "small-batch", "auto"),
-    "int4_vnni_head_q8": ("bfloat16", "auto", "small-batch", "auto"),
+    "int4_vnni_head_i8": ("bfloat16", "auto", "small-batch", "auto"),
     "quantized": ("bfloat16", "none", "default", "quantized"),
     "quantized_vnni": ("bfloat16", "auto", "default", "quantized"),
 }
@@ -129,7 +131,8 @@ class Fp32Int4:
 
 def repack(engine: LLMEngine, name: str) -> None:
     """int4_vnni_1pass, int4_vnni_gateup2 and int8_only_<type>: rebuild the 4-bit layers' packed copies (not
-    the LM head's); *_head_bf16: drop the LM head's int8 copy; *_head_q8: the LM head on cpu_qgemm's Q8_0 planes."""
+    the LM head's); *_head_bf16: drop the LM head's 8-bit copy; *_head_q8: the LM head on cpu_qgemm's Q8_0 planes;
+    *_head_i8: the LM head on a per-channel int8 copy (torch's int8 kernel)."""
     for mod_name, module in engine.executor.worker.model.named_modules():
         method = getattr(module, "method", None)
         if not isinstance(method, SmallBatchMethod):
@@ -139,6 +142,9 @@ def repack(engine: LLMEngine, name: str) -> None:
                 module.set_method(method.large)
             elif name.endswith("_head_q8") and cpu_qgemm.available():
                 method.small.vnni = cpu_qgemm.Int8VnniWeight(module.weight.data)
+            elif name.endswith("_head_i8"):
+                module.set_method(SmallBatchMethod(parallel.PackedWeight(
+                    module.weight.data, 8, parallel.SMALL_BATCH_TOKENS_LM_HEAD), method.large))
             continue
         if name == "int4_fp32acc":
             small = Fp32Int4(module.weight.data)
@@ -254,7 +260,7 @@ LABELS = {"fp32": "fp32 (reference)", "bf16": "bf16 weights, oneDNN (small_batch
           "int4": "int4 x bf16 activations (weight_only)", "int4_vnni": "int4 x int8, 2 passes (auto, shipped)",
           "int4_vnni_1pass": "int4 x int8, 1 pass (int8_passes 1)", "int4_vnni_gateup2": "int4 x int8, 2 passes on gate/up",
           "int4_head_bf16": "int4, LM head on bf16 weights", "int4_vnni_head_bf16": "int4 x int8 2 passes, LM head bf16",
-          "int4_head_q8": "int4, LM head on Q8_0 (VNNI)", "int4_vnni_head_q8": "int4 x int8 2 passes, LM head Q8_0 (VNNI)"}
+          "int4_head_q8": "int4, LM head on Q8_0 (VNNI)", "int4_vnni_head_i8": "int4 x int8 2 passes, LM head per-channel int8"}
 
 
 def table(files: list[str]) -> str:

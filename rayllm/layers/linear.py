@@ -18,7 +18,7 @@ from torch import nn
 from rayllm.layers.linear_method import LinearBase, SmallBatchMethod
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.platforms.cpu.onednn import OneDNNWeight
-from rayllm.platforms.cpu.qgemm import Int4VnniWeight
+from rayllm.platforms.cpu.qgemm import Int4VnniWeight, Int8VnniWeight
 
 
 def split_evenly(n: int, parts: int) -> list[int]:
@@ -73,18 +73,21 @@ class PackedWeight:
 
     int4 uses groups of 32 along the input, as GGUF's Q4 blocks do, so Q4_1 weights are reproduced
     (up to bf16 rounding of the scales); int8 is per output channel. With `vnni` (and a CPU and shape
-    that cpu_qgemm supports), int4 runs cpu_qgemm's kernel, whose rows are quantized to int8.
+    that cpu_qgemm supports), int4 runs cpu_qgemm's kernel, whose rows are quantized to int8. With
+    `int8_planes` (the tied LM head's Q8_0 weight), int8 runs the same kernel on the weight's groups of 32
+    as two 4-bit planes with two activation passes: closer to the Q8_0 weight than the per-channel copy,
+    and faster at 1-4 rows (docs/benchmarks.md, issue 35).
     """
 
     GROUP = 32
 
     def __init__(self, weight: torch.Tensor, bits: int, max_tokens: int = SMALL_BATCH_TOKENS, vnni: bool = False,
-                 passes: int = 1):
+                 passes: int = 1, int8_planes: bool = False):
         self.max_tokens = max_tokens  # used for steps of at most this many tokens
         w = weight.float()
         n, k = w.shape
         self.bits = bits
-        self.vnni: Int4VnniWeight | None = None
+        self.vnni: Int4VnniWeight | Int8VnniWeight | None = None
         if bits == 4 and k % self.GROUP == 0:
             g = w.view(n, k // self.GROUP, self.GROUP)
             lo, hi = g.amin(-1), g.amax(-1)
@@ -102,6 +105,10 @@ class PackedWeight:
             self.scales = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(weight.dtype)
         else:
             self.bits = 8
+            if (int8_planes and weight.dtype == torch.bfloat16 and k % self.GROUP == 0
+                    and cpu_qgemm.supports(n, 2 * k) and cpu_qgemm.available()):
+                self.vnni = Int8VnniWeight(weight)
+                return
             scale = w.abs().amax(1).clamp(min=1e-8) / 127
             self.packed = (w / scale.unsqueeze(1)).round().clamp(-128, 127).to(torch.int8)
             self.scales = scale.to(weight.dtype)
@@ -265,7 +272,7 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
     """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches (a
     SmallBatchMethod in front of its dense path); with `vnni`, 4-bit layers other than the LM head run
     cpu_qgemm's kernel where the CPU has it, with `passes` int8 passes over the activations
-    (parallel.cpu.int8_passes)."""
+    (parallel.cpu.int8_passes), and an 8-bit LM head runs it as two 4-bit planes with two passes."""
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase) or module.large_batch_method is None:
@@ -278,7 +285,7 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
             head = isinstance(module, ParallelLMHead)  # the logits keep bf16 activations
             small = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
                                  SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head,
-                                 passes=passes)
+                                 passes=passes, int8_planes=vnni and head)
             module.set_method(SmallBatchMethod(small, module.large_batch_method))
             count += 1
     return count

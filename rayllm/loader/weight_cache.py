@@ -49,6 +49,7 @@ SOURCES = ("loader", "layers", "quant", "models", "platforms/cpu")
 # The attributes the cache writes and restores; an object with others was changed since: it is not cached.
 PACKED_FIELDS = {"max_tokens", "bits", "vnni", "packed", "scales"}
 VNNI_FIELDS = {"_gemm", "passes", "zero_offset", "n", "k", "packed"}
+PLANES_FIELDS = {"k", "inner"}  # cpu_qgemm.Int8VnniWeight: a Q8_0 weight as two 4-bit planes of one VNNI weight
 
 
 def cache_dir() -> Path | None:
@@ -214,10 +215,13 @@ def _snapshot(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict
             raise ValueError(f"{name}: a small-batch method the cache does not know")
         fields: dict = {"max_tokens": small.max_tokens, "bits": small.bits, "vnni": None}
         if small.vnni is not None:
-            vnni = small.vnni
+            vnni, planes = small.vnni, False
+            if type(vnni) is cpu_qgemm.Int8VnniWeight and set(vars(vnni)) == PLANES_FIELDS:
+                vnni, planes = vnni.inner, True
             if type(vnni) is not cpu_qgemm.Int4VnniWeight or set(vars(vnni)) != VNNI_FIELDS:
                 raise ValueError(f"{name}: a VNNI weight the cache does not know")
-            fields["vnni"] = {"passes": vnni.passes, "zero_offset": vnni.zero_offset, "n": vnni.n, "k": vnni.k}
+            fields["vnni"] = {"passes": vnni.passes, "zero_offset": vnni.zero_offset, "n": vnni.n, "k": vnni.k,
+                              "planes": planes}
             tensors[f"pack.{name}.vnni"] = vnni.packed
         else:
             tensors[f"pack.{name}.packed"] = small.packed
@@ -249,4 +253,8 @@ def _packed_weight(fields: dict, tensors: dict[str, torch.Tensor]) -> PackedWeig
     vnni._gemm, vnni.passes, vnni.zero_offset, vnni.n, vnni.k = lib.gemm, int(v["passes"]), int(v["zero_offset"]), int(v["n"]), int(v["k"])
     vnni.packed = tensors["vnni"]
     small.vnni = vnni
+    if v.get("planes"):
+        planes = cpu_qgemm.Int8VnniWeight.__new__(cpu_qgemm.Int8VnniWeight)
+        planes.k, planes.inner = vnni.k // 2, vnni
+        small.vnni = planes
     return small

@@ -91,7 +91,8 @@ def test_a_cached_start_equals_the_load_that_wrote_it(env, loaded):
             assert type(m.method.small.vnni) is type(small.vnni), name
             # In torch's own 64-byte aligned memory as a fresh load's: safetensors' 8-byte aligned offsets made
             # torch's int8 kernel fault on the LM head at 4 rows.
-            kept = [small.vnni.packed] if small.vnni is not None else [small.packed, small.scales]
+            vnni = getattr(small.vnni, "inner", small.vnni)  # an LM head's Q8_0 planes: one VNNI weight inside
+            kept = [vnni.packed] if vnni is not None else [small.packed, small.scales]
             assert all(t.data_ptr() % 64 == 0 for t in kept), name
         for rows in (2, 4, 300):  # the small-batch copy, then oneDNN's dense path
             x = torch.randn(rows, m.weight.shape[1], generator=g).to(torch.bfloat16)

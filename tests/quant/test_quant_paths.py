@@ -87,11 +87,14 @@ def test_cpu_kernel_paths_agree_with_fp32(gguf_path, chat_prompts, reference, pa
         layers = [m.method.small for m in engine.executor.worker.model.modules()
                   if isinstance(getattr(m, "method", None), SmallBatchMethod)]
         if path.startswith("int4"):
-            # Whole prompts through the small-batch kernel, every layer but the LM head (which keeps
-            # its own copy for at most SMALL_BATCH_TOKENS_LM_HEAD tokens).
+            # Whole prompts through the small-batch kernels, the LM head's copy (steps of up to
+            # SMALL_BATCH_TOKENS_LM_HEAD tokens run it) included: on int4_vnni the Q8_0 weight as two 4-bit
+            # planes, on int4 the per-channel int8 copy.
             body = [p for p in layers if p.max_tokens != parallel.SMALL_BATCH_TOKENS_LM_HEAD]
+            heads = [p for p in layers if p.max_tokens == parallel.SMALL_BATCH_TOKENS_LM_HEAD]
             assert body and all((p.vnni is not None) == (path == "int4_vnni") for p in body)
-            for p in body:
+            assert len(heads) == 1 and isinstance(heads[0].vnni, cpu_qgemm.Int8VnniWeight) == (path == "int4_vnni")
+            for p in body + heads:
                 changed.append((p, p.max_tokens))
                 p.max_tokens = 1 << 30
         else:
