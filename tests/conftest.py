@@ -12,6 +12,10 @@ import pytest
 
 # Quiet, deterministic CPU runs: tests share 2 cores with Ray's own processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite starts the default model in several configurations (fp32, bf16, batch-invariant, TP shards) by
+# turns: with one weight-cache entry per model, each change of configuration would be a full load that
+# rewrites the entry (loader/weight_cache.py).
+os.environ.setdefault("RAYLLM_WEIGHT_CACHE_ENTRIES", "4")
 
 # The folders mirror rayllm/ (tests/engine/test_scheduler.py tests rayllm/engine/scheduler.py); the cost
 # lanes are markers: files that run the real model or Ray Serve say `pytestmark = pytest.mark.slow`, and

@@ -15,8 +15,9 @@ checked before any weight is replaced, and a parameter that is missing or mis-sh
 so a damaged file costs a normal load, never wrong weights. Writes go to a temporary file renamed into place.
 
 Where: `RAYLLM_WEIGHT_CACHE` (a directory; `off` turns the cache off), else `$XDG_CACHE_HOME/rayllm-weights`
-(~/.cache). One entry per GGUF path and the newest `KEEP` entries in all are kept (~2.6 bytes per parameter:
-~350 MB for SmolLM2-135M).
+(~/.cache). One entry per GGUF path and shard (`RAYLLM_WEIGHT_CACHE_ENTRIES` keeps more: a node that starts
+one model in several configurations) and the newest `KEEP` times that in all are kept (~2.6 bytes per
+parameter: ~350 MB for SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def cache_dir() -> Path | None:
         return None if where.strip().lower() in ("off", "0", "") else Path(where)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "rayllm-weights"
+
+
+def entries_per_model() -> int:
+    """Entries kept per GGUF path and shard: `RAYLLM_WEIGHT_CACHE_ENTRIES`, default 1 (a start in a new
+    configuration replaces the old one's entry)."""
+    raw = os.environ.get("RAYLLM_WEIGHT_CACHE_ENTRIES", "1")
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        log.warning("RAYLLM_WEIGHT_CACHE_ENTRIES=%r is not a number: 1 entry per model", raw)
+        return 1
 
 
 def source_digest() -> str:
@@ -175,9 +187,16 @@ class WeightCache:
         log.info("weights cached in %s in %.2f s", self.path, time.perf_counter() - t0)
 
     def _evict(self) -> None:
+        """Keep this entry, the newest `entries_per_model()` of its model and shard, `KEEP` times that in all."""
+        per_model = entries_per_model()
         entries = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for i, path in enumerate(entries):
-            if path != self.path and (path.name.startswith(self.prefix + "-") or i >= KEEP):
+        entries.sort(key=lambda p: p != self.path)  # stable: this one first, then newest first
+        kept = mine = 0
+        for path in entries:
+            same = path.name.startswith(self.prefix + "-")
+            if kept < KEEP * per_model and (not same or mine < per_model):
+                kept, mine = kept + 1, mine + same
+            else:
                 path.unlink(missing_ok=True)
 
 

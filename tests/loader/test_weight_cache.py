@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import replace
 
 import pytest
@@ -154,3 +155,34 @@ def test_a_damaged_or_foreign_entry_is_not_used(env, loaded):
     finally:
         cache.path.write_bytes(good)
     assert cache.restore(_skeleton(model))
+
+
+def _entries(directory, specs: list[tuple[str, str, int]]) -> list[weight_cache.WeightCache]:
+    """Empty entry files (model, key letter, age in seconds), older for larger ages."""
+    now = time.time()
+    out = []
+    for model, key, age in specs:
+        cache = weight_cache.WeightCache(directory, model, key * 64)
+        cache.path.write_bytes(b"")
+        os.utime(cache.path, (now - age, now - age))
+        out.append(cache)
+    return out
+
+
+@pytest.mark.parametrize("per_model", [None, "2"])
+def test_eviction_keeps_the_newest_entries_per_model_and_in_all(tmp_path, monkeypatch, per_model):
+    if per_model is None:
+        monkeypatch.delenv("RAYLLM_WEIGHT_CACHE_ENTRIES", raising=False)
+    else:
+        monkeypatch.setenv("RAYLLM_WEIGHT_CACHE_ENTRIES", per_model)
+    keep = int(per_model or 1)
+    a_old, a_mid = _entries(tmp_path, [("/m/a.gguf", "a", 5), ("/m/a.gguf", "b", 3)])
+    others = _entries(tmp_path, [(f"/m/o{i}.gguf", "c", 10 + i) for i in range(4 * keep + 2)])
+    written = weight_cache.WeightCache(tmp_path, "/m/a.gguf", "d" * 64)  # the entry a start just wrote
+    written.path.write_bytes(b"")
+    written._evict()
+    left = set(tmp_path.glob("*.safetensors"))
+    mine = [c.path for c in (written, a_mid, a_old)]
+    assert [p in left for p in mine] == [i < keep for i in range(3)]  # the newest of this model
+    assert len(left) == weight_cache.KEEP * keep  # and the newest in all
+    assert {c.path for c in others} & left == {c.path for c in others[: len(left) - keep]}

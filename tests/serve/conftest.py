@@ -23,6 +23,7 @@ import ray.serve._private.constants  # noqa: E402, F401
 
 from tests.serve.ops_apps import (  # noqa: E402
     SHARED_APPS,
+    SMALL_ENGINE,
     Receiver,
     deploy,
     free_port,
@@ -55,19 +56,21 @@ def server(tmp_path_factory):
     # Conversations go to a throwaway SQLite file (every app these tests build, through STORAGE_URL).
     os.environ["STORAGE_URL"] = f"sqlite:///{tmp_path_factory.mktemp('state')}/conversations.db"
     # More logical CPUs than cores: the ingress and tokenizer reserve none, TP ranks one each.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # fp32 so that greedy outputs do not depend on batch composition (bf16 GEMMs round per batch shape).
+    # The shipped numerics (bf16, 4-bit small-batch copies of the GGUF's weights, oneDNN), plus
+    # `batch_invariant` so that a greedy answer does not depend on what shares its steps: several tests
+    # compare answers alone and in a batch. Tests against transformers' fp32 logits use `fp32_client`.
     app = build_app({
         "api_keys": [API_KEY, "sha256:" + hashlib.sha256(API_KEY_2.encode()).hexdigest()],
         "admin_api_keys": [ADMIN_KEY],
         "stream_interval_s": 0.05,  # the coalescing path that cluster.yaml enables
         # Off by default (test_operations checks that); on here, where chat templates and reasoning are tested.
         "allow_request_chat_template": True,
-        "engine": {"model": {"dtype": "float32", "max_model_len": 2048},
+        "engine": {"model": {"dtype": "bfloat16", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},
-                   "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512}},
+                   "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "batch_invariant": True}},
     })
     serve.run(app, name="llm", route_prefix="/", blocking=False)
     yield wait_healthy(f"http://127.0.0.1:{port}")
@@ -80,6 +83,20 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def fp32_server(shared_apps, request) -> str:
+    """The default model served in fp32 (ops_apps.SMALL_ENGINE), for the tests that hold the served
+    numbers to transformers' fp32 model on the same GGUF at fp32 tolerances; deleted after its last user."""
+    return shared_apps.get(request, "fp32", {"api_keys": [API_KEY], "engine": SMALL_ENGINE})
+
+
+@pytest.fixture(scope="module")
+def fp32_client(fp32_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{fp32_server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ from tests.ports import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
+# fp32: its apps start sooner than the bf16 path's (docs/benchmarks.md, test time), and the tests that pace
+# their load by time (Pace) gain nothing from cheaper tokens; also conftest.fp32_client's app.
 SMALL_ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
                 "cache": {"kv_cache_bytes": 96 << 20},
                 "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}}
@@ -111,6 +113,7 @@ class Pace:
 SHARED_APPS: dict[str, frozenset[str]] = {
     "prio": frozenset({"prio", "traced"}),  # test_priority_serving.py, test_tracing_serving.py
     "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py
+    "fp32": frozenset({"fp32_server"}),  # conftest.fp32_client: transformers-reference tests
 }
 
 
@@ -121,9 +124,9 @@ def prio_args(otlp_port: int) -> dict:
     from tests.serve.conftest import ADMIN_KEY, API_KEY, API_KEY_2
 
     return {"api_keys": [API_KEY, API_KEY_2], "admin_api_keys": [ADMIN_KEY],
-            "engine": {"model": {"dtype": "float32", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
+            "engine": {"model": {"dtype": "bfloat16", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
                        "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "policy": "priority",
-                                     "max_running_share": 0.5}},
+                                     "max_running_share": 0.5, "batch_invariant": True}},
             "tracing": {"enabled": True, "otlp_endpoint": f"http://127.0.0.1:{otlp_port}/v1/traces",
                         "export_interval_s": 0.2, "service_name": "rayllm-test"}}
 

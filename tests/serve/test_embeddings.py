@@ -1,6 +1,6 @@
 """/v1/embeddings end to end through the OpenAI SDK (`client.embeddings.create`, which decodes base64 with
-numpy itself), on the real default model served in fp32. Reference: transformers' Llama on the same GGUF,
-its final-norm hidden state of the last token, normalised."""
+numpy itself), on the real default model. Reference: transformers' Llama on the same GGUF, its final-norm
+hidden state of the last token, normalised (against the model served in fp32: conftest.fp32_client)."""
 
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def test_dimensions_truncates_and_renormalises(client, model_name):
     torch.testing.assert_close(torch.tensor(short), head / head.norm(), rtol=1e-5, atol=1e-6)
 
 
-def test_vectors_equal_transformers_pooled_hidden_state(client, model_name, hf_model, hf_tokenizer):
+def test_vectors_equal_transformers_pooled_hidden_state(fp32_client, model_name, hf_model, hf_tokenizer):
     prompts = [hf_tokenizer(t).input_ids for t in ["Embeddings from the serving engine.", "A second input " * 20]]
-    res = client.embeddings.create(model=model_name, input=prompts)  # token ids: the very same tokens
-    single = client.embeddings.create(model=model_name, input=prompts[0])  # one list of ids is one input
+    res = fp32_client.embeddings.create(model=model_name, input=prompts)  # token ids: the very same tokens
+    single = fp32_client.embeddings.create(model=model_name, input=prompts[0])  # one list of ids is one input
     assert len(single.data) == 1
     for d, ids in zip(res.data, prompts, strict=True):
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """Canonical guided choices through the server: `guided_choice` (and a regex that is a plain alternation of
 literals) answers with one choice spelled in its canonical tokens, picked by the model's log-probability of
-those tokens after the prompt, checked against transformers' fp32 model on the same GGUF (the session app
-runs fp32)."""
+those tokens after the prompt, checked against transformers' fp32 model on the same GGUF (served in fp32 for
+those checks: conftest.fp32_client)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def complete(client, model_name: str, **kw):
     return client.completions.create(model=model_name, prompt=PROMPT, max_tokens=16, **kw)
 
 
-def test_greedy_choice_is_the_argmax_of_the_reference_scores_with_its_logprobs(client, model_name, reference,
+def test_greedy_choice_is_the_argmax_of_the_reference_scores_with_its_logprobs(fp32_client, model_name, reference,
                                                                                  hf_tokenizer):
     prompt_ids, per_token, scores = reference
-    r = complete(client, model_name, temperature=0, logprobs=2, extra_body={"guided_choice": CHOICES})
+    r = complete(fp32_client, model_name, temperature=0, logprobs=2, extra_body={"guided_choice": CHOICES})
     c = r.choices[0]
     best = max(range(len(CHOICES)), key=scores.__getitem__)
     ranked = sorted(scores, reverse=True)
@@ -61,10 +61,10 @@ def test_greedy_choice_is_the_argmax_of_the_reference_scores_with_its_logprobs(c
     assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
 
 
-def test_a_regex_of_literal_alternatives_is_chosen_the_same_way(client, model_name, reference):
+def test_a_regex_of_literal_alternatives_is_chosen_the_same_way(fp32_client, model_name, reference):
     _, _, scores = reference
     pattern = "(?:" + "|".join(CHOICES) + ")"
-    r = complete(client, model_name, temperature=0, extra_body={"regex": pattern})
+    r = complete(fp32_client, model_name, temperature=0, extra_body={"regex": pattern})
     assert r.choices[0].text == CHOICES[max(range(len(CHOICES)), key=scores.__getitem__)]
 
 

@@ -90,15 +90,16 @@ def test_continue_final_message(client, model_name):
     assert "Paris" in r.choices[0].message.content
 
 
-def test_return_hidden_states_match_transformers(client, model_name, server, auth, hf_model, hf_tokenizer):
+def test_return_hidden_states_match_transformers(fp32_client, client, model_name, fp32_server, auth, hf_model,
+                                                hf_tokenizer):
     import torch
 
     prompt = "The capital of France is"
-    r = client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=5,
+    r = fp32_client.completions.create(model=model_name, prompt=prompt, temperature=0, max_tokens=5,
                                   extra_body={"return_hidden_states": True})
     hidden = r.choices[0].model_extra["hidden_states"]
     assert len(hidden) == r.usage.completion_tokens == 5 and len(hidden[0]) == hf_model.config.hidden_size
-    prompt_ids = httpx.post(f"{server}/tokenize", json={"prompt": prompt}, headers=auth).json()["tokens"]
+    prompt_ids = httpx.post(f"{fp32_server}/tokenize", json={"prompt": prompt}, headers=auth).json()["tokens"]
     with torch.no_grad():
         full = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=5, do_sample=False)[0]
         assert hf_tokenizer.decode(full[len(prompt_ids):]) == r.choices[0].text  # same greedy tokens

@@ -1,7 +1,7 @@
 """Preemption and chunked prefill through the server: an app whose KV cache holds a few hundred tokens and
 whose step budget is smaller than the prompts, so concurrent long requests are prefilled in chunks and
-preempted (and recomputed); every answer still equals the same request's answer alone (fp32, so greedy
-equality is exact)."""
+preempted (and recomputed); every answer still equals the same request's answer alone (bf16 with
+`batch_invariant`, so greedy equality is exact)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` s
 
 BLOCK = 16
 NUM_BLOCKS = 40  # 640 tokens of KV: four requests of ~300 tokens each cannot all stay resident
-ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
+ENGINE = {"model": {"dtype": "bfloat16", "max_model_len": 1024},
           "cache": {"block_size": BLOCK, "num_blocks_override": NUM_BLOCKS, "enable_prefix_caching": False},
-          "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64}}
+          "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "batch_invariant": True}}
 TOPICS = ["rivers", "mountains", "the moon", "bread", "trains", "owls"]
 
 
