@@ -257,7 +257,7 @@ def test_requested_tokens_are_capped(abuse, abuse_same_replica):
     assert "default" in err["message"]
 
 
-async def test_504_before_the_first_token_cancels_the_generation(server, auth, abuse, abuse_handle,
+async def test_504_before_the_first_token_cancels_the_generation(fp32_server, auth, abuse, abuse_handle,
                                                                  abuse_same_replica, hf_tokenizer):
     """Eight long generations fill the engine (max_num_seqs 8); they go to the model deployment itself, so
     the app's request timeout never cuts them, and their length comes from the pace measured now (four
@@ -268,7 +268,8 @@ async def test_504_before_the_first_token_cancels_the_generation(server, auth, a
     from tests.serve.ops_apps import Pace
 
     timeout_s = ABUSE["request_timeout_s"]
-    pace = Pace(server, headers=auth)  # the session app, same model: the abuse app's timeout would cut it
+    # The fp32 app's pace (conftest.fp32_server: the abuse app's model and numerics, without its timeout).
+    pace = Pace(fp32_server, headers=auth)
     tokens = pace.tokens_for(4 * timeout_s, cap=900)
     ids = hf_tokenizer("Count from one to one thousand.").input_ids
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)

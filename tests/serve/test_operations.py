@@ -82,10 +82,11 @@ class AppURL(str):
 
 
 @pytest.fixture(scope="module")
-def module_apps(server, apps, auth) -> dict:
+def module_apps(server, apps, auth, fp32_server) -> dict:
     """The module's three apps, deployed together (their replicas start side by side): their URLs, and the
-    request timeout of ops-limits (see `limited`)."""
-    pace = Pace(server, headers=auth)
+    request timeout of ops-limits (see `limited`), from the pace of the fp32 app (conftest.fp32_server:
+    the same model and engine settings as these apps)."""
+    pace = Pace(fp32_server, headers=auth)
     timeout_s = max(1.0, round(min(pace.bound(8, margin=6.0), TIMEOUT_CAP * pace.step_s / 4), 1))
     specs = {"ops-limits": LIMITS | {"request_timeout_s": timeout_s}, "ops-queue": LIMITS,
              "ops-ray": {"engine": SMALL_ENGINE | {"parallel": {"executor": "ray"}},
@@ -97,7 +98,7 @@ def module_apps(server, apps, auth) -> dict:
 @pytest.fixture(scope="module")
 def limited(module_apps) -> AppURL:
     """The bounds above and a request timeout that ordinary requests clear by far on this machine (6x an
-    8-token request, measured on the session app, same model), so only the timeout test's meet it; and
+    8-token request, measured on the fp32 app, same model and numerics), so only the timeout test's meet it; and
     at most a quarter of the longest request the bounds allow, so that one outlasts it twice over."""
     url = AppURL(module_apps["ops-limits"])
     url.timeout_s = module_apps["timeout_s"]
