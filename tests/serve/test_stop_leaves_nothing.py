@@ -1,8 +1,9 @@
 """Stopping `serve run cluster.yaml` leaves no process behind and frees the HTTP port, whatever the signal.
 
 The real `serve run` on the shipped cluster.yaml (default model), started as `make serve` starts it
-(`python -m rayllm.serve.launch serve run`, serving.env plus haproxy_guard's paths); the SIGINT run (Ctrl-C,
-what `make serve`'s users send) with `RAYLLM_RAY_DASHBOARD=0`, so the launcher starts Ray itself there. "force" stands in for `ray stop --force`, scoped to this
+(`python -m rayllm.serve.launch serve run`, serving.env plus haproxy_guard's paths); the SIGTERM run with Ray's
+dashboard (`serve run` starts Ray), the SIGINT (Ctrl-C, what `make serve`'s users send) and "force" runs with
+`RAYLLM_RAY_DASHBOARD=0`, so the launcher starts Ray itself there (and no dashboard adds to the three starts). "force" stands in for `ray stop --force`, scoped to this
 run's processes: that command SIGKILLs every Ray process on the machine by name (never HAProxy), which
 would also stop other Ray instances here; killing this run's tree by pid is the same signal to the same
 processes.
@@ -48,7 +49,7 @@ def _launch(run_dir: Path, how: str) -> Run:
     env = os.environ | serving_env() | own_haproxy_env()
     env["PYTHONPATH"] = str(ROOT)
     env.pop("RAY_ADDRESS", None)
-    env["RAYLLM_RAY_DASHBOARD"] = "0" if how == "SIGINT" else "1"
+    env["RAYLLM_RAY_DASHBOARD"] = "1" if how == "SIGTERM" else "0"
     log = run_dir / "serve.log"
     # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
     proc = subprocess.Popen([sys.executable, "-m", "rayllm.serve.launch", "serve", "run", str(run_dir / "cluster.yaml")],
