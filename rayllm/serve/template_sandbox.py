@@ -19,7 +19,7 @@ from rayllm.protocol.errors import APIError
 RENDER_TIMEOUT_S = 2.0
 MAX_OUTPUT_CHARS = 1 << 20  # a rendered prompt longer than this is refused (the context is far shorter)
 MEMORY_BYTES = 1 << 30  # address space the child may add beyond what the loaded tokenizer takes
-START_TIMEOUT_S = 120.0  # loading the tokenizer in the child
+START_TIMEOUT_S = 120.0  # loading the tokenizer in the child (the first start may build its snapshot)
 
 
 def _vm_bytes() -> int:
@@ -31,10 +31,11 @@ def _vm_bytes() -> int:
 
 
 def _child(conn: Connection) -> None:
-    from rayllm.serve.chat_template import ChatRenderer, load_tokenizer
+    from rayllm.serve.chat_template import ChatRenderer, load_serving_tokenizer
 
     model_path, max_output_chars, memory_bytes = conn.recv()
-    renderer = ChatRenderer(load_tokenizer(model_path))
+    # The serving processes' tokenizer (its snapshot: no transformers import): a killed child is back in ~1.5 s.
+    renderer = ChatRenderer(load_serving_tokenizer(model_path))
     if memory_bytes and _vm_bytes():
         limit = _vm_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))

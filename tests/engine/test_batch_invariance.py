@@ -129,10 +129,11 @@ def load_adapters(engine: LLMEngine, tmp_path) -> None:
 
 
 def compare(engine: LLMEngine, rec: LogitRecorder, refs: dict[int, torch.Tensor], target: list[int],
-            cases: dict[str, dict], bad: dict[str, str], only: frozenset[str] | None) -> None:
+            cases: dict[str, dict], bad: dict[str, str], only: frozenset[str] | None, ran: set[str]) -> None:
     for name, kw in cases.items():
         if only is not None and name not in only:
             continue
+        ran.add(name)
         ref = refs[kw.get("target_lora", 0)]
         if (m := mismatch(ref, run(engine, rec, target, tag=name, **kw))) is not None:
             bad[name] = m
@@ -145,6 +146,7 @@ def scenarios(gguf_path: str, batch_invariant: bool, prompts, tmp_path, weights:
     target, others = prompts
     engine = make_engine(gguf_path, batch_invariant, weights=weights)
     bad: dict[str, str] = {}
+    ran: set[str] = set()
     try:
         rec = LogitRecorder(engine)
         load_adapters(engine, tmp_path)
@@ -167,7 +169,7 @@ def scenarios(gguf_path: str, batch_invariant: bool, prompts, tmp_path, weights:
             "adapter-mixed-neighbours": dict(others=others[:8], lora_id=MIX, target_lora=7),
             "adapter-mixed-24-staggered": dict(others=others, lora_id=MIX, stagger=2, target_lora=7),
             "adapter-prefix-cached-mixed": dict(others=others[:8], lora_id=MIX, warm_prefix=True, target_lora=7),
-        }, bad, only)
+        }, bad, only, ran)
         chunked_cases = {
             "chunked": dict(others=[]),
             "chunked-batch8": dict(others=others[:7], stagger=1),
@@ -178,9 +180,10 @@ def scenarios(gguf_path: str, batch_invariant: bool, prompts, tmp_path, weights:
             # scheduler at each step and sizes nothing the worker holds, so this is the engine a
             # `max_num_batched_tokens: 64` config builds, without loading the model again.
             rebudget(engine, 64)
-            compare(engine, rec, refs, target, chunked_cases, bad, only)
+            compare(engine, rec, refs, target, chunked_cases, bad, only, ran)
     finally:
         engine.shutdown()
+    assert only is None or only <= ran, f"no such scenarios: {sorted(only - ran)}"
     return bad
 
 
@@ -201,7 +204,14 @@ def test_default_mode_varies(gguf_path, prompts, tmp_path):
     assert "batch24" in bad and "batch8" in bad, bad
 
 
+# What the weights' kernel can change: the row count (2, 8, 24), prefill chunks beside decode rows, a prefix
+# read from the cache, a chunked prompt, and adapter deltas of a mix on top of the base GEMM. The other
+# scenarios vary only what test_batch_invariant_mode already covers (LoRA grouping, the target's adapter).
+KERNEL_SCENARIOS = frozenset({"batch2", "batch8", "batch24", "batch24-staggered", "prefix-cached-batch8",
+                              "mixed-lora-neighbours", "adapter-mixed-neighbours", "chunked-batch8"})
+
+
 def test_batch_invariant_quantized_weights(gguf_path, prompts, tmp_path):
     """`model.weights: quantized`: the int4 kernel serves every step size and its rows do not depend on
     the row count, so with the switch (for the dense LM head) this mode is batch-invariant too."""
-    assert scenarios(gguf_path, True, prompts, tmp_path, weights="quantized") == {}
+    assert scenarios(gguf_path, True, prompts, tmp_path, weights="quantized", only=KERNEL_SCENARIOS) == {}

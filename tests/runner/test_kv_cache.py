@@ -1,8 +1,12 @@
-"""KV cache sizing: a budget that holds no blocks stops the engine at start with an error naming the knob."""
+"""KV cache sizing and allocation: a budget that holds no blocks stops the engine at start with an error naming
+the knob; a CPU cache is zeros that take memory only where written."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from rayllm.engine.engine import LLMEngine
 from rayllm.schema.config import CacheConfig, EngineConfig, ParallelConfig
@@ -25,3 +29,26 @@ def test_profile_step_is_the_largest_step_on_disjoint_blocks():
     assert all(len(s.block_table) * 16 >= len(s.token_ids) for s in step.seqs)
     step, _ = profile_step(max_tokens=8, max_seqs=64, block_size=16)
     assert len(step.seqs) == 8  # never more sequences than tokens
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cpu_cache_is_zeros_resident_only_where_written():
+    """A CPU cache reads as zeros everywhere, takes memory only for the pages written (a 1 GiB budget costs no
+    start-up time or memory for blocks never used), and its per-layer views write through to it."""
+    from rayllm.runner.kv_cache import allocate
+
+    layers, blocks, bs, heads, dim = 4, 2048, 16, 2, 128  # 64 MiB in bf16
+    before = _rss_bytes()
+    caches = allocate(layers, blocks, bs, heads, dim, torch.bfloat16, "cpu")
+    assert _rss_bytes() - before < 8 << 20  # nothing touched yet
+    k, v = caches[2]
+    assert k.shape == v.shape == (heads, blocks, bs, dim) and k.dtype == torch.bfloat16
+    k[1, 7].fill_(1.5)
+    v[0, 3, 2] = 2.0
+    assert _rss_bytes() - before < 8 << 20  # the pages written, not the cache
+    assert float(k.float().sum()) == 1.5 * bs * dim and float(v.float().sum()) == 2.0 * dim  # zeros elsewhere
+    assert float(sum(kc.float().sum() + vc.float().sum() for kc, vc in caches)) == 1.5 * bs * dim + 2.0 * dim

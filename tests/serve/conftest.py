@@ -68,6 +68,8 @@ def server(tmp_path_factory):
         "stream_interval_s": 0.05,  # the coalescing path that cluster.yaml enables
         # Off by default (test_operations checks that); on here, where chat templates and reasoning are tested.
         "allow_request_chat_template": True,
+        # test_tenants waits this out three times (a locked database); writes here take milliseconds.
+        "storage_timeout_s": 2,
         "engine": {"model": {"dtype": "bfloat16", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},
                    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "batch_invariant": True}},
