@@ -180,7 +180,7 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
         options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
         llms[entry.name] = LLMDeployment.options(**options).bind(
             entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
-            ServingPriority.of(one), config.tracing)
+            ServingPriority.of(one), config.tracing, grammar_compile_timeout_s=config.grammar_compile_timeout_s)
     tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, priority, config.tracing)
     # Model deployments first (keywords, in this order): Serve deploys and starts replicas in the order it finds
     # them here, and the first start takes the worker process Ray has idle, which the slowest replica needs most.

@@ -126,6 +126,9 @@ class ServerConfig:
     # A request's own `chat_template` (vLLM's switch): off = 400. On, it renders in a child process of
     # the tokenizer replica with a time, memory and output-size bound (rayllm.serve.template_sandbox).
     allow_request_chat_template: bool = False
+    # A grammar (structured output, forced tool calls) that takes longer than this to compile answers 400 and
+    # its compiler child is replaced (rayllm.sample.grammar_worker).
+    grammar_compile_timeout_s: float = 10.0
     # The base models (cluster.yaml `models:`); the first answers requests that name no model. Empty: the
     # single model of `engine` (its deployment options are llm_deployment_options).
     models: tuple[ModelEntry, ...] = ()
@@ -152,6 +155,8 @@ class ServerConfig:
         nice = self.serving_nice
         if nice != "auto" and (isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19):
             raise ValueError(f"serving_nice must be auto or in 0..19, got {self.serving_nice!r}")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.wake_timeout_s <= 0:
             raise ValueError(f"wake_timeout_s must be > 0, got {self.wake_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:

@@ -41,7 +41,6 @@ from rayllm.serve.tracing_spans import ModelTrace, model_trace
 log = logging.getLogger("ray.serve")
 
 # A constraint's compile (in a child process) past this is a 400; the compiled-grammar cache holds this much.
-GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 GRAMMAR_CACHE_BYTES = 256 << 20
 
 
@@ -95,7 +94,7 @@ def engine_failure(exc: Exception) -> Exception:
 class LLMServer:
     def __init__(self, engine_config: EngineConfig, model_path: str, stream_interval_s: float = 0.0,
                  engine_process: bool = False, priority: ServingPriority | None = None,
-                 tracing: TracingConfig | None = None):
+                 tracing: TracingConfig | None = None, grammar_compile_timeout_s: float = 10.0):
         from rayllm.engine.client.engine_client import make_engine_client
 
         t0, started_at = time.perf_counter(), time.time()
@@ -118,6 +117,7 @@ class LLMServer:
         if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
             (priority or ServingPriority()).step_back()
         self.config = engine_config
+        self.grammar_compile_timeout_s = grammar_compile_timeout_s
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._compile_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grammar-compile")
@@ -135,7 +135,7 @@ class LLMServer:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer.transformers_tokenizer(), self.engine.vocab_size,
                                                  self.tokenizer.eos_token_ids, cache_bytes=GRAMMAR_CACHE_BYTES,
-                                                 timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
+                                                 timeout_s=self.grammar_compile_timeout_s)
         return self._grammars.compile(spec)
 
     async def compile_grammar(self, spec: GuidedSpec):

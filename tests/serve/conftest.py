@@ -43,6 +43,8 @@ API_KEY = "test-key-123"
 API_KEY_2 = "test-key-456"
 # May load and unload LoRA adapters (admin_api_keys); also an ordinary API key.
 ADMIN_KEY = "test-admin-789"
+# The session app's grammar compile bound (10 s shipped): test_abuse waits one slow compile out; others take < 1 s.
+GRAMMAR_COMPILE_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +72,7 @@ def server(tmp_path_factory):
         "allow_request_chat_template": True,
         # test_tenants waits this out three times (a locked database); writes here take milliseconds.
         "storage_timeout_s": 2,
+        "grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S,
         "engine": {"model": {"dtype": "bfloat16", "max_model_len": 2048},
                    "cache": {"kv_cache_bytes": 512 << 20},
                    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "batch_invariant": True}},

@@ -65,6 +65,8 @@ def test_bounds_are_validated():
         ServerConfig(max_n=-1)
     with pytest.raises(ValueError, match="request_timeout_s"):
         ServerConfig(request_timeout_s=0)
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+        ServerConfig(grammar_compile_timeout_s=0)
     cfg = ServerConfig.from_args({"max_prompt_tokens": 10, "llm_deployment_options": {"max_queued_requests": 4}})
     assert cfg.max_prompt_tokens == 10 and cfg.llm_deployment_options == {"max_queued_requests": 4}
 
