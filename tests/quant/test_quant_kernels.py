@@ -107,7 +107,8 @@ def test_prepack_covers_every_linear_layer_and_the_lm_head():
 
 def test_batch_invariant_onednn_rows_do_not_depend_on_the_batch():
     """Batch-invariant layout: each row's result is the same alone (1 row), in any batch size and at
-    any offset (including a block that leaves it alone at the end), at 1 and 2 threads. K=1536 as in
+    any offset (including a block that leaves it alone at the end), at 1 and 2 threads, for each weight of
+    the shape (the probed block is shared by shape). K=1536 as in
     SmolLM2's down_proj, where oneDNN's one-row kernel rounds differently from its batched one."""
     if not onednn_available(torch.device("cpu"), torch.bfloat16):
         pytest.skip("torch built without oneDNN")
@@ -117,14 +118,19 @@ def test_batch_invariant_onednn_rows_do_not_depend_on_the_batch():
     # Blocks of 1 would be invariant but run a prefill row by row (this weight: 1 before one-row calls
     # were padded to two, 128 since).
     assert gemm.row_block >= 8
+    # Layers of one shape share the probe's answer (it depends on oneDNN's kernel for the shape, not on the
+    # values): another weight of this shape gets the same block and must be invariant with it too.
+    other = OneDNNWeight(3 * torch.randn(576, 1536).bfloat16() + 0.5, batch_invariant=True)
+    assert other.row_block == gemm.row_block
     x = torch.randn(300, 1536).bfloat16()
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            alone = torch.cat([gemm(x[i : i + 1], None) for i in range(x.shape[0])])
-            for rows in (2, 7, gemm.row_block, gemm.row_block + 1, 129, 299):
-                for offset in (0, 1):
-                    assert torch.equal(gemm(x[offset : offset + rows], None), alone[offset : offset + rows]), (t, rows)
+            for g in (gemm, other):
+                alone = torch.cat([g(x[i : i + 1], None) for i in range(x.shape[0])])
+                for rows in (2, 7, g.row_block, g.row_block + 1, 129, 299):
+                    for offset in (0, 1):
+                        assert torch.equal(g(x[offset : offset + rows], None), alone[offset : offset + rows]), (t, rows)
     finally:
         torch.set_num_threads(threads)

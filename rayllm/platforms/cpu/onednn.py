@@ -24,7 +24,7 @@ class OneDNNWeight:
     sums round differently for some inputs (seen on AMD EPYC at K=1536: the last row of a prefill,
     alone in its block, changed with the batch). So the weight is laid out with hint 1, every call
     runs in blocks of at most `row_block` rows, and a single row is padded to two: the largest block
-    that a probe at load finds bit-equal to each row computed in a two-row call.
+    that a probe at load finds bit-equal to each row computed in a two-row call (once per shape).
     """
 
     all_batches = False  # a weight method (layers/linear_method.py) over the layer's dense weight
@@ -32,7 +32,7 @@ class OneDNNWeight:
     def __init__(self, weight: torch.Tensor, batch_invariant: bool = False):
         # The batch size is only a hint for the layout; every batch size runs on the result.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1 if batch_invariant else 64)
-        self.row_block = _probe_row_block(self, weight.shape[1], weight.dtype) if batch_invariant else 0
+        self.row_block = _row_block(self, tuple(weight.shape), weight.dtype) if batch_invariant else 0
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
@@ -56,6 +56,17 @@ class OneDNNWeight:
 
 
 ROW_BLOCKS = (128, 64, 32, 16, 8, 4)
+# Probed row blocks by (weight shape, dtype, torch threads). oneDNN picks its kernel and its blocking of the
+# reduction from the shapes, the ISA and the threads, not from the values, so every layer of one shape gets
+# the same answer: a model probes each of its few shapes once (30 layers: 121 probes were ~2.7 s of its start).
+_ROW_BLOCKS: dict[tuple, int] = {}
+
+
+def _row_block(gemm: OneDNNWeight, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    key = (shape, dtype, torch.get_num_threads())
+    if key not in _ROW_BLOCKS:
+        _ROW_BLOCKS[key] = _probe_row_block(gemm, shape[1], dtype)
+    return _ROW_BLOCKS[key]
 
 
 def _probe_row_block(gemm: OneDNNWeight, k: int, dtype: torch.dtype) -> int:
