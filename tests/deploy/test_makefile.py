@@ -53,6 +53,8 @@ def test_fresh_installs_pick_their_pins(tree):
     gpu = _dry_run(tree, "serve", "GPU=1")
     assert "-c constraints/gpu.txt -e '.[gpu]'" in gpu and "constraints/cpu.txt" not in gpu
     assert "touch .venv/.installed-gpu" in gpu
+    for out in (cpu, gpu):  # the package's bytecode, which PYTHONDONTWRITEBYTECODE=1 would never let processes write
+        assert "PYTHONDONTWRITEBYTECODE= .venv/bin/python -m compileall -q rayllm" in out
 
 
 def test_cpu_serve_after_a_cpu_install_does_nothing_more(tree):
