@@ -76,8 +76,9 @@ def allocate(
 
 def _zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """CPU: zeros in an anonymous mapping, which the OS hands out zero-filled page by page as they are first
-    written, instead of torch.zeros writing every byte at start: a 1 GiB cache costs no start-up time and
-    no resident memory for blocks never used. The tensor keeps the mapping alive."""
+    written, instead of torch.zeros writing every byte at start: a 1 GiB cache costs no start-up time (the
+    zero-fill moves to each page's first write, about as much CPU in all) and no memory until its blocks are
+    used. The tensor keeps the mapping alive."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)

@@ -38,7 +38,7 @@ def _rss_bytes() -> int:
 
 def test_cpu_cache_is_zeros_resident_only_where_written():
     """A CPU cache reads as zeros everywhere, takes memory only for the pages written (a 1 GiB budget costs no
-    start-up time or memory for blocks never used), and its per-layer views write through to it."""
+    start-up time, nor memory before its blocks are used), and its per-layer views write through to it."""
     from rayllm.runner.kv_cache import allocate
 
     layers, blocks, bs, heads, dim = 4, 2048, 16, 2, 128  # 64 MiB in bf16
