@@ -150,11 +150,11 @@ def drained(shared_app):
     return shared_app.live()
 
 
-def stream_tokens(pace: Pace) -> int:
-    """A stream of a sixth of the ingress's drain time at the measured pace: long enough to be open when
-    the controller starts draining, short enough to end within the drain even when the redeploy's own
-    start-up slows it threefold (a stream past the drain time is cut, as it would be in production)."""
-    return pace.tokens_for(ingress_drain_s() / 6, cap=SMALL_ENGINE["model"]["max_model_len"] - 64)
+def stream_tokens(pace: Pace, share: float) -> int:
+    """A stream of `share` of the ingress's drain time at the measured pace: long enough to be open when the
+    controller starts draining, short enough to end within the drain even when a redeploy's own start-up
+    slows it threefold (a stream past the drain time is cut, as it would be in production)."""
+    return pace.tokens_for(ingress_drain_s() * share, cap=SMALL_ENGINE["model"]["max_model_len"] - 64)
 
 
 class OpenStream(threading.Thread):
@@ -200,7 +200,7 @@ def test_in_flight_stream_finishes_while_app_is_redeployed(drained):
     from rayllm.serve.builder import build_app
 
     app, pace = drained.name, Pace(drained.base)
-    tokens = stream_tokens(pace)
+    tokens = stream_tokens(pace, 1 / 6)  # open until the new replicas are up and the old ones drain
     old = _llm_replica_actors(app)
     stream = OpenStream(drained.base, tokens)
     stream.start()
@@ -230,7 +230,7 @@ def test_in_flight_stream_finishes_while_app_is_shut_down(drained):
     from ray import serve
 
     app, pace = drained.name, Pace(drained.base)
-    tokens = stream_tokens(pace)
+    tokens = stream_tokens(pace, 1 / 20)  # deleting drains at once: no new replicas to wait for
     stream = OpenStream(drained.base, tokens)
     stream.start()
     assert stream.started.wait(pace.bound(8))
