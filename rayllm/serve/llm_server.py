@@ -40,7 +40,7 @@ from rayllm.serve.tracing_spans import ModelTrace, model_trace
 
 log = logging.getLogger("ray.serve")
 
-# A constraint's compile (in a child process) past this is a 400; the compiled-grammar cache holds this much.
+# The compiled-grammar cache holds this much (a compile's time bound: ServerConfig.grammar_compile_timeout_s).
 GRAMMAR_CACHE_BYTES = 256 << 20
 
 
