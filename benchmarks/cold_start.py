@@ -21,7 +21,7 @@ Prints one JSON line per round and tree: wall seconds from the start to Ray up, 
 the first token; `timeline`: when each deployment's replica was added by Serve's controller, began and
 finished its constructor, and was reported running (Serve's own logs); `ray` (cli and make modes): when the
 local Ray's GCS, dashboard, raylet and driver, Serve's controller and the application's build began (their
-logs); and the model replica's `cold start`
+logs), and `store_connect_s`, the raylet's wait to connect to its object store; and the model replica's `cold start`
 record (rayllm.common.startup_phases.cold_start_record: download, engine child's imports, GGUF/config header,
 load to device, KV cache, CUDA graphs, tokenizer, constructor, process age at the constructor's start).
 """
@@ -96,6 +96,22 @@ def ray_timeline(session_dir: str, t0: float) -> dict[str, float]:
         if m:
             out[key] = round(_epoch(m.group(1)) - t0, 2)
     out["dashboard_modules"] = len(glob.glob(os.path.join(logs, "dashboard_*Head.log")))
+    # The raylet's connect to its object store's socket: ~0 when the first try succeeds, else one retry
+    # interval (Ray's default 1 s; serving.env's 0.1 s).
+    marks: dict[str, float] = {}
+    try:
+        with open(os.path.join(logs, "raylet.out"), errors="replace") as f:
+            for line in f:
+                for key, text in (("store", "Plasma store debug dump"), ("objmgr", "ObjectManager server started")):
+                    m = _RAY_LINE.match(line)
+                    if m and key not in marks and text in line:
+                        marks[key] = _epoch(m.group(1))
+                if len(marks) == 2:
+                    break
+    except OSError:
+        pass
+    if len(marks) == 2:
+        out["store_connect_s"] = round(marks["objmgr"] - marks["store"], 3)
     driver = glob.glob(os.path.join(logs, "python-core-driver-*.log"))
     if driver:
         m = _RAY_LINE.match(open(driver[0], errors="replace").readline())
