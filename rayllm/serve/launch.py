@@ -7,13 +7,22 @@ before it starts the raylet, about 2 s of `make serve`'s cold start on two cores
 dashboard stays on by default because `serve status` / `serve config`, `ray list ...` and its web UI need it;
 Ray's metrics agent (the `ray_vllm_*` exporter of docs/operations.md) runs either way. Where `serve run` would not start a local Ray (RAY_ADDRESS set, or `--address`) or would start it with
 a runtime environment (`--runtime-env`, `--runtime-env-json`, `--working-dir`), it runs as it is.
+
+`serve run` returns to its log once the config is submitted, before any replica is up, so the launcher
+also says when the app answers: it polls each application's `/health` (every 0.5 s, one cheap request)
+and prints `rayllm: ready in N s: URL/v1` on stderr at its first 200, or a line every 30 s while it does not.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TextIO
+from urllib.parse import urlsplit
 
 # serve run's options that reach its own ray.init: with any of them, serve run starts (or joins) Ray itself.
 RAY_INIT_OPTIONS = ("--address", "-a", "--runtime-env", "--runtime-env-json", "--working-dir")
@@ -30,9 +39,64 @@ def starts_ray_here(run_args: list[str], environ: Mapping[str, str] = os.environ
     return not any(a == opt or a.startswith(opt + "=") for a in run_args for opt in RAY_INIT_OPTIONS)
 
 
+def app_urls(run_args: list[str]) -> list[str]:
+    """The base URL of each application `serve run` with run_args serves: the config file's `http_options`
+    and route prefixes (Serve's defaults where it names none); 127.0.0.1:8000/ for an import path."""
+    import yaml
+
+    config_path = next((a for a in run_args if a.endswith((".yaml", ".yml")) and os.path.isfile(a)), None)
+    config = {}
+    if config_path is not None:
+        with open(config_path) as f:
+            config = yaml.safe_load(f) or {}
+    http = config.get("http_options") or {}
+    host = str(http.get("host") or "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # poll locally what listens on all interfaces
+    base = f"http://{host}:{int(http.get('port') or 8000)}"
+    prefixes = [str(app.get("route_prefix") or "/") for app in config.get("applications") or []] or ["/"]
+    return [base + prefix.rstrip("/") for prefix in prefixes]
+
+
+def health_status(url: str, timeout_s: float = 2.0) -> int | None:
+    """GET url/health: its status code, or None when nothing answers."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout_s)
+    try:
+        conn.request("GET", f"{parts.path}/health")
+        return conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def announce_when_ready(urls: list[str], out: TextIO = sys.stderr, poll_s: float = 0.5, progress_s: float = 30.0,
+                        stop: threading.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    """Poll each URL's /health until it answers 200 and print one line then; while one does not, a line
+    every progress_s saying what it answers. Returns once all answered (or `stop` is set)."""
+    stop = stop or threading.Event()
+    start = clock()
+    pending, last = list(urls), {}
+    next_progress = start + progress_s
+    while pending and not stop.is_set():
+        for url in list(pending):
+            last[url] = health_status(url)
+            if last[url] == 200:
+                print(f"rayllm: ready in {clock() - start:.1f} s: {url}/v1 (the OpenAI API; {url}/health)",
+                      file=out, flush=True)
+                pending.remove(url)
+        if pending and clock() >= next_progress:
+            answers = ", ".join(f"{u}/health: {last.get(u) or 'no answer'}" for u in pending)
+            print(f"rayllm: still starting after {clock() - start:.0f} s ({answers})", file=out, flush=True)
+            next_progress += progress_s
+        stop.wait(poll_s)
+
+
 def main(argv: list[str]) -> None:
     if argv[:2] != ["serve", "run"]:
         sys.exit(USAGE)
+    threading.Thread(target=announce_when_ready, args=(app_urls(argv[2:]),), daemon=True,
+                     name="rayllm-ready").start()
     if starts_ray_here(argv[2:]):
         import ray
         from ray.serve._private.constants import SERVE_NAMESPACE

@@ -1,15 +1,22 @@
 """rayllm.serve.launch: which `serve run` command lines it starts the local Ray for (without Ray's dashboard),
-and which it leaves to `serve run`'s own ray.init. The launch itself runs in benchmarks/cold_start.py --mode make
-(docs/benchmarks.md); no Ray starts here."""
+and which it leaves to `serve run`'s own ray.init; which URLs it watches, and its "ready" line against a real
+HTTP server. The launch itself runs in benchmarks/cold_start.py --mode make (docs/benchmarks.md) and in
+tests/serve/test_stop_leaves_nothing.py (which checks its "ready" line); no Ray starts here."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from rayllm.serve.launch import USAGE, starts_ray_here
+from rayllm.serve.launch import USAGE, announce_when_ready, app_urls, starts_ray_here
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NO_DASHBOARD = {"RAYLLM_RAY_DASHBOARD": "0"}
 
@@ -40,3 +47,57 @@ def test_anything_but_serve_run_is_refused_before_ray_starts():
     out = subprocess.run([sys.executable, "-m", "rayllm.serve.launch", "serve", "deploy", "cluster.yaml"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and USAGE in out.stderr
+
+
+def test_the_watched_urls_follow_the_config(tmp_path):
+    assert app_urls([str(ROOT / "cluster.yaml")]) == ["http://127.0.0.1:8000"]
+    config = tmp_path / "c.yaml"
+    config.write_text("http_options: {host: 0.0.0.0, port: 9123}\n"
+                      "applications:\n  - {name: a, route_prefix: /a/, import_path: x:y}\n  - {name: b, import_path: x:z}\n")
+    assert app_urls(["--blocking", str(config)]) == ["http://127.0.0.1:9123/a", "http://127.0.0.1:9123"]
+    assert app_urls(["rayllm.serve.builder:build_app"]) == ["http://127.0.0.1:8000"]  # serve run's defaults
+
+
+@pytest.fixture()
+def health_server():
+    """A real HTTP server whose /health answers 503 to its first three requests, then 200."""
+    seen: list[str] = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(200 if len(seen) > 3 else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/llm", seen
+    server.shutdown()
+
+
+def test_ready_line_once_health_answers_200_and_progress_meanwhile(health_server):
+    url, seen = health_server
+    out = io.StringIO()
+    announce_when_ready([url], out=out, poll_s=0.01, progress_s=0.0)
+    lines = out.getvalue().splitlines()
+    assert seen == ["/llm/health"] * 4  # polled until the first 200, then no more
+    assert lines[-1].startswith("rayllm: ready in ") and lines[-1].endswith(f"s: {url}/v1 (the OpenAI API; {url}/health)")
+    assert any(line.startswith("rayllm: still starting after") and f"{url}/health: 503" in line for line in lines[:-1])
+
+
+def test_no_server_is_reported_as_no_answer_until_stopped():
+    out, stop = io.StringIO(), threading.Event()
+    watch = threading.Thread(target=announce_when_ready, args=(["http://127.0.0.1:9"],),
+                             kwargs={"out": out, "poll_s": 0.01, "progress_s": 0.05, "stop": stop})
+    watch.start()
+    for _ in range(500):
+        if "no answer" in out.getvalue():
+            break
+        watch.join(0.01)
+    stop.set()
+    watch.join(5)
+    assert not watch.is_alive()
+    assert "http://127.0.0.1:9/health: no answer" in out.getvalue() and "ready" not in out.getvalue()
