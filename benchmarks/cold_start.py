@@ -218,8 +218,10 @@ def round_wake(root: str, model: str | None, kv_cache_bytes: int, wakes: int) ->
     config = app_args(root, model, kv_cache_bytes)
     llm = next(d for d in config["applications"][0]["deployments"] if d["name"] == "llm")
     args = config["applications"][0]["args"]
+    # docs/models-and-scaling.md's scale-to-zero settings (metrics_interval_s: 1, see there), the delays short.
     args["llm_deployment_options"] = {"autoscaling_config": llm["autoscaling_config"] | {
-        "min_replicas": 0, "initial_replicas": 0, "downscale_delay_s": 2, "downscale_to_zero_delay_s": 2}}
+        "min_replicas": 0, "initial_replicas": 0, "upscale_delay_s": 0, "metrics_interval_s": 1,
+        "downscale_delay_s": 2, "downscale_to_zero_delay_s": 2}}
     serve.run(build_app(args), name="llm", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, time.time())  # the ingress and tokenizer up, the model asleep

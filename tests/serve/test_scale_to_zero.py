@@ -2,12 +2,14 @@
 deployment at min_replicas 0 and tight autoscaling delays): probes, scrapes and model listings leave the
 model asleep; a chat request to the sleeping model is refused with 503 model_waking + Retry-After while it
 wakes (wake_timeout_s is set below its start-up time on purpose) and is then served; the model goes back to
-zero after the downscale delay. The wake-up time is printed (docs/models-and-scaling.md records it).
+zero after the downscale delay. The autoscaling settings are the ones docs/models-and-scaling.md shows (read
+from the page), the delays shortened. The wake-up time is printed (the page records it).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,9 +22,24 @@ pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` s
 APP = "zero"
 PROBE_S = 20  # 10x the downscale delay: a probe that woke the model would show well within it
 DOWNSCALE_S = 2
-AUTOSCALING = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 4,
-               "upscale_delay_s": 0, "downscale_delay_s": DOWNSCALE_S, "downscale_to_zero_delay_s": DOWNSCALE_S,
-               "metrics_interval_s": 0.5, "look_back_period_s": 1}
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "models-and-scaling.md"
+
+
+def documented_autoscaling() -> dict:
+    """The model deployment's autoscaling_config that docs/models-and-scaling.md shows for scale to zero."""
+    import yaml
+
+    section = DOCS.read_text().split("## Scale to zero", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    (llm,) = yaml.safe_load(block)
+    assert llm["name"] == "llm"
+    return llm["autoscaling_config"]
+
+
+# The documented settings, with the delays short enough for a test (and the look-back window above the
+# metrics interval, as Serve requires).
+AUTOSCALING = documented_autoscaling() | {"target_ongoing_requests": 4, "downscale_delay_s": DOWNSCALE_S,
+                                          "downscale_to_zero_delay_s": DOWNSCALE_S, "look_back_period_s": 2}
 
 
 def zero_args() -> dict:
