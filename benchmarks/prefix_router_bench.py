@@ -11,7 +11,8 @@ On a 2-core machine, scale it down (e.g. --conversations 16); the JSON says what
 
 Every variant is its own Serve app in one Ray session, deployed before any load starts: `power_of_two`
 (two model replicas, Serve's default router), `prefix` (two replicas, rayllm.serve.prefix_router) and
-`single` (one replica, the hit rate to compare against). Variants run one at a time, in alternating order
+`single` (one replica, the hit rate to compare against); `prefix_abs` is `prefix` with the absolute load
+bound alone (`max_load_ratio: 1`). Variants run one at a time, in alternating order
 over --rounds; each round writes fresh words, so no variant finds another round's prompts cached.
 
 One JSON line per variant and round: the prefix-cache hit rate (cached / prompt tokens over every
@@ -50,7 +51,7 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def deploy(base: str, name: str, router: str, replicas: int, args: argparse.Namespace) -> None:
+def deploy(base: str, name: str, router: str | dict, replicas: int, args: argparse.Namespace) -> None:
     import httpx
     from ray import serve
 
@@ -201,7 +202,9 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     base = f"http://127.0.0.1:{port}"
     variants = args.variants.split(",")
-    shapes = {"power_of_two": ("power_of_two", 2), "prefix": ("prefix", 2), "single": ("power_of_two", 1)}
+    shapes = {"power_of_two": ("power_of_two", 2), "prefix": ("prefix", 2), "single": ("power_of_two", 1),
+              # the absolute load bound alone (before max_load_ratio): an A/B of the bound
+              "prefix_abs": ({"policy": "prefix", "max_load_ratio": 1.0}, 2)}
     try:
         for v in variants:
             t0 = time.perf_counter()

@@ -29,8 +29,11 @@ class RouterConfig:
     # A shorter match is not worth a busier replica: the least-loaded replica takes the request.
     min_match_tokens: int = 64
     # The bound: a request goes to a replica with at most this many more ongoing requests than the
-    # least-loaded one (queue lengths as Serve's router sees them).
+    # least-loaded one (queue lengths as Serve's router sees them), or at most `max_load_ratio` times as
+    # many, whichever allows more (SGLang's and vLLM's routers combine an absolute and a relative bound the
+    # same way): at 30 ongoing requests a gap of 4 is noise, and moving a conversation costs its history.
     max_imbalance: int = 4
+    max_load_ratio: float = 1.5
     # Blocks remembered per replica (LRU); 65536 blocks of 16 tokens is 1M tokens, a few MB of table.
     max_blocks_per_replica: int = 65536
     # Blocks of a prompt hashed per request (bounds the router's work on long prompts).
@@ -57,7 +60,14 @@ class RouterConfig:
             v = getattr(config, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"router.{name} must be an integer >= {low}, got {v!r}")
+        ratio = config.max_load_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 1.0 <= ratio <= 100.0:
+            raise ValueError(f"router.max_load_ratio must be a number from 1 to 100, got {ratio!r}")
         return config
+
+    def max_load(self, least: int) -> int:
+        """The most ongoing requests a replica may have to be chosen, when the least loaded has `least`."""
+        return max(least + self.max_imbalance, int(least * self.max_load_ratio))
 
 
 def block_chain(tokens: Sequence[int], block_size: int, namespace: Hashable = None,
@@ -127,12 +137,12 @@ class PrefixTable:
 def pick(matched: Mapping[Hashable, int], loads: Mapping[Hashable, int], block_size: int, config: RouterConfig,
          rng: random.Random | None = None) -> Hashable:
     """The replica for a request, from each candidate's matched blocks and ongoing requests (all known and
-    below their limit). Among replicas within `max_imbalance` of the least loaded, the longest match wins
+    below their limit). Among replicas within the load bound (`RouterConfig.max_load`), the longest match wins
     (then the lower load); a winning match under `min_match_tokens` sends the request to the least loaded
     instead (then the longer match). Remaining ties are broken at random, so equal replicas share load."""
     rng = rng or random
     low = min(loads.values())
-    near = [r for r in loads if loads[r] <= low + config.max_imbalance]
+    near = [r for r in loads if loads[r] <= config.max_load(low)]
     order = list(near)
     rng.shuffle(order)  # a stable max over a shuffled list: ties go to a random replica
     best = max(order, key=lambda r: (matched.get(r, 0), -loads[r]))

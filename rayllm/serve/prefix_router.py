@@ -37,7 +37,8 @@ RESERVATION_S = 1.0  # a choice not sent (the replica was full), or a send not a
 def request_router_config(router: RouterConfig, block_size: int) -> dict[str, Any]:
     """The deployment's `request_router_config` option (kwargs are JSON, as Serve requires)."""
     kwargs = {"block_size": block_size, "min_match_tokens": router.min_match_tokens,
-              "max_imbalance": router.max_imbalance, "max_blocks_per_replica": router.max_blocks_per_replica,
+              "max_imbalance": router.max_imbalance, "max_load_ratio": router.max_load_ratio,
+              "max_blocks_per_replica": router.max_blocks_per_replica,
               "max_prompt_blocks": router.max_prompt_blocks}
     return {"request_router_class": ROUTER_CLASS, "request_router_kwargs": kwargs}
 

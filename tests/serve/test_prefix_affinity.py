@@ -66,28 +66,40 @@ def test_table_forgets_least_recently_routed_blocks_first_and_departed_replicas(
 def test_pick_keeps_the_bound_and_otherwise_follows_the_longest_match():
     rng = random.Random(1)
     for _ in range(3000):
-        config = RouterConfig(min_match_tokens=rng.choice([0, 4, 16]), max_imbalance=rng.randrange(4))
+        config = RouterConfig(min_match_tokens=rng.choice([0, 4, 16]), max_imbalance=rng.randrange(4),
+                              max_load_ratio=rng.choice([1.0, 1.5, 2.0]))
         replicas = [f"r{i}" for i in range(rng.randrange(1, 5))]
-        loads = {r: rng.randrange(8) for r in replicas}
+        loads = {r: rng.randrange(40) for r in replicas}
         matched = {r: rng.randrange(6) for r in replicas}
         chosen = pick(matched, loads, B, config, rng)
         low = min(loads.values())
-        assert loads[chosen] <= low + config.max_imbalance  # the bound
-        near = [r for r in replicas if loads[r] <= low + config.max_imbalance]
-        longest = max(matched[r] for r in near)
+        # the bound, written out: within max_imbalance of the least loaded, or within max_load_ratio times it
+        bound = [r for r in replicas if loads[r] - low <= config.max_imbalance
+                 or loads[r] <= low * config.max_load_ratio]
+        assert chosen in bound
+        longest = max(matched[r] for r in bound)
         if longest * B >= max(config.min_match_tokens, 1):
             assert matched[chosen] == longest
-            assert loads[chosen] == min(loads[r] for r in near if matched[r] == longest)
+            assert loads[chosen] == min(loads[r] for r in bound if matched[r] == longest)
         else:
             assert loads[chosen] == low
             assert matched[chosen] == max(matched[r] for r in replicas if loads[r] == low)
 
 
+def test_the_relative_bound_keeps_a_busy_replica_s_conversation_home():
+    """At 30 ongoing requests, 36 is within 1.5x (the default): the match wins; at 3, a gap of 6 is not."""
+    config = RouterConfig()
+    assert pick({"a": 0, "b": 64}, {"a": 30, "b": 36}, B, config) == "b"
+    assert pick({"a": 0, "b": 64}, {"a": 3, "b": 9}, B, config) == "a"
+    assert pick({"a": 0, "b": 64}, {"a": 30, "b": 36}, B, RouterConfig(max_load_ratio=1.0)) == "a"
+
+
 def test_conversations_stick_while_the_closed_loop_imbalance_stays_bounded():
-    """Routing only (no request finishes): every replica stays within max_imbalance + 1 of the least loaded,
-    and a conversation's next turn leaves the replica of its last turn only when that one is over the bound."""
+    """Routing only (no request finishes): every replica stays within the bound of the least loaded (plus the
+    one request that may cross it), and a conversation's next turn leaves the replica of its last turn only
+    when that one is over the bound."""
     rng = random.Random(2)
-    config = RouterConfig(min_match_tokens=8, max_imbalance=2)
+    config = RouterConfig(min_match_tokens=8, max_imbalance=2, max_load_ratio=1.25)
     replicas = ["r0", "r1", "r2"]
     table, loads = PrefixTable(10**9), dict.fromkeys(replicas, 0)
     system = [rng.randrange(50) for _ in range(24)]
@@ -100,11 +112,11 @@ def test_conversations_stick_while_the_closed_loop_imbalance_stays_bounded():
             chain = block_chain(history[c], B)
             r = pick(table.match(chain, replicas), loads, B, config, rng)
             if turn:
-                assert r == home[c] or loads[home[c]] > min(loads.values()) + config.max_imbalance
+                assert r == home[c] or loads[home[c]] > config.max_load(min(loads.values()))
                 stayed += r == home[c]
             table.insert(r, chain)
             loads[r] += 1
-            assert max(loads.values()) - min(loads.values()) <= config.max_imbalance + 1
+            assert max(loads.values()) <= config.max_load(min(loads.values())) + 1
             home[c] = r
     assert stayed > 0 and min(loads.values()) > 0
 
@@ -115,6 +127,8 @@ def test_router_config_from_cluster_yaml_values():
     assert ServerConfig.from_args({"router": {"max_imbalance": 0}}).router.max_imbalance == 0
     for bad, field in (("fastest", "router.policy"), ({"max_imbalance": -1}, "router.max_imbalance"),
                        ({"min_match_tokens": "64"}, "router.min_match_tokens"), ({"imbalance": 3}, "imbalance"),
+                       ({"max_load_ratio": 0.5}, "router.max_load_ratio"), ({"max_load_ratio": "2"}, "router.max_load_ratio"),
+                       ({"max_load_ratio": True}, "router.max_load_ratio"),
                        ([], "router must be")):
         with pytest.raises(ValueError, match=field):
             ServerConfig.from_args({"router": bad})

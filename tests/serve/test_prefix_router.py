@@ -8,6 +8,7 @@ import asyncio
 import openai
 import pytest
 
+from rayllm.serve.prefix_affinity import RouterConfig
 from tests.serve.ops_apps import MODEL, deploy
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -61,7 +62,7 @@ def test_a_conversations_turns_stay_on_one_replica_and_hit_its_prefix_cache(rout
 
 
 def test_load_spreads_over_both_replicas_within_the_bound(routed):
-    """Eight concurrent requests sharing a long prefix: each replica takes a share within max_imbalance + 1
+    """Eight concurrent requests sharing a long prefix: each replica takes a share within the bound (+ 1)
     (they all are routed before any finishes: 64 tokens each, so also on a busy machine); distinct short
     prompts spread too."""
     async def run() -> tuple[list[str], list[str]]:
@@ -75,5 +76,6 @@ def test_load_spreads_over_both_replicas_within_the_bound(routed):
 
     same, short = asyncio.run(run())
     counts = sorted(same.count(r) for r in set(same))
-    assert len(counts) == 2 and counts[1] - counts[0] <= IMBALANCE + 1, same
+    bound = RouterConfig(max_imbalance=IMBALANCE)  # the app's router: the tight gap, the default ratio
+    assert len(counts) == 2 and counts[1] <= bound.max_load(counts[0]) + 1, same
     assert len(set(short)) == 2, short
