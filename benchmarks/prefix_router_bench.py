@@ -1,6 +1,6 @@
 """Prefix-aware routing vs Serve's default router: multi-turn chat over two model replicas.
 
-    flock /tmp/heavy.lock python benchmarks/prefix_router_bench.py [--conversations 64] [--turns 8]
+    flock /tmp/heavy.lock python benchmarks/prefix_router_bench.py [--conversations 64] [--turns 8] [--out F]
         [--variants power_of_two,prefix,single] [--rounds 1] [--max-tokens 32] [--system-words 200]
 
 Issue 38's workload: --conversations chats of --turns turns each, all under one shared system prompt of about
@@ -187,8 +187,17 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per replica's engine (0 = all cores "
                     "each); 1 keeps two replicas on a 2-core machine from taking each other's cores")
+    ap.add_argument("--out", help="also append the JSON lines to this file (Ray's driver prints its own warnings "
+                    "on stdout)")
     args = ap.parse_args()
-    print(json.dumps(router_cost()), flush=True)
+
+    def emit(line: dict) -> None:
+        print(json.dumps(line), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    emit(router_cost())
 
     import ray
     from ray import serve
@@ -218,11 +227,11 @@ def main() -> None:
                 t0 = time.perf_counter()
                 convs = asyncio.run(run_variant(base, v, args, seed=1000 * rnd + 7))
                 lines[v] = summary(v, rnd, convs, time.perf_counter() - t0, args)
-                print(json.dumps(lines[v]), flush=True)
+                emit(lines[v])
             if "prefix" in lines and "power_of_two" in lines:  # issue 38's target: <= 0.6
-                print(json.dumps({"bench": "prefix_router", "event": "ratio", "round": rnd} | {
+                emit({"bench": "prefix_router", "event": "ratio", "round": rnd} | {
                     f"prefix_over_power_of_two_{k}": round(lines["prefix"][k] / lines["power_of_two"][k], 3)
-                    for k in ("ttft_last_turn_p50_ms", "ttft_last_turn_mean_ms", "ttft_all_p50_ms")}), flush=True)
+                    for k in ("ttft_last_turn_p50_ms", "ttft_last_turn_mean_ms", "ttft_all_p50_ms")})
     finally:
         serve.shutdown()
         ray.shutdown()
