@@ -50,10 +50,21 @@ def _launch(run_dir: Path, how: str) -> Run:
     env.pop("RAY_ADDRESS", None)
     env["RAYLLM_RAY_DASHBOARD"] = "1" if how == "SIGTERM" else "0"
     log = run_dir / "serve.log"
-    # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
-    proc = subprocess.Popen([sys.executable, "-m", "rayllm.serve.launch", "serve", "run", str(run_dir / "cluster.yaml")],
-                            cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True)
+    # Ctrl-C's disposition as in a terminal: pytest started as a shell's background job (`pytest &`)
+    # ignores SIGINT, and a child inherits that, so its `serve run` would ignore the test's SIGINT.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
+        # stdout too: `serve run` says there what it does on a signal ("Got KeyboardInterrupt, ...").
+        proc = subprocess.Popen([sys.executable, "-m", "rayllm.serve.launch", "serve", "run",
+                                 str(run_dir / "cluster.yaml")], cwd=ROOT, env=env,
+                                stdout=open(run_dir / "serve.out", "wb"), stderr=open(log, "wb"),
+                                start_new_session=True)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     return Run(proc, port, env["RAY_SERVE_HAPROXY_STATS_PORT"], log)
 
 
@@ -126,7 +137,8 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=30)
-    assert not alive, f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}"
+    assert not alive, (f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}; serve run's "
+                       f"stdout: {run.log.with_name('serve.out').read_text(errors='replace')[-2000:]}")
     # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it.
     watchers = _watchers(run.stats_port)
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
