@@ -1,6 +1,7 @@
 """Prefix-aware routing vs Serve's default router: multi-turn chat over two model replicas.
 
     flock /tmp/heavy.lock python benchmarks/prefix_router_bench.py [--conversations 64] [--turns 8] [--out F]
+        [--serving-nice auto|0..19] [--max-batched-tokens 1024]
         [--variants power_of_two,prefix,single] [--rounds 1] [--max-tokens 32] [--system-words 200]
 
 Issue 38's workload: --conversations chats of --turns turns each, all under one shared system prompt of about
@@ -58,9 +59,10 @@ def deploy(base: str, name: str, router: str | dict, replicas: int, args: argpar
     from rayllm.serve.builder import build_app
 
     app = build_app({"replica_num_cpus": 0.5, "router": router, "stream_interval_s": 0.05,
+                     "serving_nice": args.serving_nice if args.serving_nice == "auto" else int(args.serving_nice),
                      "llm_deployment_options": {"num_replicas": replicas, "max_ongoing_requests": 256},
                      "engine": {"model": {"max_model_len": 4096}, "cache": {"kv_cache_bytes": args.kv_cache_bytes},
-                                "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 1024},
+                                "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": args.max_batched_tokens},
                                 "parallel": {"cpu": {"threads_per_rank": args.threads,
                                                      "threads_single_sequence": args.threads}}}})
     serve.run(app, name=name, route_prefix=f"/{name}", blocking=False)
@@ -142,6 +144,8 @@ def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args
     all_ttft = [t["ttft"] for t in flat]
     return {"bench": "prefix_router", "variant": variant, "round": rnd, "conversations": args.conversations,
             "turns": args.turns, "max_tokens": args.max_tokens, "think_s": args.think_s, "threads": args.threads,
+            "serving_nice": args.serving_nice, "kv_cache_bytes": args.kv_cache_bytes,
+            "max_batched_tokens": args.max_batched_tokens,
             "hit_rate": rate(flat), "hit_rate_last_turn": rate(last),
             "ttft_last_turn_p50_ms": ms(last_ttft, 50), "ttft_last_turn_mean_ms": ms(last_ttft),
             "ttft_all_p50_ms": ms(all_ttft, 50), "ttft_all_p90_ms": ms(all_ttft, 90),
@@ -187,6 +191,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per replica's engine (0 = all cores "
                     "each); 1 keeps two replicas on a 2-core machine from taking each other's cores")
+    ap.add_argument("--max-batched-tokens", type=int, default=1024, help="the engines' per-step token budget")
+    ap.add_argument("--serving-nice", default="auto", help="the apps' serving_nice (auto: +10 on CPU)")
     ap.add_argument("--out", help="also append the JSON lines to this file (Ray's driver prints its own warnings "
                     "on stdout)")
     args = ap.parse_args()
