@@ -1,7 +1,7 @@
 """Prefix-aware routing vs Serve's default router: multi-turn chat over two model replicas.
 
     flock /tmp/heavy.lock python benchmarks/prefix_router_bench.py [--conversations 64] [--turns 8] [--out F]
-        [--serving-nice auto|0..19] [--max-batched-tokens 1024]
+        [--serving-nice auto|0..19] [--max-batched-tokens 1024] [--trace]
         [--variants power_of_two,prefix,single] [--rounds 1] [--max-tokens 32] [--system-words 200]
 
 Issue 38's workload: --conversations chats of --turns turns each, all under one shared system prompt of about
@@ -32,6 +32,7 @@ import random
 import socket
 import sys
 import time
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,6 +60,7 @@ def deploy(base: str, name: str, router: str | dict, replicas: int, args: argpar
     from rayllm.serve.builder import build_app
 
     app = build_app({"replica_num_cpus": 0.5, "router": router, "stream_interval_s": 0.05,
+                     "tracing": getattr(args, "tracing", {"enabled": False}),
                      "serving_nice": args.serving_nice if args.serving_nice == "auto" else int(args.serving_nice),
                      "llm_deployment_options": {"num_replicas": replicas, "max_ongoing_requests": 256},
                      "engine": {"model": {"max_model_len": 4096}, "cache": {"kv_cache_bytes": args.kv_cache_bytes},
@@ -77,13 +79,15 @@ def deploy(base: str, name: str, router: str | dict, replicas: int, args: argpar
     raise RuntimeError(f"app {name} did not become healthy")
 
 
-async def one_turn(http, url: str, messages: list[dict], max_tokens: int) -> dict:
-    """A streamed chat request: time to first content, the reply, usage and the serving replica."""
+async def one_turn(http, url: str, messages: list[dict], max_tokens: int, trace: str | None = None) -> dict:
+    """A streamed chat request: time to first content, the reply, usage and the serving replica; with `trace`
+    (32 hex digits) the request carries it as its W3C traceparent, so the server's spans can be found."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    headers = {"traceparent": f"00-{trace}-{trace[:16]}-01"} if trace else {}
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
-    async with http.stream("POST", url, json=body) as r:
+    async with http.stream("POST", url, json=body, headers=headers) as r:
         r.raise_for_status()
         replica = r.headers.get("x-replica-id")
         async for line in r.aiter_lines():
@@ -97,7 +101,7 @@ async def one_turn(http, url: str, messages: list[dict], max_tokens: int) -> dic
                     text.append(piece)
             usage = event.get("usage") or usage
     return {"ttft": ttft, "text": "".join(text), "replica": replica, "prompt": usage["prompt_tokens"],
-            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), "trace": trace}
 
 
 async def run_variant(base: str, name: str, args: argparse.Namespace, seed: int) -> list[list[dict]]:
@@ -114,7 +118,8 @@ async def run_variant(base: str, name: str, args: argparse.Namespace, seed: int)
         out = []
         for t in range(args.turns):
             messages.append({"role": "user", "content": f"Customer {c}, question {t}: {firsts[c * args.turns + t]}?"})
-            result = await one_turn(http, url, messages, args.max_tokens)
+            trace = uuid.uuid4().hex if args.trace else None  # not from rng_think: the same pauses either way
+            result = await one_turn(http, url, messages, args.max_tokens, trace)
             messages.append({"role": "assistant", "content": result["text"]})
             out.append(result)
             await asyncio.sleep(rng_think.uniform(0, 2 * args.think_s))
@@ -125,7 +130,8 @@ async def run_variant(base: str, name: str, args: argparse.Namespace, seed: int)
         return list(await asyncio.gather(*(conversation(c, http) for c in range(args.conversations))))
 
 
-def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args: argparse.Namespace) -> dict:
+def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args: argparse.Namespace,
+            spans: list[dict] | None = None) -> dict:
     flat = [t for conv in convs for t in conv]
     last = [conv[-1] for conv in convs]
     per_replica: dict[str, int] = {}
@@ -152,7 +158,33 @@ def summary(variant: str, rnd: int, convs: list[list[dict]], wall_s: float, args
             "prompt_tokens_last_turn_mean": round(sum(t["prompt"] for t in last) / len(last)),
             "uncached_tokens_last_turn_mean": round(sum(t["prompt"] - t["cached"] for t in last) / len(last)),
             "same_replica_as_previous_turn": round(sum(stay) / max(1, len(stay)), 3),
-            "requests_per_replica": sorted(per_replica.values()), "wall_s": round(wall_s, 1)}
+            "requests_per_replica": sorted(per_replica.values()), "wall_s": round(wall_s, 1)} | (
+            {"phases_last_turn": phases(last, spans), "phases_all": phases(flat, spans)} if spans is not None else {})
+
+
+# Where a turn's time to first token goes, from the server's spans (--trace): the ingress until the model
+# replica's span starts (validation, template render, routing), the replica until the engine process adds the
+# request (an engine mid-step reads its input after the step), the engine's queue, and its prefill (first
+# scheduled -> first token: a whole step, or more when the prompt is chunked).
+PHASES = {"ingress": ("POST /v1/chat/completions", "start", "llm.generate", "start"),
+          "to_engine": ("llm.generate", "start", "engine.queue", "start"),
+          "queue": ("engine.queue", "start", "engine.queue", "end"),
+          "prefill": ("engine.prefill", "start", "engine.prefill", "end")}
+
+
+def phases(turns: list[dict], spans: list[dict]) -> dict:
+    """p50 / p90 ms of each phase (PHASES) over `turns`, from the spans of their traces."""
+    by_trace: dict[str, dict[str, dict]] = {}
+    for s in spans:
+        by_trace.setdefault(s["trace"], {}).setdefault(s["name"], s)
+    out: dict[str, dict] = {}
+    for phase, (a, a_end, b, b_end) in PHASES.items():
+        xs = [(t[b][b_end] - t[a][a_end]) / 1e9 for t in (by_trace.get(turn["trace"], {}) for turn in turns)
+              if a in t and b in t]
+        if xs:
+            out[phase] = {"p50_ms": round(percentile(xs, 50) * 1e3, 1), "p90_ms": round(percentile(xs, 90) * 1e3, 1),
+                          "n": len(xs)}
+    return out
 
 
 def router_cost(prompt_tokens: int = 2048, n: int = 200) -> dict:
@@ -193,6 +225,8 @@ def main() -> None:
                     "each); 1 keeps two replicas on a 2-core machine from taking each other's cores")
     ap.add_argument("--max-batched-tokens", type=int, default=1024, help="the engines' per-step token budget")
     ap.add_argument("--serving-nice", default="auto", help="the apps' serving_nice (auto: +10 on CPU)")
+    ap.add_argument("--trace", action="store_true", help="tracing on (to a local OTLP endpoint): each line adds "
+                    "where time to first token goes (phases_last_turn, phases_all)")
     ap.add_argument("--out", help="also append the JSON lines to this file (Ray's driver prints its own warnings "
                     "on stdout)")
     args = ap.parse_args()
@@ -211,6 +245,16 @@ def main() -> None:
     from rayllm.serve.serving_env import serving_env
 
     os.environ.update(serving_env())
+    sink = None
+    if args.trace:
+        import threading
+
+        from benchmarks.tracing_bench import Sink
+
+        sink = Sink()
+        threading.Thread(target=sink.serve_forever, daemon=True).start()
+        args.tracing = {"enabled": True, "otlp_endpoint": f"http://127.0.0.1:{sink.server_port}/v1/traces",
+                        "export_interval_s": 1}
     port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -232,7 +276,10 @@ def main() -> None:
             for v in order:
                 t0 = time.perf_counter()
                 convs = asyncio.run(run_variant(base, v, args, seed=1000 * rnd + 7))
-                lines[v] = summary(v, rnd, convs, time.perf_counter() - t0, args)
+                wall = time.perf_counter() - t0
+                if sink is not None:
+                    time.sleep(3)  # every process exports its last spans (export_interval_s: 1)
+                lines[v] = summary(v, rnd, convs, wall, args, sink.spans() if sink is not None else None)
                 emit(lines[v])
             if "prefix" in lines and "power_of_two" in lines:  # issue 38's target: <= 0.6
                 emit({"bench": "prefix_router", "event": "ratio", "round": rnd} | {

@@ -49,11 +49,16 @@ class Sink(ThreadingHTTPServer):
 
         super().__init__(("127.0.0.1", 0), Handler)
 
-    def span_count(self) -> int:
+    def spans(self) -> list[dict]:
+        """Every span received so far: name, trace id (hex), start and end (ns)."""
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        return sum(len(ss.spans) for b in self.bodies for rs in ExportTraceServiceRequest.FromString(b).resource_spans
-                   for ss in rs.scope_spans)
+        return [{"name": s.name, "trace": s.trace_id.hex(), "start": s.start_time_unix_nano, "end": s.end_time_unix_nano}
+                for b in list(self.bodies) for rs in ExportTraceServiceRequest.FromString(b).resource_spans
+                for ss in rs.scope_spans for s in ss.spans]
+
+    def span_count(self) -> int:
+        return len(self.spans())
 
 
 def off_hooks_ns() -> float:
