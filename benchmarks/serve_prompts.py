@@ -1,4 +1,5 @@
-"""Built-in prompts for serve_bench.py: 32 short chat prompts and deterministic ~1,000-token ones."""
+"""Built-in prompts for serve_bench.py: 32 short chat prompts, deterministic ~1,000-token ones, and a GPU mix
+of 128-1,024-token ones."""
 
 from __future__ import annotations
 
@@ -79,4 +80,7 @@ def messages_for(variant: str, n: int, salt: int = 0) -> list[list[dict]]:
         return [[{"role": "user", "content": SHORT_PROMPTS[i % len(SHORT_PROMPTS)]}] for i in range(n)]
     if variant == "long":
         return [[{"role": "user", "content": long_prompt(salt * 100_003 + i)}] for i in range(n)]
+    if variant == "mixed":  # 3-26 sentences: ~170 to ~1,000 tokens with the chat template, uniformly
+        rng = random.Random(salt)
+        return [[{"role": "user", "content": long_prompt(salt * 100_003 + i, rng.randint(3, 26))}] for i in range(n)]
     raise ValueError(f"unknown variant {variant!r}")

@@ -227,6 +227,9 @@ class Worker:
         self.steps += 1
         try:
             if self.steps - 1 == self.config.debug.fail_step_with_oom_after:
+                if self.device.type == "cuda":  # a real allocation failure: twice the card, refused by the driver
+                    total = torch.cuda.get_device_properties(self.device).total_memory
+                    torch.empty(2 * total, dtype=torch.uint8, device=self.device)
                 raise torch.OutOfMemoryError("injected by debug.fail_step_with_oom_after")
             return self.runner.execute(step)
         except torch.OutOfMemoryError as exc:

@@ -229,6 +229,12 @@ class LoRAManager:
 
         self.batch.token_groups = group_tokens(token_slots, self.config.max_loras + 1)
 
+    def clear_batch(self) -> None:
+        """Every row on the base model: each layer's delta is skipped (no kernel launched)."""
+        batch = self.batch
+        batch.groups, batch.plan, batch.token_groups = [], None, None
+        batch.max_rank, batch.slots = 0, frozenset()
+
     def set_batch(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Per sequence: its adapter id (0 = base) and its token count this step, in batch order."""
         unknown = {i for i in lora_ids if i and i not in self.id_to_slot}

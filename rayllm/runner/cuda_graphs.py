@@ -69,16 +69,20 @@ class DecodeGraphs:
         self.ids, self.positions, self.slots = self.long_dev.view(3, b)
         self.ctx_lens, self.q_starts = self.int_dev[: 2 * b].view(2, b)
         self.tables = self.int_dev[2 * b:].view(b, w)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # (batch size, adapters in the step) -> that size's graphs (one per piece) and their output.
+        self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.forward: Forward | None = None
         self.pieces = pieces
         self.forward_pieces: Pieces | None = None
-        # A rayllm.lora.layers.LoRAManager when adapters are enabled: each row's slot is a graph input.
+        # A rayllm.lora.layers.LoRAManager when adapters are enabled: each row's slot is a graph input of a
+        # second set of graphs; steps of base-model rows only replay graphs without the LoRA kernels (a graph
+        # cannot branch, and the kernels' launches would cost every base-model step).
         self.lora = None
         self.lora_host = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
         self.lora_dev = torch.zeros(b, dtype=torch.int32, device=device)
         self.lora_np = self.lora_host.numpy()
+        self.replays = {False: 0, True: 0}  # steps run per variant (tests read which one ran)
 
     def size_for(self, seqs) -> int | None:
         """The captured size for a step of decode rows only (one token each) that fits; else None."""
@@ -87,6 +91,13 @@ class DecodeGraphs:
         if any(-(-(s.start_pos + 1) // self.block_size) > self.width for s in seqs):
             return None
         return padded_size(len(seqs), self.sizes)
+
+    def variants(self) -> tuple[bool, ...]:
+        """Whether a step has adapter rows, for each set of graphs captured."""
+        return (False, True) if self.lora is not None else (False,)
+
+    def with_adapters(self, seqs) -> bool:
+        return self.lora is not None and any(s.lora_slot for s in seqs)
 
     def stage(self, seqs, size: int) -> None:
         """Write the step (padded to `size` rows) into the host staging buffers, then copy them once.
@@ -133,21 +144,26 @@ class DecodeGraphs:
         return self.builder.decode_graph(self.slots[:size], self.tables[:size], self.ctx_lens[:size],
                                          self.q_starts[:size], self.scratch_block + 1)
 
-    def _run(self, size: int) -> torch.Tensor:
+    def _bind(self, size: int, adapters: bool) -> None:
+        if self.lora is not None:  # inside the (first piece's) capture: the grouping by slot is replayed too
+            if adapters:
+                self.lora.bind(self.lora_dev[:size])
+            else:
+                self.lora.clear_batch()
+
+    def _run(self, size: int, adapters: bool = False) -> torch.Tensor:
         if self.forward_pieces is not None:
-            *_, out = self._pieces(size)
+            *_, out = self._pieces(size, adapters)
             assert out is not None
             return out
         assert self.forward is not None
-        if self.lora is not None:
-            self.lora.bind(self.lora_dev[:size])
+        self._bind(size, adapters)
         return self.forward(self.ids[:size], self.positions[:size], self.metadata(size))
 
-    def _pieces(self, size: int) -> Iterator[torch.Tensor | None]:
+    def _pieces(self, size: int, adapters: bool = False) -> Iterator[torch.Tensor | None]:
         """The metadata is built inside the first piece, so each replay rebuilds it from the buffers."""
         assert self.forward_pieces is not None
-        if self.lora is not None:  # runs inside the first piece's capture
-            self.lora.bind(self.lora_dev[:size])
+        self._bind(size, adapters)
         yield from self.forward_pieces(self.ids[:size], self.positions[:size], self.metadata(size), self.pieces)
 
     def capture(self, forward: Forward, capturable: Callable[[], bool] = lambda: True,
@@ -163,28 +179,32 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):
-            self.stage([], size)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            if not capturable():
-                self.forward, self.graphs, self.outputs = None, {}, {}
-                return False
-            # One graph, or one per piece: a piece's outputs stay referenced (by the generator) while the
-            # next is captured, so they live in the pool across the graphs' boundaries.
-            steps = self._pieces(size) if self.forward_pieces is not None else None
-            self.graphs[size], out = [], None
-            while out is None:  # until the piece that returns the hidden states
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = next(steps) if steps is not None else self._run(size)
-                self.graphs[size].append(graph)
-            self.outputs[size] = out
+            for adapters in self.variants():
+                self.stage([], size)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._run(size, adapters)
+                torch.cuda.current_stream().wait_stream(stream)
+                if not capturable():
+                    self.forward, self.graphs, self.outputs = None, {}, {}
+                    return False
+                # One graph, or one per piece: a piece's outputs stay referenced (by the generator) while the
+                # next is captured, so they live in the pool across the graphs' boundaries.
+                steps = self._pieces(size, adapters) if self.forward_pieces is not None else None
+                key, out = (size, adapters), None
+                self.graphs[key] = []
+                while out is None:  # until the piece that returns the hidden states
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = next(steps) if steps is not None else self._run(size, adapters)
+                    self.graphs[key].append(graph)
+                self.outputs[key] = out
+        if self.lora is not None:
+            self.lora.clear_batch()
         torch.cuda.synchronize(self.device)
-        log.info("captured decode CUDA graphs for batch sizes %s (%d per size)", self.sizes,
-                 len(self.graphs[self.sizes[0]]))
+        log.info("captured decode CUDA graphs for batch sizes %s (%d per size%s)", self.sizes,
+                 len(self.graphs[self.sizes[0], False]), ", with and without adapter rows" if self.lora else "")
         return True
 
     def run(self, seqs) -> torch.Tensor | None:
@@ -194,8 +214,10 @@ class DecodeGraphs:
         if size is None or self.forward is None:
             return None
         self.stage(seqs, size)
-        if size in self.graphs:
-            for graph in self.graphs[size]:
+        key = (size, self.with_adapters(seqs))
+        self.replays[key[1]] += 1
+        if key in self.graphs:
+            for graph in self.graphs[key]:
                 graph.replay()
-            return self.outputs[size][: len(seqs)]
-        return self._run(size)[: len(seqs)]  # capture=False: the same static-buffer path, eagerly
+            return self.outputs[key][: len(seqs)]
+        return self._run(*key)[: len(seqs)]  # capture=False: the same static-buffer path, eagerly

@@ -245,8 +245,9 @@ class LoRAConfig:
 class DebugConfig:
     """Fault injection for tests; everything off by default, never for production."""
 
-    # The worker raises torch.OutOfMemoryError in its step after this many steps (once): what a CUDA
-    # out-of-memory inside a step does to the step's requests, shown on any device. None = off.
+    # The worker fails its step after this many steps (once) with torch.OutOfMemoryError: on CUDA from a real
+    # allocation of twice the card, elsewhere raised. What an out-of-memory inside a step does to the step's
+    # requests, shown on any device. None = off.
     fail_step_with_oom_after: int | None = None
 
     def __post_init__(self) -> None:

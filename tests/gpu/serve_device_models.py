@@ -2,14 +2,19 @@
 
     python tests/gpu/serve_device_models.py tokenizer DEST        # here: the default model's tokenizer as HF files
     python tests/gpu/serve_device_models.py build DEST TOKENIZER  # there: models, adapter, DEST/serve.yaml
+    python tests/gpu/serve_device_models.py build DEST TOKENIZER --cpu  # a rehearsal of the device run here
 
 Every model has RANDOM weights (transformers' own initialisation, seeded): they check that the server computes
 what transformers computes and how fast it serves an 8B shape, not what the answers say. `build` writes:
   DEST/tiny        a tiny Llama (fp32, GQA), for reference checks against transformers and PEFT on CUDA
   DEST/adapters/gpu-lora   a PEFT LoRA adapter of the tiny model (random A and B, so it changes the logits)
   DEST/big         Llama-3.1-8B's shape in bf16, with the carried tokenizer's vocabulary (49,152 tokens)
-  DEST/serve.yaml  deploy/cluster-gpu.yaml with both models on the one GPU (half a GPU each in Ray's
-                   accounting; the tiny one has a fixed small KV cache, the 8B one 0.8 of the GPU)
+  DEST/serve.yaml  deploy/cluster-gpu.yaml with three models on the one GPU: the 8B one (0.8 of the GPU's
+                   memory, half the GPU in Ray's accounting), the tiny one and `tiny-faults` (the tiny model
+                   again, with a 512-token KV cache and a forced CUDA out-of-memory in its first step:
+                   `debug.fail_step_with_oom_after: 0`), each with a fixed small cache and a quarter GPU.
+--cpu (a rehearsal on a machine without a GPU: the script, the config and the tests' plumbing): the "8B" model
+is tiny too, and every engine runs on the CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY, BIG, ADAPTER = "tiny-llama", "llama-8b-shape", "gpu-lora"
+TINY, BIG, ADAPTER, FAULTS = "tiny-llama", "llama-8b-shape", "gpu-lora", "tiny-faults"
+FAULTS_BLOCKS = 8  # x block size 64: a 512-token cache under a 2,048-token context
 # Llama-3.1-8B's config.json (benchmarks/engine_bench_shape.py's SHAPES) but its vocabulary: the tokenizer's.
 BIG_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -77,9 +83,9 @@ def save_adapter(model, dest: Path) -> None:
     get_peft_model(model, config).save_pretrained(dest)
 
 
-def serve_config(models: Path) -> dict:
+def serve_config(models: Path, cpu: bool = False) -> dict:
     """deploy/cluster-gpu.yaml, served as it ships but for the models: the 8B shape first (the default model),
-    then the tiny one with LoRA adapters allowed from DEST/adapters; both replicas on the one GPU."""
+    then the tiny one with LoRA adapters allowed from DEST/adapters, then the faults one; all on the one GPU."""
     import yaml
 
     doc = yaml.safe_load((ROOT / "deploy" / "cluster-gpu.yaml").read_text())
@@ -95,17 +101,30 @@ def serve_config(models: Path) -> dict:
     tiny["cache"] = {"block_size": 64, "num_blocks_override": 512}  # a fixed cache: no sizing race with the 8B one
     tiny["scheduler"] |= {"max_num_seqs": 16, "max_num_batched_tokens": 1024}
     tiny["lora"]["allowed_roots"] = [str(models / "adapters")]
-    args["models"] = [{"engine": big}, {"engine": tiny}]
+    faults = json.loads(json.dumps(tiny))
+    faults["model"]["served_model_name"] = FAULTS
+    faults["cache"]["num_blocks_override"] = FAULTS_BLOCKS
+    faults["lora"] = {"max_loras": 0}
+    faults["debug"] = {"fail_step_with_oom_after": 0}
+    engines = [big, tiny, faults]
+    if cpu:
+        for engine in engines:
+            engine["parallel"] |= {"device": "cpu", "cuda_graphs": False}
+            engine["model"]["dtype"] = "float32"
+        big["cache"] = {"block_size": 64, "num_blocks_override": 256}
+    args["models"] = [{"engine": e} for e in engines]
+    gpus = (lambda share: {}) if cpu else (lambda share: {"num_gpus": share})
     for deployment in app["deployments"]:
         if deployment["name"] == "llm":
-            deployment["ray_actor_options"] = {"num_cpus": 2, "num_gpus": 0.5}
+            deployment["ray_actor_options"] = {"num_cpus": 1 if cpu else 2} | gpus(0.5)
             deployment["autoscaling_config"] |= {"min_replicas": 1, "max_replicas": 1}
-    app["deployments"].append({"name": f"llm-{TINY}", "num_replicas": 1,
-                               "ray_actor_options": {"num_cpus": 1, "num_gpus": 0.5}})
+    for name in (TINY, FAULTS):
+        app["deployments"].append({"name": f"llm-{name}", "num_replicas": 1,
+                                   "ray_actor_options": {"num_cpus": 0 if cpu else 1} | gpus(0.25)})
     return doc
 
 
-def build(dest: str, tokenizer: str) -> None:
+def build(dest: str, tokenizer: str, cpu: bool = False) -> None:
     import time
 
     import torch
@@ -119,11 +138,14 @@ def build(dest: str, tokenizer: str) -> None:
     save_adapter(tiny, out / "adapters" / ADAPTER)
     print(f"tiny model and adapter: {time.time() - t0:.1f} s", flush=True)
     t0 = time.time()
-    big = save_llama(out / "big", BIG_SHAPE, tok, torch.bfloat16, "cuda")
-    del big
-    torch.cuda.empty_cache()
+    if cpu:
+        save_llama(out / "big", TINY_SHAPE | {"max_position_embeddings": 16384}, tok, torch.float32, "cpu")
+    else:
+        big = save_llama(out / "big", BIG_SHAPE, tok, torch.bfloat16, "cuda")
+        del big
+        torch.cuda.empty_cache()
     print(f"8B-shaped model: {time.time() - t0:.1f} s", flush=True)
-    (out / "serve.yaml").write_text(yaml.safe_dump(serve_config(out), sort_keys=False))
+    (out / "serve.yaml").write_text(yaml.safe_dump(serve_config(out, cpu), sort_keys=False))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build")
     b.add_argument("dest")
     b.add_argument("tokenizer")
+    b.add_argument("--cpu", action="store_true", help="a rehearsal without a GPU: tiny models, CPU engines")
     c = sub.add_parser("config", help="only DEST/serve.yaml (a dry run of the config, for tests)")
     c.add_argument("dest")
     args = ap.parse_args(argv)
     if args.what == "tokenizer":
         export_tokenizer(args.dest)
     elif args.what == "build":
-        build(args.dest, args.tokenizer)
+        build(args.dest, args.tokenizer, args.cpu)
     else:
         import yaml
 

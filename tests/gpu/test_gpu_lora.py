@@ -91,6 +91,16 @@ def test_mixed_batch_greedy_matches_peft(tmp_path, graphs):
         while engine.has_work():
             for o in engine.step():
                 got[o.request_id].extend(o.new_token_ids)
+        # Base-model requests alone (adapters still loaded): their decode steps replay the graphs without
+        # the LoRA kernels, and still answer as the base model.
+        base_jobs = [i for i, (_, lora) in enumerate(jobs) if not lora]
+        runner_graphs = engine.executor.worker.runner.graphs
+        before = dict(runner_graphs.replays) if graphs else {}
+        base_out = engine.generate([jobs[i][0] for i in base_jobs], params)
     finally:
         engine.shutdown()
     assert [got[f"r{i}"] for i in range(len(jobs))] == want
+    assert base_out == [want[i] for i in base_jobs]
+    if graphs:
+        assert set(runner_graphs.graphs) == {(s, a) for s in runner_graphs.sizes for a in (False, True)}
+        assert runner_graphs.replays[False] > before[False] and runner_graphs.replays[True] == before[True]

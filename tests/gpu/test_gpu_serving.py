@@ -1,11 +1,12 @@
 """The served system on a GPU, through the OpenAI SDK, against the `serve run` that tests/gpu/serve_device.sh
-starts (deploy/cluster-gpu.yaml with two random-weight models: tests/gpu/serve_device_models.py). Skipped
+starts (deploy/cluster-gpu.yaml with three random-weight models: tests/gpu/serve_device_models.py). Skipped
 without CUDA (tests/gpu/conftest.py) and without that server (RAYLLM_GPU_SERVE_URL).
 
 References, on the same GPU: transformers' fp32 model from the same files (logprobs, embeddings), PEFT on it
 (the adapter), jsonschema and the SDK's own parsing, and the server's own answers (streaming against not,
 a seed against itself). Placement: the engine processes hold GPU memory, on the GPU Ray assigned their
-replica; the ingress and tokenizer replicas hold none.
+replica; the ingress and tokenizer replicas hold none. GPU faults: a KV need beyond the cache is a 400, and a
+real CUDA out-of-memory in a step (forced on `tiny-faults`) fails that request while the replica serves on.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import torch
 
 URL = os.environ.get("RAYLLM_GPU_SERVE_URL")
 MODELS = Path(os.environ.get("RAYLLM_GPU_MODELS", "/tmp/models"))
-TINY, BIG, ADAPTER = "tiny-llama", "llama-8b-shape", "gpu-lora"
+TINY, BIG, ADAPTER, FAULTS = "tiny-llama", "llama-8b-shape", "gpu-lora", "tiny-faults"
+FAULTS_CACHE_TOKENS = 8 * 64  # serve_device_models.FAULTS_BLOCKS x block size
 # fp32 on both sides; our attention and LoRA kernels reduce in another order than torch's (and Triton's dots
 # may use TF32): a few 1e-3 nats. A wrong token, position or adapter is off by whole nats.
 TOL, LORA_TOL = 0.02, 0.05
 QUESTION = [{"role": "user", "content": "Name three colours."}]
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # cpu: serve_device.sh's rehearsal (RAYLLM_GPU_REHEARSAL=1)
 
 pytestmark = pytest.mark.skipif(not URL, reason="needs the server tests/gpu/serve_device.sh starts "
                                                 "(RAYLLM_GPU_SERVE_URL)")
@@ -50,7 +54,7 @@ def hf_tiny():
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 on the reference side
-    return AutoModelForCausalLM.from_pretrained(MODELS / "tiny", dtype=torch.float32).cuda().eval()
+    return AutoModelForCausalLM.from_pretrained(MODELS / "tiny", dtype=torch.float32).to(DEVICE).eval()
 
 
 def gpt2_bytes_to_unicode() -> dict[int, str]:
@@ -93,7 +97,7 @@ def chat_ids(tok, messages=QUESTION) -> list[int]:
 def reference_logprobs(model, ids: list[int], n_prompt: int) -> torch.Tensor:
     """The reference's log-softmax at each generated position ([len(ids) - n_prompt, V])."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device="cuda")).logits[0].float()
+        logits = model(torch.tensor([ids], device=DEVICE)).logits[0].float()
     return logits.log_softmax(-1)[n_prompt - 1 : len(ids) - 1].cpu()
 
 
@@ -183,7 +187,7 @@ def test_embeddings_are_the_reference_final_hidden_state(client, tok, hf_tiny):
     ids = tok("A sentence to embed.").input_ids
     got = torch.tensor(client.embeddings.create(model=TINY, input=[ids]).data[0].embedding)
     with torch.no_grad():  # LlamaModel's output: after the final norm, as our pooling reads it
-        hidden = hf_tiny.model(torch.tensor([ids], device="cuda")).last_hidden_state[0, -1]
+        hidden = hf_tiny.model(torch.tensor([ids], device=DEVICE)).last_hidden_state[0, -1]
     ref = torch.nn.functional.normalize(hidden.float().cpu(), dim=0)
     assert got.shape == ref.shape and torch.dot(got, ref).item() > 0.9999
 
@@ -210,6 +214,24 @@ def test_the_8b_shape_serves_long_prompts_and_batches(client):
     assert all(x.usage.completion_tokens == 16 and x.choices[0].finish_reason == "length" for x in together)
 
 
+def test_kv_beyond_the_cache_is_a_400_and_a_cuda_oom_in_a_step_fails_only_its_request(client):
+    import openai
+
+    ask = dict(model=FAULTS, messages=QUESTION, temperature=0)
+    with pytest.raises(openai.BadRequestError) as caught:  # refused before any step
+        client.chat.completions.create(max_tokens=FAULTS_CACHE_TOKENS, **ask)
+    assert caught.value.param == "max_tokens" and "tokens of KV cache" in caught.value.body["message"]
+    with pytest.raises(openai.InternalServerError) as caught:  # its first step allocates twice the card
+        client.chat.completions.create(max_tokens=8, **ask)
+    err = caught.value
+    assert err.status_code == 503 and err.code == "out_of_memory", err.body
+    if CUDA:
+        assert "CUDA out of memory" in err.body["message"], err.body  # torch's message for a refused allocation
+    r = client.chat.completions.create(max_tokens=8, **ask)  # the same replica serves on
+    assert r.usage.completion_tokens == 8 or r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens_details is None or r.usage.prompt_tokens_details.cached_tokens == 0
+
+
 def serve_processes() -> dict[str, list[int]]:
     """Pids of this machine's Serve replicas by deployment (Ray titles them ray::ServeReplica:<app>:<name>)."""
     import re
@@ -232,16 +254,17 @@ def gpu_memory_by_pid() -> dict[int, tuple[str, int]]:
     return {int(pid): (uuid, int(mib)) for pid, uuid, mib in rows}
 
 
+@pytest.mark.skipif(not CUDA, reason="placement on a GPU (the rehearsal runs without one)")
 def test_engine_processes_hold_the_assigned_gpu_and_serving_processes_none():
     import psutil
 
     procs = serve_processes()
-    assert {"ingress", "tokenizer", "llm", f"llm-{TINY}"} <= set(procs), procs
+    assert {"ingress", "tokenizer", "llm", f"llm-{TINY}", f"llm-{FAULTS}"} <= set(procs), procs
     held = gpu_memory_by_pid()
     uuids = dict(line.split(", ") for line in subprocess.run(
         ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True,
         check=True).stdout.strip().splitlines())
-    for name in ("llm", f"llm-{TINY}"):
+    for name in ("llm", f"llm-{TINY}", f"llm-{FAULTS}"):
         for pid in procs[name]:
             env = psutil.Process(pid).environ()
             assigned = env["CUDA_VISIBLE_DEVICES"].split(",")

@@ -98,3 +98,41 @@ def test_bf16_kernels_within_rounding_of_fp32(cpu_setup, dtype):
     got = lora_apply(x.to(dtype), lin.a.to(dtype), lin.b.to(dtype), torch.zeros(7, 64, dtype=dtype),
                      group_tokens(slots, 4), lin.widths)
     torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(), rtol=0.02)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU path of DecodeGraphs (capture=False); the GPU lane captures: test_gpu_lora.py")
+def test_decode_graphs_replay_the_base_variant_unless_a_row_has_an_adapter(tmp_path):
+    """DecodeGraphs with adapters enabled has two variants per batch size: a step of base-model rows only
+    runs the one without LoRA kernels, a step with any adapter row the one whose slots are an input (here
+    both eagerly, capture=False; the kernels in Triton's interpreter). Each equals the runner's eager path."""
+    from rayllm.attention.sdpa import SDPAAttention
+    from rayllm.runner.cuda_graphs import DecodeGraphs
+    from rayllm.runner.model_runner import ModelRunner
+    from rayllm.schema.step import SeqStep, StepInput
+
+    torch.manual_seed(4)
+    model = LlamaForCausalLM(ARCH, TPGroup(), SDPAAttention())
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    manager = LoRAManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), torch.float32, torch.device("cpu"))
+    manager.load(1, 7, random_peft_adapter(str(tmp_path / "a"), ARCH, rank=8, seed=7, targets=ALL))
+    bs, blocks, width = 4, 12, 4
+    caches = [(torch.randn(2, blocks + 1, bs, 16), torch.randn(2, blocks + 1, bs, 16))]
+    eager = ModelRunner(model, [tuple(c.clone() for c in caches[0])], bs, 50, torch.device("cpu"), True, lora=manager)
+    graph = ModelRunner(model, caches, bs, 50, torch.device("cpu"), True, lora=manager)
+    graphs = DecodeGraphs(4, width, bs, blocks, graph.attn_builder, torch.device("cpu"), capture=False, pieces=1)
+    graphs.lora = manager
+    graphs.capture(graph.model_forward)
+    graph.graphs = graphs
+    tables = [[3, 5], [1], [7, 2, 9]]
+    for lora_ids, variant in (([0, 0, 0], False), ([0, 7, 0], True), ([7, 7, 7], True), ([0, 0, 0], False)):
+        step = StepInput([SeqStep(f"s{i}", [5 * i + 2], pos, tables[i], sample=True, lora_slot=lora_ids[i])
+                          for i, pos in enumerate((6, 2, 9))])
+        before = dict(graphs.replays)
+        got = graph.forward(step)
+        assert graphs.replays[variant] == before[variant] + 1 and graphs.replays[not variant] == before[not variant]
+        torch.testing.assert_close(got, eager.forward(step), atol=1e-4, rtol=1e-4)
+    without = ModelRunner(model, [tuple(c.clone() for c in caches[0])], bs, 50, torch.device("cpu"), True)
+    base_step = StepInput([SeqStep("b", [3], 6, tables[0], sample=True)])
+    manager.clear_batch()
+    torch.testing.assert_close(graph.forward(base_step), without.forward(base_step), atol=1e-5, rtol=1e-5)

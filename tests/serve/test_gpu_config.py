@@ -148,19 +148,20 @@ def test_engine_alone_resolves_auto_on_a_gpu_machine(monkeypatch):
 
 
 def test_the_device_scripts_serve_config_loads_and_fits_one_gpu():
-    """tests/gpu/serve_device.sh serves deploy/cluster-gpu.yaml with its two random models on one GPU: the
-    config it writes there is valid, and its two model replicas together reserve that one GPU."""
+    """tests/gpu/serve_device.sh serves deploy/cluster-gpu.yaml with its three random models on one GPU: the
+    config it writes there is valid, and its three model replicas together reserve that one GPU."""
     from ray.serve.schema import ServeDeploySchema
 
     from rayllm.serve.builder import deployment_name
-    from tests.gpu.serve_device_models import BIG, TINY, serve_config
+    from tests.gpu.serve_device_models import BIG, FAULTS, TINY, serve_config
 
     doc = serve_config(Path("/tmp/models"))
     ServeDeploySchema.model_validate(doc)
     (app,) = doc["applications"]
     config = ServerConfig.from_args(app["args"])
-    assert [m.name for m in config.models] == [BIG, TINY]
-    big, tiny = (m.engine for m in config.models)
+    assert [m.name for m in config.models] == [BIG, TINY, FAULTS]
+    big, tiny, faults = (m.engine for m in config.models)
+    assert faults.debug.fail_step_with_oom_after == 0 and big.debug.fail_step_with_oom_after is None
     assert big.scheduler.max_num_seqs == 256 and big.cache.block_size == 64 and big.lora.max_loras == 4
     assert tiny.model.dtype == "float32" and tiny.lora.allowed_roots == ("/tmp/models/adapters",)
     overrides = {d["name"]: d for d in app["deployments"]}
