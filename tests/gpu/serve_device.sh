@@ -20,7 +20,7 @@
 #      config as served), KEEP_LOGS=1 (Ray's logs even when everything passed). The workload on both sides is
 #      serve_bench's `mixed` variant: chat prompts of ~170-1,000 tokens, 128 new tokens.
 # Files in $OUT (8 at most): summary.txt (phases, times, exit codes, GPU, the served/engine table, the drain
-#   line), setup.log (install + models), engine.log (serve_engine.py: one JSON line per batch size),
+#   line, each model replica's cold start by phase), setup.log (install + models), engine.log (serve_engine.py: one JSON line per batch size),
 #   serve_run.log, serve_bench.log (JSON lines per point + its Markdown table), engine_stats.log (the served
 #   engine's step counters during the bench), gpu_serving.log (pytest -v), ray_logs.tgz (on a failure or
 #   KEEP_LOGS=1).
@@ -116,6 +116,17 @@ while time.time() - t < wait:
 sys.exit(f"not ready after {wait:.0f} s")
 EOF
   ready=$?; say "serve ready rc=$ready"
+  if [ $ready = 0 ]; then  # issue 37: each model replica's start-up by phase (the 8B one from a warm local cache)
+    timeout 60 python3 - <<'EOF' 2>/dev/null | cut -c1-700 | tee -a "$S"
+import asyncio, json, ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+async def main():
+    for name in ("llm", "llm-tiny-llama"):
+        print(json.dumps({"deployment": name} | await serve.get_deployment_handle(name, app_name="llm").cold_start.remote()))
+asyncio.run(main())
+EOF
+  fi
   if [ $ready = 0 ] && want bench; then
     phase bench
     timeout 200 python3 benchmarks/engine_stats_watch.py --interval 0.5 --duration 190 > "$O/engine_stats.log" 2>&1 &
