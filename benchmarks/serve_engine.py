@@ -113,6 +113,7 @@ def measure(config_path: str, batch: int | list[int], new_tokens: int, rounds: i
                               "threads": config.parallel.cpu.threads_per_rank,
                               "half_step_tokens": config.parallel.cpu.half_step_tokens,
                               "device": config.parallel.device, "dtype": config.model.dtype,
+                              "max_loras": config.lora.max_loras,
                               "engine_tok_s": round(runs[len(runs) // 2], 1),  # the median round
                               "engine_runs": [round(x, 1) for x in runs],
                               "first_step_ms": round(first_ms, 3), "step_ms_p50": round(step_ms, 3)})

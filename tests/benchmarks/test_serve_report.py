@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from serve_report import markdown, median_rounds, served_vs_engine  # noqa: E402
+from serve_report import markdown, median_rounds, served_engine_table, served_vs_engine  # noqa: E402
 
 ENGINE = [
     {"bench": "serve_engine", "setting": "served", "batch": 16, "new_tokens": 64, "threads": 1,
@@ -61,3 +61,24 @@ def test_median_round_per_server_and_point():
     assert "round" not in ours and "vs" not in ours and "ratio_tokens_per_s" not in ours
     assert peer["output_tokens_per_s"] == 250.0
     assert [p[0]["long_prompt_mid_stream"] for p in (mid_plain, mid_long)] == [False, True]
+
+
+def test_the_gpu_runs_served_against_engine_table():
+    """tests/gpu/serve_device.sh's table: the lora_off engine is the reference, the served engine's step comes
+    from the watcher's lines at a running count near the stream count."""
+    engine = [{"bench": "serve_engine", "setting": "served", "batch": 16, "engine_tok_s": 1000.0, "step_ms_p50": 9.0},
+              {"bench": "serve_engine", "setting": "lora_off", "batch": 16, "engine_tok_s": 2000.0,
+               "first_step_ms": 40.0, "step_ms_p50": 6.0},
+              {"bench": "serve_engine", "setting": "lora_off", "batch": 1, "engine_tok_s": 200.0,
+               "first_step_ms": 12.5, "step_ms_p50": 4.8}]
+    bench = [row("ours", 1, 180.0, bench="serve", tpot_p50_ms=5.28, ttft_p50_s=0.031),
+             row("ours", 16, 1500.0, bench="serve", tpot_p50_ms=7.2, ttft_p50_s=0.2)]
+    stats = [{"running": 16, "step_ms_mean": 6.6, "busy": 0.9}, {"running": 12, "step_ms_mean": 7.0, "busy": 1.0},
+             {"running": 3, "step_ms_mean": 5.0, "busy": 0.5}, {"running": 1, "step_ms_mean": 4.9, "busy": 0.8}]
+    lines = served_engine_table(engine, bench, stats).splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| streams |")
+    one, sixteen = (line.split(" | ") for line in lines[2:])
+    assert one[1:5] == ["180.0", "200.0", "0.900", "5.28"] and one[5:7] == ["4.80", "1.10"]
+    assert one[7:9] == ["4.90", "0.80"] and one[9] == "31.0 (prefill 12.5 + 20) |"
+    assert sixteen[1:4] == ["1500.0", "2000.0", "0.750"] and sixteen[6] == "1.20"
+    assert sixteen[7:9] == ["6.80", "0.95"]  # medians of the lines with 8 < running <= 16

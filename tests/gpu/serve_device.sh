@@ -136,7 +136,9 @@ EOF
       --results-dir /tmp/bench_results > "$O/serve_bench.log" 2>&1
     say "bench rc=$?"; kill $WPID 2>/dev/null
     grep '"bench": "serve"' "$O/serve_bench.log" | cut -c1-420 | tee -a "$S"
-    python3 tests/gpu/serve_device_report.py "$O/engine.log" "$O/serve_bench.log" "$O/engine_stats.log" | tee -a "$S"
+    python3 -c "import json, os, sys; sys.path.insert(0, 'benchmarks'); from serve_report import served_engine_table
+read = lambda p: [json.loads(x) for x in open(p) if x.startswith('{')] if os.path.exists(p) else []
+print(served_engine_table(*(read(p) for p in sys.argv[1:])))" "$O/engine.log" "$O/serve_bench.log" "$O/engine_stats.log" | tee -a "$S"
   fi
   if [ $ready = 0 ] && want tests; then
     phase tests
