@@ -178,34 +178,47 @@ class DecodeGraphs:
             return True
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):
-            for adapters in self.variants():
-                self.stage([], size)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._run(size, adapters)
-                torch.cuda.current_stream().wait_stream(stream)
-                if not capturable():
-                    self.forward, self.graphs, self.outputs = None, {}, {}
-                    return False
-                # One graph, or one per piece: a piece's outputs stay referenced (by the generator) while the
-                # next is captured, so they live in the pool across the graphs' boundaries.
-                steps = self._pieces(size, adapters) if self.forward_pieces is not None else None
-                key, out = (size, adapters), None
-                self.graphs[key] = []
-                while out is None:  # until the piece that returns the hidden states
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = next(steps) if steps is not None else self._run(size, adapters)
-                    self.graphs[key].append(graph)
-                self.outputs[key] = out
+        for adapters in self.variants():  # the base set first: it must not depend on the adapters' capture
+            try:
+                for size in reversed(self.sizes):
+                    self.stage([], size)
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):
+                            self._run(size, adapters)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    if not capturable():
+                        self.forward, self.graphs, self.outputs = None, {}, {}
+                        return False
+                    self._capture_size(size, adapters, pool)
+            except Exception as exc:
+                if not adapters:
+                    raise
+                # Base-model steps keep their graphs; steps with adapter rows run eagerly.
+                torch.cuda.synchronize(self.device)
+                for key in [k for k in self.graphs if k[1]]:
+                    del self.graphs[key], self.outputs[key]
+                log.warning("CUDA graphs with adapter rows failed to capture, those steps run eagerly: %s", exc)
         if self.lora is not None:
             self.lora.clear_batch()
         torch.cuda.synchronize(self.device)
+        with_adapters = any(k[1] for k in self.graphs)
         log.info("captured decode CUDA graphs for batch sizes %s (%d per size%s)", self.sizes,
-                 len(self.graphs[self.sizes[0], False]), ", with and without adapter rows" if self.lora else "")
+                 len(self.graphs[self.sizes[0], False]), ", with and without adapter rows" if with_adapters else "")
         return True
+
+    def _capture_size(self, size: int, adapters: bool, pool) -> None:
+        """One graph, or one per piece: a piece's outputs stay referenced (by the generator) while the next is
+        captured, so they live in the pool across the graphs' boundaries."""
+        steps = self._pieces(size, adapters) if self.forward_pieces is not None else None
+        key, out = (size, adapters), None
+        self.graphs[key] = []
+        while out is None:  # until the piece that returns the hidden states
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = next(steps) if steps is not None else self._run(size, adapters)
+            self.graphs[key].append(graph)
+        self.outputs[key] = out
 
     def run(self, seqs) -> torch.Tensor | None:
         """Hidden states of a decode step's rows (a view valid until the next run), or None when the
@@ -213,8 +226,10 @@ class DecodeGraphs:
         size = self.size_for(seqs)
         if size is None or self.forward is None:
             return None
-        self.stage(seqs, size)
         key = (size, self.with_adapters(seqs))
+        if self.capture_enabled and key not in self.graphs:
+            return None  # adapter rows whose graphs could not be captured: the runner's eager path
+        self.stage(seqs, size)
         self.replays[key[1]] += 1
         if key in self.graphs:
             for graph in self.graphs[key]:
