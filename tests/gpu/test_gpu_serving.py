@@ -254,7 +254,7 @@ def gpu_memory_by_pid() -> dict[int, tuple[str, int]]:
     return {int(pid): (uuid, int(mib)) for pid, uuid, mib in rows}
 
 
-@pytest.mark.skipif(not CUDA, reason="placement on a GPU (the rehearsal runs without one)")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (placement; serve_device.sh's CPU rehearsal skips it)")
 def test_engine_processes_hold_the_assigned_gpu_and_serving_processes_none():
     import psutil
 
