@@ -119,6 +119,7 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--model", default=None, help="the model to ask for (default: the first in /v1/models)")
     ap.add_argument("--label", default="", help="free text carried into the JSON line (e.g. a commit)")
     ap.add_argument("--py-spy", action="store_true", help="also sample each group's busiest process")
     ap.add_argument("--py-spy-seconds", type=float, default=15.0)
@@ -128,7 +129,7 @@ async def main() -> None:
     if not any(g == "engine" or g.startswith("replica:") for g in procs.values()):
         sys.exit("no server processes found (is `serve run cluster.yaml` running on this machine?)")
     async with httpx.AsyncClient(timeout=600) as client:
-        model = await served_model(client, args.url)
+        model = args.model or await served_model(client, args.url)
         prompts = messages_for("short", args.requests)
         warm = messages_for("short", args.concurrency)
         with tqdm(total=len(warm), desc="warm-up", file=sys.stderr) as bar:

@@ -2,28 +2,30 @@
 # The served system on one GPU, in one call of this workplace's device tool (a GPU machine with PyTorch,
 # transformers and PEFT but no network and no Ray; at most 64 MiB travels): install the Ray bundle, build the
 # models, measure the engine alone, `serve run` deploy/cluster-gpu.yaml, benchmarks/serve_bench.py against the
-# server (the served engine's counters polled beside it), tests/gpu/test_gpu_serving.py through the OpenAI SDK,
-# then a graceful drain with streams open (tests/gpu/serve_drain.py). About 8 minutes of device time.
+# server (the served engine's counters polled beside it), each serving process's CPU per token (py-spy's
+# stacks), tests/gpu/test_gpu_serving.py through the OpenAI SDK, a graceful drain with streams open
+# (tests/gpu/serve_drain.py), a stop that leaves nothing, the LoRA lane if time is left. ~8 min of device time.
 #
 # Prepare, HERE (from the checkout's root; ~2 min the first time, then seconds):
 #   bash tests/gpu/serve_device.sh prepare
 #     = ../shared/tools/device_serve_bundle.sh (Ray 2.60 stripped + the wheels the image lacks, into .gpu/serve;
-#       BUNDLE_SCRIPT names another copy), and the default model's tokenizer as Hugging Face files
-#       (.gpu/serve/tokenizer, 3.4 MB: the vocabulary of both served models). Prints what one call carries.
+#       BUNDLE_SCRIPT names another copy), the default model's tokenizer as Hugging Face files
+#       (.gpu/serve/tokenizer, 3.4 MB: the vocabulary of every served model) and py-spy's wheel (.gpu/serve/extra).
+#       Prints what one call carries.
+# Rehearse it HERE (no GPU: tiny models on CPU engines, every stage but the CUDA-only checks):
+#   PATH=$PWD/.venv/bin:$PATH REHEARSAL=1 OUT=/tmp/rehearsal bash tests/gpu/serve_device.sh
 # Run, THERE: the device tool's run with carry [".gpu/serve"] and the command
 #   bash tests/gpu/serve_device.sh
-# Rehearse it HERE first (no GPU: tiny models on CPU engines, the same stages and checks but the CUDA ones):
-#   REHEARSAL=1 OUT=/tmp/rehearsal bash tests/gpu/serve_device.sh     (with .venv/bin first on PATH)
-# Env: STAGES (default "engine serve bench tests drain lane"; lane = tests/gpu/test_gpu_lora.py, run only when
-#      under LANE_BEFORE_S (450) have passed), CONCURRENCY (1,16,64,256), ENGINE_SETTINGS
+# Env: STAGES (default "engine serve bench profile tests drain lane"), CONCURRENCY (1,16,64,256), ENGINE_SETTINGS
 #      (lora_off: the engine without adapter slots, the served numbers' reference; "lora_off,served" adds the
-#      config as served), KEEP_LOGS=1 (Ray's logs even when everything passed). The workload on both sides is
-#      serve_bench's `mixed` variant: chat prompts of ~170-1,000 tokens, 128 new tokens.
-# Files in $OUT (8 at most): summary.txt (phases, times, exit codes, GPU, the served/engine table, the drain
-#   line, each model replica's cold start by phase), setup.log (install + models), engine.log (serve_engine.py: one JSON line per batch size),
-#   serve_run.log, serve_bench.log (JSON lines per point + its Markdown table), engine_stats.log (the served
-#   engine's step counters during the bench), gpu_serving.log (pytest -v), ray_logs.tgz (on a failure or
-#   KEEP_LOGS=1).
+#      config as served), LANE_BEFORE_S (450: the lane runs only if less time has passed), KEEP_LOGS=1 (Ray's
+#      logs even when everything passed). The workload on both sides is serve_bench's `mixed` variant: chat
+#      prompts of ~170-1,000 tokens, 128 new tokens.
+# Files in $OUT (8 at most): summary.txt (phases, times, exit codes, GPU, the served/engine table, each model
+#   replica's cold start by phase, the profile line, the drain line), setup.log (install + models), engine.log
+#   (serve_engine.py: one JSON line per batch size), serve_run.log, serve_bench.log (JSON lines per point + its
+#   Markdown table), engine_stats.log (the served engine's step counters during the bench), gpu_serving.log
+#   (pytest -v), ray_logs.tgz (on a failure or KEEP_LOGS=1).
 # The models have RANDOM weights (tests/gpu/serve_device_models.py): a tiny Llama for reference checks
 # against transformers and PEFT on CUDA, and Llama-3.1-8B's shape for speed.
 set -u
@@ -35,6 +37,8 @@ if [ "${1:-run}" = prepare ]; then
   BUNDLE_SCRIPT=${BUNDLE_SCRIPT:-../shared/tools/device_serve_bundle.sh}
   [ -f "$B/install.sh" ] || bash "$BUNDLE_SCRIPT" || exit 1
   [ -f "$B/tokenizer/tokenizer.json" ] || "$PY" tests/gpu/serve_device_models.py tokenizer "$B/tokenizer" || exit 1
+  ls "$B"/extra/py_spy-*.whl >/dev/null 2>&1 || "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 -d "$B/extra" py-spy==0.4.3 || exit 1
   bash -n tests/gpu/serve_device.sh || exit 1
   tracked=$(git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   carried=$(du -sb "$B" | cut -f1)
@@ -44,7 +48,7 @@ fi
 
 O=${OUT:-/tmp/serve_device}; mkdir -p "$O"
 S=$O/summary.txt
-STAGES=${STAGES:-engine serve bench tests drain lane}
+STAGES=${STAGES:-engine serve bench profile tests drain lane}
 MODELS=${MODELS:-/tmp/models}
 C=${CONCURRENCY:-1,16,64,256}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -60,6 +64,7 @@ cat "$S"
 
 if [ "${REHEARSAL:-0}" = 1 ]; then  # here, without a GPU: this checkout's venv has Ray and the packages
   C=${CONCURRENCY:-1,4}; BUILD_FLAGS=--cpu; export RAYLLM_GPU_REHEARSAL=1
+  PROFILE_ARGS=${PROFILE_ARGS:---concurrency 4 --requests 64 --max-tokens 64}
   export PYTHONPATH=$PWD
 else
   phase install
@@ -67,6 +72,8 @@ else
   bash "$B/install.sh" > "$O/setup.log" 2>&1 || { say "install FAILED"; tail -30 "$O/setup.log"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
   grep -E "^UNMET" "$O/setup.log" | tee -a "$S"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$B"/extra/*.whl >> "$O/setup.log" 2>&1 \
+    || say "py-spy not installed: the profile has no stacks"
 fi
 TOKENIZER=${TOKENIZER:-$B/tokenizer}
 
@@ -139,6 +146,12 @@ EOF
     python3 -c "import json, os, sys; sys.path.insert(0, 'benchmarks'); from serve_report import served_engine_table
 read = lambda p: [json.loads(x) for x in open(p) if x.startswith('{')] if os.path.exists(p) else []
 print(served_engine_table(*(read(p) for p in sys.argv[1:])))" "$O/engine.log" "$O/serve_bench.log" "$O/engine_stats.log" | tee -a "$S"
+  fi
+  if [ $ready = 0 ] && want profile; then  # CPU per output token of each serving process at 64 streams, and stacks
+    phase profile
+    timeout 120 python3 benchmarks/serve_cpu.py --model llama-8b-shape ${PROFILE_ARGS:---concurrency 64 --requests 512 --max-tokens 128} \
+      $(command -v py-spy >/dev/null && echo --py-spy --py-spy-seconds 8) > "$O/profile.out" 2>/dev/null
+    say "profile rc=$?"; grep '^{' "$O/profile.out" | cut -c1-6000 | tee -a "$S"; rm -f "$O/profile.out"
   fi
   if [ $ready = 0 ] && want tests; then
     phase tests
