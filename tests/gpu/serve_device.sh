@@ -136,10 +136,10 @@ EOF
   fi
   if [ $ready = 0 ] && want bench; then
     phase bench
-    timeout 200 python3 benchmarks/engine_stats_watch.py --interval 0.5 --duration 190 > "$O/engine_stats.log" 2>&1 &
+    timeout 260 python3 benchmarks/engine_stats_watch.py --interval 0.5 --duration 250 > "$O/engine_stats.log" 2>&1 &
     WPID=$!
-    timeout 180 python3 benchmarks/serve_bench.py --url ours=http://127.0.0.1:8000 --model llama-8b-shape \
-      --concurrency "$C" --variants mixed --wait-idle 0 --engine-batch 0 --point-timeout 60 \
+    timeout 240 python3 benchmarks/serve_bench.py --url ours=http://127.0.0.1:8000 --model llama-8b-shape \
+      --concurrency "$C" --variants mixed --wait-idle 0 --engine-batch 0 --point-timeout 75 \
       --results-dir /tmp/bench_results > "$O/serve_bench.log" 2>&1
     say "bench rc=$?"; kill $WPID 2>/dev/null
     grep '"bench": "serve"' "$O/serve_bench.log" | cut -c1-420 | tee -a "$S"
