@@ -1,7 +1,7 @@
 """The served engine's step loop, watched from outside: poll a running app's model replica for its engine
-counters (LLMServer.stats through a Serve handle) and print one JSON line per interval in which it stepped:
-steps per second, the mean step and the part of it in the model (executor.execute), sequences running and
-waiting. Run beside serve_bench.py to set the served time per token against the engine's own step at each
+counters (LLMServer.engine_stats through a Serve handle, read off the replica's event loop) and print one JSON
+line per interval in which it stepped: steps per second, the mean step and the part of it in the model
+(executor.execute), sequences running and waiting. Run beside serve_bench.py to set the served time per token against the engine's own step at each
 load (tests/gpu/serve_device.sh does; the engine alone's step comes from serve_engine.py).
 
     python benchmarks/engine_stats_watch.py [--app llm] [--deployment llm] [--interval 1] [--duration 600]
@@ -21,11 +21,11 @@ async def watch(args: argparse.Namespace) -> None:
     from ray import serve
 
     handle = serve.get_deployment_handle(args.deployment, app_name=args.app)
-    prev, t_prev = await handle.stats.remote(), time.time()
+    prev, t_prev = await handle.engine_stats.remote(), time.time()
     end = t_prev + args.duration
     while time.time() < end:
         await asyncio.sleep(args.interval)
-        cur, now = await handle.stats.remote(), time.time()
+        cur, now = await handle.engine_stats.remote(), time.time()
         steps = cur["num_steps"] - prev["num_steps"]
         if steps:
             step_s = cur["step_seconds"] - prev["step_seconds"]

@@ -160,6 +160,11 @@ class LLMServer:
         grammars = self._grammars.num_compiled if self._grammars is not None else 0
         return vars(self.engine.stats()) | {"grammars_compiled": grammars}
 
+    async def engine_stats(self) -> dict:
+        """stats() off the replica's event loop (an engine process answers between two steps): for a watcher
+        that polls a loaded replica (benchmarks/engine_stats_watch.py) without holding its streams back."""
+        return await asyncio.to_thread(self.stats)
+
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
         await asyncio.to_thread(self.engine.check_health)

@@ -35,7 +35,7 @@ def faulty(server, apps):
     base = deploy(server, "faults", {"api_keys": [API_KEY], "engine": ENGINE})
     handle = serve.get_deployment_handle("llm", app_name="faults")
     client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    return client, lambda: handle.stats.remote().result()
+    return client, lambda: handle.engine_stats.remote().result()  # stats(), read off the replica's loop
 
 
 def replica_actors() -> set[str]:
