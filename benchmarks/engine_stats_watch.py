@@ -1,8 +1,9 @@
 """The served engine's step loop, watched from outside: poll a running app's model replica for its engine
 counters (LLMServer.engine_stats through a Serve handle, read off the replica's event loop) and print one JSON
 line per interval in which it stepped: steps per second, the mean step and the part of it in the model
-(executor.execute), sequences running and waiting. Run beside serve_bench.py to set the served time per token against the engine's own step at each
-load (tests/gpu/serve_device.sh does; the engine alone's step comes from serve_engine.py).
+(executor.execute), sequences running and waiting. Run beside serve_bench.py to set the served time per token
+against the engine's own step at each load (tests/gpu/serve_device.sh does; the engine alone's step comes from
+serve_engine.py).
 
     python benchmarks/engine_stats_watch.py [--app llm] [--deployment llm] [--interval 1] [--duration 600]
 """
