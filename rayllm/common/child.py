@@ -11,8 +11,25 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import Any
+
+# A call's limit is CPU time the child spends on it: on a loaded machine (a 2-core CI box, a replica's
+# busy neighbours) a request's wall time is not its own. The wall clock still bounds the wait, at this
+# multiple of the limit, so a child stopped by the scheduler cannot stall its caller either.
+WALL_FACTOR = 4.0
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
 def start(module: str, init: Any, ready_timeout_s: float) -> tuple[subprocess.Popen, Connection]:
@@ -80,14 +97,17 @@ class ChildWorker:
         self._proc = self._conn = None
 
     def call(self, request: Any, timeout_s: float) -> Any:
-        """The child's reply to `request`; ChildBusy, ChildTimeout or ChildDied as above, RuntimeError if the
-        child does not start."""
+        """The child's reply to `request` within `timeout_s` of the child's CPU time (and WALL_FACTOR times
+        that of wall time); ChildBusy, ChildTimeout or ChildDied as above, RuntimeError if the child does not
+        start."""
         if not self._lock.acquire(timeout=timeout_s):
             raise ChildBusy()
         try:
             conn = self._started()
+            assert self._proc is not None
+            cpu_start = cpu_seconds(self._proc.pid)
             conn.send(request)
-            if not conn.poll(timeout_s):
+            if not self._answered(conn, self._proc.pid, cpu_start, timeout_s):
                 self.close()
                 raise ChildTimeout()
             try:
@@ -97,3 +117,19 @@ class ChildWorker:
                 raise ChildDied() from None
         finally:
             self._lock.release()
+
+    @staticmethod
+    def _answered(conn: Connection, pid: int, cpu_start: float | None, timeout_s: float) -> bool:
+        """Whether the reply came before the child spent `timeout_s` of CPU on it (or the wall cap passed)."""
+        deadline = time.monotonic() + WALL_FACTOR * timeout_s
+        wait = timeout_s
+        while not conn.poll(wait):
+            used = cpu_seconds(pid)
+            left_wall = deadline - time.monotonic()
+            if cpu_start is None or used is None or left_wall <= 0:
+                return conn.poll(0)
+            left_cpu = timeout_s - (used - cpu_start)
+            if left_cpu <= 0:
+                return False
+            wait = min(left_cpu, left_wall)  # it cannot burn its CPU left any faster than the wall clock
+        return True

@@ -83,7 +83,7 @@ class GrammarCompiler:
         try:
             return self._worker.compile(spec)
         except CompileTimeout:
-            raise ValueError(f"compiling it took longer than this server's limit of {self.timeout_s:g} s") from None
+            raise ValueError(f"compiling it took more than this server's limit of {self.timeout_s:g} s of CPU time") from None
         except CompilerBusy:
             raise CompilerBusyError("the grammar compiler is busy with other requests; retry the request") from None
 

@@ -126,7 +126,7 @@ class ServerConfig:
     # A request's own `chat_template` (vLLM's switch): off = 400. On, it renders in a child process of
     # the tokenizer replica with a time, memory and output-size bound (rayllm.serve.template_sandbox).
     allow_request_chat_template: bool = False
-    # A grammar (structured output, forced tool calls) that takes longer than this to compile answers 400 and
+    # A grammar (structured output, forced tool calls) that takes more than this CPU time to compile answers 400 and
     # its compiler child is replaced (rayllm.sample.grammar_worker).
     grammar_compile_timeout_s: float = 10.0
     # The base models (cluster.yaml `models:`); the first answers requests that name no model. Empty: the

@@ -3,7 +3,8 @@
 Jinja's sandbox blocks code, not resources: `{{ "x" * 10**9 }}` or nested `range` loops run as long
 and grow as large as they like, and a thread cannot be stopped. So a client's template renders in a
 child process of the tokenizer replica (the same ChatRenderer, on its own copy of the tokenizer),
-under an address-space limit; a render that outlives its time limit is answered with a 400 and the
+under an address-space limit; a render that outlives its time limit (CPU seconds of the child, the wall
+clock capped at a multiple: rayllm.common.child) is answered with a 400 and the
 child is killed and replaced. The model's own template never goes through here.
 """
 
@@ -36,6 +37,9 @@ def _child(conn: Connection) -> None:
     model_path, max_output_chars, memory_bytes = conn.recv()
     # The serving processes' tokenizer (its snapshot: no transformers import): a killed child is back in ~1.5 s.
     renderer = ChatRenderer(load_serving_tokenizer(model_path))
+    # Render once before "ready": the first render imports the renderer (transformers.utils, ~1 s), which
+    # belongs to the start, not to the first client's time limit.
+    renderer.render([{"role": "user", "content": "warm-up"}], chat_template="{{ messages[0]['content'] }}")
     if memory_bytes and _vm_bytes():
         limit = _vm_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -85,7 +89,7 @@ class TemplateSandbox:
             raise APIError(503, "the chat template renderer is busy; retry the request", type="server_error",
                            code="chat_template_busy") from None
         except child.ChildTimeout:  # the only way to stop a render: its process goes
-            raise _refused(f"rendering took longer than {self.timeout_s:g} s", "chat_template_timeout") from None
+            raise _refused(f"rendering took more than {self.timeout_s:g} s of CPU time", "chat_template_timeout") from None
         except child.ChildDied:  # killed by the memory limit
             raise _refused("rendering the template failed (out of memory)") from None
         except RuntimeError:
