@@ -63,7 +63,7 @@ def stop(proc: subprocess.Popen | None, conn: Connection | None) -> None:
 
 
 class ChildBusy(Exception):
-    """Other requests held the child past this one's time limit."""
+    """Other requests held the child past this one's wall cap (WALL_FACTOR times its limit)."""
 
 
 class ChildTimeout(Exception):
@@ -100,7 +100,9 @@ class ChildWorker:
         """The child's reply to `request` within `timeout_s` of the child's CPU time (and WALL_FACTOR times
         that of wall time); ChildBusy, ChildTimeout or ChildDied as above, RuntimeError if the child does not
         start."""
-        if not self._lock.acquire(timeout=timeout_s):
+        # The turn is awaited up to the wall cap: a request queued behind another on a loaded machine is not
+        # refused for that machine's load.
+        if not self._lock.acquire(timeout=WALL_FACTOR * timeout_s):
             raise ChildBusy()
         try:
             conn = self._started()

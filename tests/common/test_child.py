@@ -73,3 +73,15 @@ def test_cpu_seconds_counts_the_process_own_time():
     while time.process_time() < end:
         pass
     assert child.cpu_seconds(os.getpid()) - start >= 0.25
+
+
+def test_a_caller_queued_behind_a_held_back_one_gets_its_turn(worker):
+    import threading
+
+    worker.call(("sleep", 0), 1.0)  # started
+    first = threading.Thread(target=worker.call, args=(("sleep", 1.5), 1.0))
+    first.start()
+    time.sleep(0.2)
+    # Waits ~1.3 s for its turn (past its own 1 s limit, within the wall cap), then answers.
+    assert worker.call(("spin", 0.1), 1.0) == ("spin", 0.1)
+    first.join()
