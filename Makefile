@@ -38,12 +38,8 @@ $(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(BIN)/python
 	$(COMPILE)
 	touch $@
 
-# CPU test installs add the deepspeed extra, so tests/distributed/test_allreduce.py runs its shm all-reduce.
-comma := ,
-TEST_EXTRAS := $(if $(GPU),test,test$(comma)deepspeed)
-
 $(VENV)/.installed-test: $(INSTALLED)
-	$(PIP_INSTALL) $(PINS) -e '.[$(TEST_EXTRAS)]'
+	$(PIP_INSTALL) $(PINS) -e '.[test]'
 	touch $@
 
 install: $(INSTALLED)

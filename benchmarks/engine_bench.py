@@ -4,7 +4,7 @@
                                       [--rounds 2] [--threads 0] [--no-prefix-cache] [--device cpu|cuda]
                                       [--variants default,weight_only,batch_invariant,quantized] [--model PATH]
                                       [--shape llama-3.1-8b|tiny]
-                                      [--tp 2 --cpu-allreduce gloo,deepspeed]
+                                      [--tp 2 --cpu-allreduce gloo,shm]
                                       [--shape S --workload mixed] [--shape S --long-prompts 8000,32000]
 
 `--shape` benchmarks a model of that shape with random weights instead of the default model (no
@@ -203,7 +203,7 @@ def main() -> None:
                     help="--shape on CUDA: parallel.cuda_graph_pieces values to compare")
     ap.add_argument("--profile", default="", help="--shape: write torch.profiler tables of decode steps here")
     ap.add_argument("--tp", type=int, default=1, help="> 1: CPU tensor parallel, see engine_bench_tp.py")
-    ap.add_argument("--cpu-allreduce", default="gloo,deepspeed", help="--tp: the all-reduce backends to compare")
+    ap.add_argument("--cpu-allreduce", default="gloo,shm", help="--tp: the all-reduce backends to compare")
     ap.add_argument("--workload", choices=["mixed"], help="--shape: the mixed load (engine_bench_workloads.py)")
     ap.add_argument("--long-prompts", default="", help="--shape: time to first token of one prompt of each length")
     ap.add_argument("--requests", type=int, default=512, help="--workload mixed: requests, submitted at once")

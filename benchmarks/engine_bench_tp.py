@@ -44,7 +44,7 @@ def _time_allreduce(rank: int, world: int, init: str, backend: str, dtype: torch
                     iters: int, threads: int, out) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    name, reduce = make_all_reduce(backend, torch.device("cpu"), dtype, rank, world, init, dist.group.WORLD)
+    name, reduce = make_all_reduce(backend, torch.device("cpu"), dtype, rank, world, dist.group.WORLD)
     result = {}
     for shape in shapes:
         x = torch.randn(*shape).to(dtype)

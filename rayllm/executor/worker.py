@@ -94,14 +94,14 @@ class Worker:
         self.device = device
         self.dtype = getattr(torch, config.model.torch_dtype_name)
         self.tp = TPGroup()
-        self.allreduce_backend = ""  # the TP all-reduce in use: nccl, gloo or deepspeed (none at TP=1)
+        self.allreduce_backend = ""  # the TP all-reduce in use: nccl, gloo or shm (none at TP=1)
         if world > 1:
             dist.init_process_group(
                 self.platform.dist_backend, init_method=dist_init, rank=rank, world_size=world, timeout=timedelta(minutes=10)
             )
             group = dist.group.WORLD
             self.allreduce_backend, reduce = make_all_reduce(
-                config.parallel.cpu.allreduce, device, self.dtype, rank, world, dist_init, group)
+                config.parallel.cpu.allreduce, device, self.dtype, rank, world, group)
             self.tp = TPGroup(rank, world, group, reduce)
         self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
         torch.manual_seed(config.model.seed)

@@ -152,8 +152,9 @@ class CpuConfig:
     # 0 or 1 = the caller's thread only.
     qgemm_threads: int = 0
     # tensor_parallel_size > 1: the all-reduce of row-parallel outputs (rayllm/distributed/allreduce.py).
-    # deepspeed: DeepSpeed's shared-memory kernel (the `deepspeed` extra; ranks on one host); gloo: TCP
-    # loopback; auto: deepspeed when it is installed and its op builds here, else gloo. CUDA: NCCL always.
+    # shm: a shared-memory segment every rank maps (platforms/cpu/csrc/shm_allreduce.c; ranks on one host);
+    # gloo: TCP loopback; auto: shm when a core is spare beside every rank's threads (its waits spin), else
+    # gloo. CUDA: NCCL always.
     allreduce: str = "auto"
 
     def __post_init__(self) -> None:
@@ -161,8 +162,11 @@ class CpuConfig:
             raise ValueError("parallel.cpu.small_batch_quant must be auto, weight_only or none")
         if self.int8_passes not in (1, 2):
             raise ValueError("parallel.cpu.int8_passes must be 1 or 2")
-        if self.allreduce not in ("auto", "gloo", "deepspeed"):
-            raise ValueError("parallel.cpu.allreduce must be auto, gloo or deepspeed")
+        if self.allreduce == "deepspeed":
+            raise ValueError("parallel.cpu.allreduce: deepspeed was replaced by shm, rayllm's own shared-memory "
+                             "kernel (no extra to install)")
+        if self.allreduce not in ("auto", "gloo", "shm"):
+            raise ValueError("parallel.cpu.allreduce must be auto, gloo or shm")
         for name in ("threads_per_rank", "threads_single_sequence", "wide_step_tokens", "half_step_tokens",
                      "qgemm_threads"):
             if getattr(self, name) < 0:

@@ -62,8 +62,7 @@ def test_cpu_serve_after_a_cpu_install_does_nothing_more(tree):
     assert "pip install" not in _dry_run(tree, "serve")
 
 
-def test_cpu_test_installs_bring_the_deepspeed_extra(tree):
-    """So tests/distributed/test_allreduce.py runs DeepSpeed's shm all-reduce in CI; GPU installs leave it out."""
-    assert "-c constraints/cpu.txt -e '.[test,deepspeed]'" in _dry_run(tree, "install-test")
+def test_test_installs_add_the_test_extra_under_each_platforms_pins(tree):
+    assert "-c constraints/cpu.txt -e '.[test]'" in _dry_run(tree, "install-test")
     gpu = _dry_run(tree, "install-test", "GPU=1")
-    assert "-e '.[test]'" in gpu and "deepspeed" not in gpu
+    assert "-e '.[test]'" in gpu and "constraints/cpu.txt" not in gpu

@@ -1,8 +1,6 @@
-"""The CPU tensor-parallel all-reduce (rayllm/distributed/allreduce.py): DeepSpeed's shared-memory kernel sums
-exactly what gloo sums, and a TP=2 engine on it computes what TP=2 on gloo and TP=1 compute.
-
-Needs the `deepspeed` extra (`make install-test` installs it); skipped, saying so, without it. The first
-run compiles DeepSpeed's op (about 2 minutes on 2 cores; cached by torch afterwards)."""
+"""The CPU tensor-parallel all-reduce (rayllm/distributed/allreduce.py): the shared-memory kernel
+(rayllm/platforms/cpu/csrc/shm_allreduce.c) sums exactly what gloo sums, leaves no segment behind, and a TP=2
+engine on it computes what TP=2 on gloo and TP=1 compute."""
 
 from __future__ import annotations
 
@@ -16,13 +14,15 @@ import torch.multiprocessing as mp
 
 from rayllm.distributed.allreduce import make_all_reduce
 from rayllm.engine.engine import LLMEngine
+from rayllm.platforms.cpu.shm_allreduce import ShmAllReduce
 from rayllm.schema.config import CacheConfig, CpuConfig, EngineConfig, ModelConfig, ParallelConfig
 from rayllm.schema.sampling_params import SamplingParams
 from tests.ports import free_port
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
-pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (pip install -e '.[deepspeed]')")
+def _segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"rayllm-allreduce-{os.getuid()}-")}
 
 
 def _sums(rank: int, world: int, init: str, dtype: torch.dtype) -> None:
@@ -30,14 +30,16 @@ def _sums(rank: int, world: int, init: str, dtype: torch.dtype) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        backend, reduce = make_all_reduce("deepspeed", torch.device("cpu"), dtype, rank, world, init,
-                                          dist.group.WORLD)
-        assert backend == "deepspeed"
+        before = _segments()
+        backend, reduce = make_all_reduce("shm", torch.device("cpu"), dtype, rank, world, dist.group.WORLD)
+        assert backend == "shm"
         g = torch.Generator().manual_seed(rank)
-        # One decode row; the small-message path (< 1 MiB); the large one; more than its 32 MiB buffer
-        # (chunked); a transposed (non-contiguous) view and float64, which go through gloo.
+        # One decode row and 64 rows (the small path: every rank sums all); 1,024 rows (the large path: each
+        # rank sums its share); more than a 2 MiB slot (chunks, several rounds), a size no chunk divides; a
+        # transposed (non-contiguous) view and float64, which go through gloo. Repeated, so rounds reuse
+        # both buffers many times over.
         cases = [torch.randn(1, 576, generator=g), torch.randn(64, 576, generator=g),
-                 torch.randn(1024, 576, generator=g), torch.randn(9 << 20, generator=g).view(-1, 1024)]
+                 torch.randn(1024, 576, generator=g), torch.randn((9 << 20) + 7, generator=g)] * 3
         cases = [c.to(dtype) for c in cases] + [torch.randn(576, 64, generator=g).to(dtype).t(),
                                                 torch.randn(100, generator=g, dtype=torch.float64)]
         for x in cases:
@@ -47,8 +49,7 @@ def _sums(rank: int, world: int, init: str, dtype: torch.dtype) -> None:
             assert got.data_ptr() == x.data_ptr()  # in place
             assert torch.equal(got, expected), (tuple(x.shape), x.dtype)
         dist.barrier()
-        port = init.rsplit(":", 1)[1]
-        assert not [f for f in os.listdir("/dev/shm") if f.endswith(f"_{port}_{rank}")]  # unlinked
+        assert _segments() <= before  # unlinked once every rank had mapped it
     finally:
         dist.destroy_process_group()
 
@@ -58,15 +59,54 @@ def test_shm_kernel_sums_what_gloo_sums(dtype):
     mp.spawn(_sums, args=(2, f"tcp://127.0.0.1:{free_port()}", dtype), nprocs=2)
 
 
+def _three(rank: int, world: int, init: str, name: str) -> None:
+    """Three ranks on the kernel directly: every rank holds the same bits, the rank-order fp32 sum (bf16: that
+    sum rounded once), for shares of uneven size; then rank 2 stops calling and the others time out."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            kernel = ShmAllReduce(name, rank, world, create=True, slot_bytes=1 << 16, timeout_s=2.0)
+        dist.barrier()
+        if rank != 0:
+            kernel = ShmAllReduce(name, rank, world, create=False, slot_bytes=1 << 16, timeout_s=2.0)
+        dist.barrier()
+        if rank == 0:
+            os.unlink(f"/dev/shm/{name}")
+        parts = [torch.randn(100_003, generator=torch.Generator().manual_seed(k)) for k in range(world)]
+        for dtype in (torch.float32, torch.bfloat16):
+            mine = parts[rank].to(dtype)
+            want = (parts[0].to(dtype).float() + parts[1].to(dtype).float() + parts[2].to(dtype).float()).to(dtype)
+            got = kernel(mine.clone())
+            assert torch.equal(got, want), dtype
+            everyone = [torch.empty_like(got) for _ in range(world)]
+            dist.all_gather(everyone, got)
+            assert all(torch.equal(e, got) for e in everyone)
+        dist.barrier()
+        if rank < 2:
+            with pytest.raises(RuntimeError, match="did not arrive within 2 s"):
+                kernel(torch.ones(8))
+            with pytest.raises(RuntimeError, match="out of step"):  # never again on a group out of step
+                kernel(torch.ones(8))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_ranks_agree_bit_for_bit_and_a_missing_peer_times_out():
+    name = f"rayllm-allreduce-{os.getuid()}-test-{os.getpid()}"
+    mp.spawn(_three, args=(3, f"tcp://127.0.0.1:{free_port()}", name), nprocs=3)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
 def _auto(rank: int, world: int, init: str, threads: int) -> None:
     """`auto` takes the spinning kernel only with a core to spare beside every rank's threads."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        backend, reduce = make_all_reduce("auto", torch.device("cpu"), torch.float32, rank, world, init,
-                                          dist.group.WORLD)
+        backend, reduce = make_all_reduce("auto", torch.device("cpu"), torch.float32, rank, world, dist.group.WORLD)
         spare = len(os.sched_getaffinity(0)) >= world * threads + 1
-        assert backend == ("deepspeed" if spare else "gloo")
+        assert backend == ("shm" if spare else "gloo")
         assert torch.equal(reduce(torch.full((8,), rank + 1.0)), torch.full((8,), 3.0))
     finally:
         dist.destroy_process_group()
@@ -84,7 +124,7 @@ def _backend(engine: LLMEngine) -> list[str]:
     return ray.get([w.__ray_call__.remote(lambda worker: worker.allreduce_backend) for w in workers])
 
 
-def test_tp2_on_deepspeed_matches_gloo_and_tp1(gguf_path, hf_tokenizer, chat_prompts, ray_local):
+def test_tp2_on_shm_matches_gloo_and_tp1(gguf_path, hf_tokenizer, chat_prompts, ray_local):
     """The default model in fp32: logits of a prompt and greedy continuations of two chat prompts."""
     base = EngineConfig(model=ModelConfig(model=gguf_path, dtype="float32"), cache=CacheConfig(kv_cache_bytes=64 << 20),
                         parallel=ParallelConfig(device="cpu"))
@@ -92,7 +132,7 @@ def test_tp2_on_deepspeed_matches_gloo_and_tp1(gguf_path, hf_tokenizer, chat_pro
     ids = hf_tokenizer("The capital of France is Paris. The capital of Germany is", add_special_tokens=False).input_ids
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     results = {}
-    for name, tp, choice in [("tp1", 1, "auto"), ("gloo", 2, "gloo"), ("deepspeed", 2, "deepspeed")]:
+    for name, tp, choice in [("tp1", 1, "auto"), ("gloo", 2, "gloo"), ("shm", 2, "shm")]:
         config = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tensor_parallel_size=tp,
                                                                         cpu=CpuConfig(allreduce=choice)))
         engine = LLMEngine(config, eos_token_ids=eos)
@@ -102,7 +142,7 @@ def test_tp2_on_deepspeed_matches_gloo_and_tp1(gguf_path, hf_tokenizer, chat_pro
             results[name] = (engine.executor.score(ids), engine.generate(chat_prompts[:2], greedy))
         finally:
             engine.shutdown()
-    logits, tokens = results["deepspeed"]
+    logits, tokens = results["shm"]
     # Two ranks sum the same two fp32 partials in either backend: identical, not merely close.
     assert torch.equal(logits, results["gloo"][0])
     torch.testing.assert_close(logits, results["tp1"][0], atol=2e-3, rtol=1e-3)

@@ -42,7 +42,9 @@ def test_bad_engine_config_is_rejected():
         EngineConfig.from_dict({"model": {"not_a_field": 1}})
     with pytest.raises(ValueError, match="parallel.cpu.allreduce"):
         EngineConfig.from_dict({"parallel": {"cpu": {"allreduce": "mpi"}}})
-    assert EngineConfig.from_dict({"parallel": {"cpu": {"allreduce": "deepspeed"}}}).parallel.cpu.allreduce == "deepspeed"
+    assert EngineConfig.from_dict({"parallel": {"cpu": {"allreduce": "shm"}}}).parallel.cpu.allreduce == "shm"
+    with pytest.raises(ValueError, match="deepspeed was replaced by shm"):  # an older config says what changed
+        EngineConfig.from_dict({"parallel": {"cpu": {"allreduce": "deepspeed"}}})
 
 
 def test_legacy_cpu_keys_move_into_parallel_cpu_with_a_warning(caplog):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import time
 
@@ -188,8 +187,7 @@ def test_disconnect_mid_stream_frees_slot_and_blocks(server, auth, model_name, c
 
 def test_tensor_parallel_2_replica_through_serve(server, fp32_client, model_name, auth):
     """A second application whose model replica drives two TP actors in its placement group (all-reduce:
-    DeepSpeed's shm kernel where the extra is installed, as CI installs it; gloo otherwise); it answers as
-    the same model on one rank does (both fp32)."""
+    the shared-memory kernel); it answers as the same model on one rank does (both fp32)."""
     import ray
     from openai import OpenAI
     from ray import serve
@@ -197,7 +195,7 @@ def test_tensor_parallel_2_replica_through_serve(server, fp32_client, model_name
     from rayllm.serve.builder import build_app
 
     api_key = auth["Authorization"].removeprefix("Bearer ")
-    allreduce = "deepspeed" if importlib.util.find_spec("deepspeed") else "gloo"
+    allreduce = "shm"
     app = build_app({"api_keys": [api_key], "engine": {
         "model": {"dtype": "float32", "max_model_len": 2048}, "cache": {"kv_cache_bytes": 128 << 20},
         "parallel": {"tensor_parallel_size": 2, "device": "cpu", "cpu": {"allreduce": allreduce}}}})

@@ -25,7 +25,8 @@ from rayllm.platforms.cpu.onednn_env import ONEDNN_CACHE_CAPACITY, onednn_cache_
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "qgemm.c", "pool.c"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "qgemm.c", "pool.c",
+                                                                    "shm_allreduce.c"))
 # -march=native: the library is built on the machine that runs it, and cached per source and CPU.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
