@@ -80,18 +80,11 @@ def make_all_reduce(choice: str, device: torch.device, dtype: torch.dtype, rank:
         return dist.get_backend(group), dist_all_reduce(group)
     backend, reduce, reason = "gloo", dist_all_reduce(group), ""
     if choice != "gloo":
-        cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
-        ok = True
-        if choice == "auto" and cores < world * threads + 1:
-            # The kernel spins while it waits for a peer: with no core to spare, a descheduled rank
-            # stalls its partners until the scheduler runs it again, where gloo's waiting rank sleeps.
-            ok, reason = False, f"auto: {cores} cores leave none spare beside {world} ranks x {threads} threads"
-        # All ranks on one host (the segment is local), with the same verdict, or none uses it.
-        views: list = [None] * world
-        dist.all_gather_object(views, (ok, socket.gethostname(), reason), group=group)
-        if not all(v[0] for v in views):
-            reason = next(r for v_ok, _, r in views if not v_ok)
-        elif len({host for _, host, _ in views}) > 1:
+        # All ranks on one host (the segment is local), or none uses it. No spare core is needed: the kernel
+        # yields the core while it waits, so a descheduled peer gets it (docs/benchmarks.md, CPU tensor parallel).
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
             reason = "the ranks are on more than one host"
         else:
             kernel, reason = _open_shm(rank, world, group)

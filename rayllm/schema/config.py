@@ -153,8 +153,8 @@ class CpuConfig:
     qgemm_threads: int = 0
     # tensor_parallel_size > 1: the all-reduce of row-parallel outputs (rayllm/distributed/allreduce.py).
     # shm: a shared-memory segment every rank maps (platforms/cpu/csrc/shm_allreduce.c; ranks on one host);
-    # gloo: TCP loopback; auto: shm when a core is spare beside every rank's threads (its waits spin), else
-    # gloo. CUDA: NCCL always.
+    # gloo: TCP loopback; auto: shm when the ranks are on one host and it can be set up, else gloo. CUDA:
+    # NCCL always.
     allreduce: str = "auto"
 
     def __post_init__(self) -> None:

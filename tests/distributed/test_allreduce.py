@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 import torch
@@ -59,61 +60,85 @@ def test_shm_kernel_sums_what_gloo_sums(dtype):
     mp.spawn(_sums, args=(2, f"tcp://127.0.0.1:{free_port()}", dtype), nprocs=2)
 
 
+def _attach(name: str, rank: int, world: int, timeout_s: float) -> ShmAllReduce:
+    """The kernel on a segment of its own (rank 0 creates, the others map, rank 0 unlinks), as
+    rayllm.distributed.allreduce sets one up."""
+    if rank == 0:
+        kernel = ShmAllReduce(name, rank, world, create=True, slot_bytes=1 << 16, timeout_s=timeout_s)
+    dist.barrier()
+    if rank != 0:
+        kernel = ShmAllReduce(name, rank, world, create=False, slot_bytes=1 << 16, timeout_s=timeout_s)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(f"/dev/shm/{name}")
+    return kernel
+
+
 def _three(rank: int, world: int, init: str, name: str) -> None:
     """Three ranks on the kernel directly: every rank holds the same bits, the rank-order fp32 sum (bf16: that
-    sum rounded once), for shares of uneven size; then rank 2 stops calling and the others time out."""
+    sum rounded once), for shares of uneven size; then rank 2 exits and the others' next call says so at once
+    (not after the time limit: gloo sees a dead peer's socket close, this kernel checks the pids it waits for)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    kernel = _attach(name, rank, world, timeout_s=60.0)
+    parts = [torch.randn(100_003, generator=torch.Generator().manual_seed(k)) for k in range(world)]
+    for dtype in (torch.float32, torch.bfloat16):
+        mine = parts[rank].to(dtype)
+        want = (parts[0].to(dtype).float() + parts[1].to(dtype).float() + parts[2].to(dtype).float()).to(dtype)
+        got = kernel(mine.clone())
+        assert torch.equal(got, want), dtype
+        everyone = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(everyone, got)
+        assert all(torch.equal(e, got) for e in everyone)
+    dist.barrier()
+    if rank == 2:
+        os._exit(0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="a peer of rank .* exited"):
+        kernel(torch.ones(8))
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(RuntimeError, match="out of step"):  # never again on a group out of step
+        kernel(torch.ones(8))
+
+
+def test_three_ranks_agree_bit_for_bit_and_a_dead_peer_is_an_error():
+    name = f"rayllm-allreduce-{os.getuid()}-test-{os.getpid()}"
+    mp.spawn(_three, args=(3, f"tcp://127.0.0.1:{free_port()}", name), nprocs=3)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _silent(rank: int, world: int, init: str, name: str) -> None:
+    """A live peer that never calls: the waiting rank gives up after its time limit."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
+        kernel = _attach(name, rank, world, timeout_s=1.0)
         if rank == 0:
-            kernel = ShmAllReduce(name, rank, world, create=True, slot_bytes=1 << 16, timeout_s=2.0)
-        dist.barrier()
-        if rank != 0:
-            kernel = ShmAllReduce(name, rank, world, create=False, slot_bytes=1 << 16, timeout_s=2.0)
-        dist.barrier()
-        if rank == 0:
-            os.unlink(f"/dev/shm/{name}")
-        parts = [torch.randn(100_003, generator=torch.Generator().manual_seed(k)) for k in range(world)]
-        for dtype in (torch.float32, torch.bfloat16):
-            mine = parts[rank].to(dtype)
-            want = (parts[0].to(dtype).float() + parts[1].to(dtype).float() + parts[2].to(dtype).float()).to(dtype)
-            got = kernel(mine.clone())
-            assert torch.equal(got, want), dtype
-            everyone = [torch.empty_like(got) for _ in range(world)]
-            dist.all_gather(everyone, got)
-            assert all(torch.equal(e, got) for e in everyone)
-        dist.barrier()
-        if rank < 2:
-            with pytest.raises(RuntimeError, match="did not arrive within 2 s"):
-                kernel(torch.ones(8))
-            with pytest.raises(RuntimeError, match="out of step"):  # never again on a group out of step
+            with pytest.raises(RuntimeError, match="did not arrive within 1 s"):
                 kernel(torch.ones(8))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_three_ranks_agree_bit_for_bit_and_a_missing_peer_times_out():
-    name = f"rayllm-allreduce-{os.getuid()}-test-{os.getpid()}"
-    mp.spawn(_three, args=(3, f"tcp://127.0.0.1:{free_port()}", name), nprocs=3)
-    assert not os.path.exists(f"/dev/shm/{name}")
+def test_a_peer_that_never_arrives_is_an_error_after_the_time_limit():
+    mp.spawn(_silent, args=(2, f"tcp://127.0.0.1:{free_port()}", f"rayllm-allreduce-{os.getuid()}-silent-{os.getpid()}"),
+             nprocs=2)
 
 
 def _auto(rank: int, world: int, init: str, threads: int) -> None:
-    """`auto` takes the spinning kernel only with a core to spare beside every rank's threads."""
+    """`auto` takes the shared-memory kernel for ranks on one host, whatever the cores left beside them."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         backend, reduce = make_all_reduce("auto", torch.device("cpu"), torch.float32, rank, world, dist.group.WORLD)
-        spare = len(os.sched_getaffinity(0)) >= world * threads + 1
-        assert backend == ("shm" if spare else "gloo")
+        assert backend == "shm"
         assert torch.equal(reduce(torch.full((8,), rank + 1.0)), torch.full((8,), 3.0))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("threads", [1, len(os.sched_getaffinity(0))])
-def test_auto_needs_a_spare_core(threads):
+def test_auto_takes_shm_on_one_host(threads):
     mp.spawn(_auto, args=(2, f"tcp://127.0.0.1:{free_port()}", threads), nprocs=2)
 
 

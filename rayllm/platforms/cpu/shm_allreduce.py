@@ -20,7 +20,7 @@ from rayllm.platforms.cpu import kernels
 # Per rank and per round: messages larger than this go through in chunks. Two rounds of world + 1 slots:
 # 12 MiB of /dev/shm for two ranks (Docker's default /dev/shm is 64 MiB).
 SLOT_BYTES = 2 << 20
-TIMEOUT_S = 120.0  # a peer that has not arrived by then is gone (a dead rank): the call raises
+TIMEOUT_S = 120.0  # a live peer that has not arrived by then is stuck: the call raises
 DTYPES = frozenset({torch.float32, torch.bfloat16})
 
 
@@ -42,6 +42,8 @@ class ShmAllReduce:
                              ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                              ctypes.c_double]
         self._fn.restype = ctypes.c_int
+        if not 1 <= world <= lib.shm_allreduce_max_world():
+            raise ValueError(f"the shared-memory all-reduce serves 1 to {lib.shm_allreduce_max_world()} ranks, not {world}")
         self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
         self.nbytes = seg_bytes(world, slot_bytes)
         path = segment_path(name)
@@ -60,6 +62,8 @@ class ShmAllReduce:
         finally:
             os.close(fd)
         self._base = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(self._map)))
+        lib.shm_allreduce_attach.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.shm_allreduce_attach(self._base, rank)  # its pid: the peers' waits notice if this process exits
         self._round = ctypes.c_uint64(0)
         self.broken = False
 
@@ -70,6 +74,6 @@ class ShmAllReduce:
                         x.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16), self.timeout_s)
         if code != 0:
             self.broken = True
-            raise RuntimeError(f"shared-memory all-reduce: a peer of rank {self.rank} did not arrive within "
-                               f"{self.timeout_s:g} s")
+            why = "exited" if code == -2 else f"did not arrive within {self.timeout_s:g} s"
+            raise RuntimeError(f"shared-memory all-reduce: a peer of rank {self.rank} {why}")
         return x

@@ -12,16 +12,22 @@
  * in round R+2 only after the rank has seen every flag at 2R+3, which a peer publishes only once it has
  * finished round R: two buffers and one wait per round keep a fast rank from overwriting what a slow one reads.
  *
- * Waiting spins (a peer is microseconds away when the ranks have their own cores), yields the core after a
- * while (a descheduled peer needs it), and gives up after `timeout_s` (a dead peer never publishes): the
- * caller raises instead of hanging the step.
+ * Waiting spins (a peer is microseconds away when the ranks have their own cores), then yields the core (a
+ * descheduled peer needs it). Every rank records its pid in the header: a wait that lasts checks that the
+ * ranks it waits for are still alive (gloo sees a dead peer's closed socket; here it would never publish),
+ * and gives up after `timeout_s` in any case. The caller then raises instead of hanging the step.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -31,7 +37,8 @@
 #endif
 
 #define AR_FLAG_BYTES 128 /* a flag per two cache lines: adjacent-line prefetch does not couple ranks */
-#define AR_HEADER_BYTES 4096
+#define AR_HEADER_BYTES 4096 /* the flags, then each rank's pid */
+#define AR_MAX_WORLD 16
 #define AR_SPINS_BEFORE_YIELD 2048
 #define AR_SMALL_BYTES (128 << 10) /* up to this much per chunk, every rank sums it all (one wait, not two) */
 
@@ -40,6 +47,29 @@ typedef struct {
 } ar_flag;
 
 static inline ar_flag *flag_of(char *seg, int rank) { return (ar_flag *)(seg + (int64_t)rank * AR_FLAG_BYTES); }
+static inline _Atomic int32_t *pid_of(char *seg, int rank) {
+    return (_Atomic int32_t *)(seg + AR_MAX_WORLD * AR_FLAG_BYTES + 4 * rank);
+}
+
+int shm_allreduce_max_world(void) { return AR_MAX_WORLD; }
+
+/* Records this rank's pid; every rank attaches before any calls shm_allreduce. */
+void shm_allreduce_attach(char *seg, int rank) { atomic_store(pid_of(seg, rank), (int32_t)getpid()); }
+
+/* Whether process `pid` has exited (gone, or a zombie its parent has not reaped yet). */
+static int exited(pid_t pid) {
+    if (pid <= 0) return 0;
+    if (kill(pid, 0) != 0) return errno == ESRCH;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *end = strrchr(buf, ')'); /* the state follows the command name, which may hold spaces */
+    return end != NULL && (end[2] == 'Z' || end[2] == 'X');
+}
 
 int64_t shm_allreduce_segment_bytes(int world, int64_t slot_bytes) {
     return AR_HEADER_BYTES + (2 * (int64_t)world + 2) * slot_bytes;
@@ -51,7 +81,7 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* 0 once every rank's flag is at least `target`; -1 after timeout_s. */
+/* 0 once every rank's flag is at least `target`; -1 after timeout_s, -2 once a rank it waits for has exited. */
 static int wait_all(char *seg, int world, uint64_t target, double timeout_s) {
     double deadline = 0.0;
     for (uint64_t spins = 0;; spins++) {
@@ -72,6 +102,10 @@ static int wait_all(char *seg, int world, uint64_t target, double timeout_s) {
             double t = now_s();
             if (deadline == 0.0) deadline = t + timeout_s;
             else if (t > deadline) return -1;
+            for (int k = 0; k < world; k++)
+                if (atomic_load_explicit(&flag_of(seg, k)->value, memory_order_acquire) < target &&
+                    exited((pid_t)atomic_load(pid_of(seg, k))))
+                    return -2;
         }
     }
 }
@@ -120,8 +154,9 @@ static void sum_bf16(uint16_t *dst, char *slots, int64_t slot_bytes, int world, 
 }
 
 /* In-place sum of `n` elements (fp32, or bf16 when is_bf16) at `data` across the `world` ranks mapping `seg`.
- * *round is this rank's round counter (the same on every rank; advanced once per chunk). 0, or -1 when a peer
- * did not arrive within timeout_s (the segment is then out of step: the group must not be used again). */
+ * *round is this rank's round counter (the same on every rank; advanced once per chunk). 0; -1 when a peer
+ * did not arrive within timeout_s, -2 when one exited (the segment is then out of step: the group must not be
+ * used again). */
 int shm_allreduce(char *seg, int world, int rank, int64_t slot_bytes, uint64_t *round, void *data, int64_t n,
                   int is_bf16, double timeout_s) {
     const int64_t elt = is_bf16 ? 2 : 4;
@@ -137,7 +172,8 @@ int shm_allreduce(char *seg, int world, int rank, int64_t slot_bytes, uint64_t *
         char *chunk = (char *)data + start * elt;
         memcpy(slots + rank * slot_bytes, chunk, (size_t)(len * elt));
         atomic_store_explicit(&mine->value, 2 * r + 1, memory_order_release);
-        if (wait_all(seg, world, 2 * r + 1, timeout_s) != 0) return -1;
+        int code = wait_all(seg, world, 2 * r + 1, timeout_s);
+        if (code != 0) return code;
         if (len * elt <= AR_SMALL_BYTES) {
             if (is_bf16) sum_bf16((uint16_t *)chunk, slots, slot_bytes, world, 0, len);
             else sum_f32((float *)chunk, slots, slot_bytes, world, 0, len);
@@ -149,7 +185,8 @@ int shm_allreduce(char *seg, int world, int rank, int64_t slot_bytes, uint64_t *
             if (is_bf16) sum_bf16((uint16_t *)result, slots, slot_bytes, world, lo, hi);
             else sum_f32((float *)result, slots, slot_bytes, world, lo, hi);
             atomic_store_explicit(&mine->value, 2 * r + 2, memory_order_release);
-            if (wait_all(seg, world, 2 * r + 2, timeout_s) != 0) return -1;
+            code = wait_all(seg, world, 2 * r + 2, timeout_s);
+            if (code != 0) return code;
             memcpy(chunk, result, (size_t)(len * elt));
         }
         *round = r + 1;
