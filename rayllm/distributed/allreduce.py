@@ -84,7 +84,9 @@ def make_all_reduce(choice: str, device: torch.device, dtype: torch.dtype, rank:
         # yields the core while it waits, so a descheduled peer gets it (docs/benchmarks.md, CPU tensor parallel).
         hosts: list = [None] * world
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:
+        if dtype not in DTYPES:
+            reason = f"the kernel has no {str(dtype).removeprefix('torch.')} path"
+        elif len(set(hosts)) > 1:
             reason = "the ranks are on more than one host"
         else:
             kernel, reason = _open_shm(rank, world, group)
