@@ -126,13 +126,16 @@ def test_a_peer_that_never_arrives_is_an_error_after_the_time_limit():
 
 
 def _auto(rank: int, world: int, init: str, threads: int) -> None:
-    """`auto` takes the shared-memory kernel for ranks on one host, whatever the cores left beside them."""
+    """`auto` takes the shared-memory kernel for ranks on one host, whatever the cores left beside them (for the
+    dtypes it has a path for)."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         backend, reduce = make_all_reduce("auto", torch.device("cpu"), torch.float32, rank, world, dist.group.WORLD)
         assert backend == "shm"
         assert torch.equal(reduce(torch.full((8,), rank + 1.0)), torch.full((8,), 3.0))
+        # fp16 models: the kernel has no fp16 path, so every all-reduce would go through gloo: named so.
+        assert make_all_reduce("auto", torch.device("cpu"), torch.float16, rank, world, dist.group.WORLD)[0] == "gloo"
     finally:
         dist.destroy_process_group()
 
