@@ -190,15 +190,18 @@ def test_unloading_an_adapter_mid_stream_ends_its_streams_and_the_replica_serves
     assert err.value.body["code"] == "lora_adapter_unloaded"
     assert len(pieces) < 600
     assert chat(lclient, model_name) == base_text
-    # Base prompts with their own first KV block spread over both replicas (the prefix router breaks ties
-    # at random): the holder is among them, not replaced.
+    # Base prompts with their own first KV block go to the least loaded replica (ties broken at random): the
+    # holder answers one of them, not replaced. It may count the ended stream a moment longer (the ingress
+    # lets go of it asynchronously), and meanwhile the other replica takes every request.
     served = set()
-    for i in range(12):
+    for i in range(60):
         raw = lclient.chat.completions.with_raw_response.create(
             model=model_name, messages=[{"role": "system", "content": f"Ticket {i}: be brief."}, *QUESTION],
             temperature=0, max_tokens=2)
         assert raw.parse().choices[0].message.content
         served.add(raw.headers["x-replica-id"])
-    assert holder in served
+        if holder in served:
+            break
+    assert holder in served, served
     assert post(lora_server, "load_lora_adapter", {"lora_name": "busy", "lora_path": adapters["fresh"]}
                 ).status_code == 200
