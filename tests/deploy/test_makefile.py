@@ -23,6 +23,7 @@ def tree(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "constraints", tmp_path / "constraints")
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").touch()
+    (tmp_path / ".venv" / "bin" / "uv").touch()  # a venv this Makefile made has its installer
     return tmp_path
 
 
@@ -60,6 +61,20 @@ def test_fresh_installs_pick_their_pins(tree):
 def test_cpu_serve_after_a_cpu_install_does_nothing_more(tree):
     _touch_after_sources(tree / ".venv" / ".installed")
     assert "pip install" not in _dry_run(tree, "serve")
+
+
+def test_a_fresh_venv_installs_with_uv_and_pips_find_links(tree, monkeypatch):
+    (tree / ".venv" / "bin" / "uv").unlink()
+    wheels = tree / "wheels"
+    wheels.mkdir()
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{wheels} {tree / 'missing'}")
+    out = _dry_run(tree, "install")
+    assert "pip install -q --progress-bar off --disable-pip-version-check uv==" in out
+    installs = [ln for ln in out.splitlines() if "-e ." in ln]
+    assert installs and all(ln.startswith(".venv/bin/uv pip install") for ln in installs)
+    assert f"--find-links {wheels}" in installs[0] and "missing" not in installs[0]  # a missing folder is left out
+    pip = _dry_run(tree, "install", "INSTALLER=pip")
+    assert ".venv/bin/pip install -q --progress-bar off -c constraints/cpu.txt -e ." in pip and "uv" not in pip
 
 
 def test_test_installs_add_the_test_extra_under_each_platforms_pins(tree):
