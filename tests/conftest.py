@@ -24,26 +24,6 @@ _RAY_BY_FIXTURE = False
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
-# The second lane's share of tests/serve: the standalone tests that start Ray clusters of their own
-# (`serve run`, a multi-node cluster), and session-app tests that mostly wait (autoscaling, scale to zero,
-# extra apps), which start a second session app in that lane once its other tests are done (tests/serve
-# runs last in each lane, so the folders' own Ray instances have stopped by then). Chosen so that the two
-# lanes take about as long (`--durations` in CI's log).
-_SECOND_LANE = {"test_stop_leaves_nothing.py", "test_multi_node.py", "test_scaling_and_drain.py",
-                "test_scale_to_zero.py", "test_multi_model.py", "test_lora_serving.py", "test_preemption_serving.py"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The two lanes of `make test` (`-n 2 --dist loadgroup`): most of tests/serve, which shares one Ray
-    Serve app (tests/serve/conftest.py starts it once per process), and the rest with the serve tests of
-    _SECOND_LANE. Within a lane, tests run in collection order."""
-    serve = os.path.join(os.path.dirname(__file__), "serve")
-    for item in items:
-        path = str(item.path)
-        lane = "serve" if path.startswith(serve) and item.path.name not in _SECOND_LANE else "engine"
-        item.add_marker(pytest.mark.xdist_group(lane))
-
-
 @pytest.fixture
 def ray_local() -> None:
     """One local Ray instance for the tensor-parallel tests of a folder (Ray starts once, not per module)."""
