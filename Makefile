@@ -77,7 +77,7 @@ serve: install
 UNIT_LANES ?= 2
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)
 test: install-test
-	$(BIN)/python -m pytest -q $(XDIST) --ignore=tests/serve $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) --deselect tests/serve/ $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/serve
 
 # The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
