@@ -70,15 +70,15 @@ serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml
 
-# Two passes: every folder but tests/serve in UNIT_LANES pytest-xdist workers (whole files each: 366 s against
-# 414 s serial on 2 cores), then tests/serve in one process (its tests share Ray Serve apps and time their
+# Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each:
+# 366 s against 414 s serial on 2 cores), then those (`slow` in tests/serve) in one process (its tests share Ray Serve apps and time their
 # load by the machine's pace; two lanes there competed for the cores and were slower: docs/benchmarks.md,
 # test time). PYTEST_ARGS (options, not paths) go to both; UNIT_LANES=1 runs the first pass serially.
 UNIT_LANES ?= 2
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)
 test: install-test
-	$(BIN)/python -m pytest -q $(XDIST) --deselect tests/serve/ $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests/serve
+	$(BIN)/python -m pytest -q $(XDIST) --without-serve-apps $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) tests/serve
 
 # The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
 test-fast: install-test

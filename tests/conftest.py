@@ -24,6 +24,23 @@ _RAY_BY_FIXTURE = False
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--without-serve-apps", action="store_true",
+                     help="deselect tests/serve's slow tests (Ray Serve apps): `make test`'s first pass")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` runs tests/serve's slow tests (the ones on Ray Serve apps) alone in its second pass; its
+    first pass, in several workers, takes everything else, tests/serve's unit tests included."""
+    if not config.getoption("--without-serve-apps"):
+        return
+    serve = os.path.join(os.path.dirname(__file__), "serve") + os.sep
+    apps = [it for it in items if str(it.path).startswith(serve) and it.get_closest_marker("slow")]
+    if apps:
+        config.hook.pytest_deselected(items=apps)
+        items[:] = [it for it in items if it not in set(apps)]
+
+
 @pytest.fixture
 def ray_local() -> None:
     """One local Ray instance for the tensor-parallel tests of a folder (Ray starts once, not per module)."""
