@@ -2,8 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# Installs go through uv (pinned; pip puts it into the venv): ~45 s from an empty cache where pip took ~130 s
-# (docs/benchmarks.md, test time). It compiles the bytecode as pip does and trusts the system's certificates.
+# Installs go through uv (pinned; pip puts it into the venv): faster than pip (docs/benchmarks.md, test time). It compiles the bytecode as pip does and trusts the system's certificates.
 # uv reads no pip configuration, so the find-links pip would use (PIP_FIND_LINKS, pip.conf: where a machine keeps
 # the CPU torch wheel) and PIP_INDEX_URL / PIP_EXTRA_INDEX_URL are passed on. `make INSTALLER=pip ...` uses pip.
 INSTALLER ?= uv
@@ -70,10 +69,10 @@ serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml
 
-# Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each:
-# 366 s against 414 s serial on 2 cores), then those (`slow` in tests/serve) in one process (its tests share Ray Serve apps and time their
-# load by the machine's pace; two lanes there competed for the cores and were slower: docs/benchmarks.md,
-# test time). PYTEST_ARGS (options, not paths) go to both; UNIT_LANES=1 runs the first pass serially.
+# Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each),
+# then those (`slow` in tests/serve) in one process: they share Ray Serve apps and size their load by the
+# machine's pace, and two lanes there competed for the cores (docs/benchmarks.md, test time).
+# PYTEST_ARGS (options, not paths) go to both passes; UNIT_LANES=1 runs the first pass serially.
 UNIT_LANES ?= 2
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)
 test: install-test
