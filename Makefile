@@ -69,33 +69,15 @@ serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml
 
-# Two passes at once: tests/serve's Ray Serve tests (`slow` there) in one process in the foreground (they
-# share Ray Serve apps and size their load by the machine's pace), and everything else in UNIT_LANES
-# pytest-xdist workers (whole files each) beside them at nice 19, on the cycles the Serve tests leave idle
-# (their waits on Serve's control loops); its output follows theirs. Its Ray (the TP tests') starts a new
-# local instance (RAY_ADDRESS=local), never one of the Serve tests' clusters. TEST_PASSES=serial runs the
-# two one after the other (docs/benchmarks.md, test time). PYTEST_ARGS (options, not paths) go to both;
-# UNIT_LANES=1 runs the other folders serially.
+# Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each),
+# then those (`slow` in tests/serve) in one process: they share Ray Serve apps and size their load by the
+# machine's pace, and two lanes there competed for the cores (docs/benchmarks.md, test time).
+# PYTEST_ARGS (options, not paths) go to both passes; UNIT_LANES=1 runs the first pass serially.
 UNIT_LANES ?= 2
-TEST_PASSES ?= overlap
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)
-UNIT_PASS = $(BIN)/python -m pytest -q $(XDIST) --without-serve-apps $(PYTEST_ARGS)
-SERVE_PASS = $(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) tests/serve
-ifeq ($(TEST_PASSES),serial)
 test: install-test
-	$(UNIT_PASS)
-	$(SERVE_PASS)
-else
-# setsid: the unit pass in its own process group, so that Ctrl-C (the trap) stops its workers too.
-test: install-test
-	log=$$(mktemp) && \
-	{ RAY_ADDRESS=local setsid nice -n 19 $(UNIT_PASS) > $$log 2>&1 & unit=$$!; } && \
-	trap 'kill -TERM -$$unit 2>/dev/null || kill -TERM $$unit; rm -f $$log; exit 130' INT TERM && \
-	{ $(SERVE_PASS); serve=$$?; } ; \
-	wait $$unit; units=$$?; \
-	echo "== the other folders (run beside tests/serve)"; cat $$log; rm -f $$log; \
-	[ $$serve = 0 ] && [ $$units = 0 ]
-endif
+	$(BIN)/python -m pytest -q $(XDIST) --without-serve-apps $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) tests/serve
 
 # The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
 test-fast: install-test

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -84,103 +83,11 @@ def test_test_installs_add_the_test_extra_under_each_platforms_pins(tree):
     assert "-e '.[test]'" in gpu and "constraints/cpu.txt" not in gpu
 
 
-# `make test` run for real with a stand-in for the venv's interpreter (the subject is the recipe's
-# orchestration, not pytest): each pass records how it was started, waits for the other where the two should
-# overlap, and exits with the status the test asks for.
-STUB = """#!/bin/bash
-case "$*" in *tests/serve*) pass=serve ;; *) pass=unit ;; esac
-d=$STUB_DIR
-{ echo "args=$*"; echo "ray_address=${RAY_ADDRESS-}"; echo "nice=$(ps -o ni= -p $$ | tr -d ' ')";
-  echo "pgid=$(ps -o pgid= -p $$ | tr -d ' ')"; echo "pid=$$"; } > $d/$pass.info
-touch $d/$pass.started
-other=serve; [ $pass = serve ] && other=unit
-for _ in $(seq 100); do [ -e $d/$other.started ] && break; sleep 0.05; done
-[ -e $d/$other.started ] && touch $d/$pass.saw-$other
-sleep ${STUB_SLEEP:-0}
-echo "$pass output"
-exit $(eval echo \\${${pass^^}_RC:-0})
-"""
-
-
-def _stubbed(tree: Path) -> Path:
+def test_make_test_runs_the_other_folders_in_workers_then_tests_serve_alone(tree):
     _touch_after_sources(tree / ".venv" / ".installed")
     _touch_after_sources(tree / ".venv" / ".installed-test")
-    python = tree / ".venv" / "bin" / "python"
-    python.write_text(STUB)
-    python.chmod(0o755)
-    return tree / "stub"
-
-
-def _make_test(tree: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    stub = tree / "stub"
-    stub.mkdir(exist_ok=True)
-    return subprocess.run(["make", "-s", "test", *args], cwd=tree, capture_output=True, text=True, timeout=60,
-                          env=os.environ | {"STUB_DIR": str(stub)} | env)
-
-
-def _info(stub: Path, name: str) -> dict[str, str]:
-    return dict(ln.split("=", 1) for ln in (stub / f"{name}.info").read_text().splitlines())
-
-
-def test_make_test_runs_the_other_folders_in_workers_beside_tests_serve(tree):
-    stub = _stubbed(tree)
-    done = _make_test(tree)
-    assert done.returncode == 0, done.stderr
-    serve, unit = _info(stub, "serve"), _info(stub, "unit")
-    assert serve["args"].endswith("-m slow tests/serve") and "-n " not in serve["args"]  # one process
-    assert "-n 2 --dist loadfile" in unit["args"] and "--without-serve-apps" in unit["args"]
-    assert (stub / "unit.saw-serve").exists() and (stub / "serve.saw-unit").exists()  # at the same time
-    assert unit["nice"] == "19" and serve["nice"] == str(os.nice(0))  # the Serve tests keep their priority
-    assert unit["ray_address"] == "local" and serve["ray_address"] == os.environ.get("RAY_ADDRESS", "")
-    assert unit["pgid"] == unit["pid"]  # its own group, so that Ctrl-C can stop its workers
-    assert done.stdout.index("serve output") < done.stdout.index("unit output")  # the unit log follows
-
-
-@pytest.mark.parametrize("failing", ["UNIT_RC", "SERVE_RC"])
-def test_make_test_fails_when_either_pass_fails(tree, failing):
-    _stubbed(tree)
-    done = _make_test(tree, **{failing: "1"})
-    assert done.returncode != 0
-    assert "serve output" in done.stdout and "unit output" in done.stdout  # both ran to the end
-
-
-def test_ctrl_c_stops_the_unit_pass_too(tree):
-    stub = _stubbed(tree)
-    (stub).mkdir()
-    make = subprocess.Popen(["make", "-s", "test"], cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=os.environ | {"STUB_DIR": str(stub), "STUB_SLEEP": "30"}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while not ((stub / "unit.saw-serve").exists() and (stub / "serve.saw-unit").exists()):
-            assert time.monotonic() < deadline and make.poll() is None
-            time.sleep(0.05)
-        unit = int(_info(stub, "unit")["pid"])
-        os.killpg(make.pid, signal.SIGINT)  # what a terminal sends to its foreground group
-        make.wait(timeout=20)
-        deadline = time.monotonic() + 10
-        while _alive(unit):
-            assert time.monotonic() < deadline, "the unit pass outlived Ctrl-C"
-            time.sleep(0.05)
-    finally:
-        if make.poll() is None:
-            os.killpg(make.pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
-def test_serial_passes_run_one_after_the_other(tree):
-    stub = _stubbed(tree)
-    for lanes, workers in (("2", True), ("1", False)):
-        for f in stub.glob("*"):
-            f.unlink()
-        done = _make_test(tree, "TEST_PASSES=serial", f"UNIT_LANES={lanes}")
-        assert done.returncode == 0, done.stderr
-        unit, serve = _info(stub, "unit"), _info(stub, "serve")
-        assert not (stub / "unit.saw-serve").exists()  # the unit pass ended before the Serve tests began
-        assert ("-n 2" in unit["args"]) == workers and unit["nice"] == serve["nice"] == str(os.nice(0))
+    first, second = [ln for ln in _dry_run(tree, "test").splitlines() if "-m pytest" in ln]
+    assert "-n 2 --dist loadfile" in first and "--without-serve-apps" in first
+    assert second.endswith("-m slow  tests/serve") and "-n " not in second  # the Serve apps' tests in one process
+    serial = [ln for ln in _dry_run(tree, "test", "UNIT_LANES=1").splitlines() if "-m pytest" in ln]
+    assert len(serial) == 2 and not any("-n " in ln for ln in serial)
