@@ -16,6 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # turns: with one weight-cache entry per model, each change of configuration would be a full load that
 # rewrites the entry (loader/weight_cache.py).
 os.environ.setdefault("RAYLLM_WEIGHT_CACHE_ENTRIES", "4")
+# In a pytest-xdist worker, torch's own threads (transformers' references, tensors built in the test) take
+# the worker's share of the cores: two workers of two threads each on two cores spun on each other's cores
+# (docs/benchmarks.md, test time). Engines set their own thread counts (rayllm/platforms/cpu) either way.
+if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 # The folders mirror rayllm/ (tests/engine/test_scheduler.py tests rayllm/engine/scheduler.py); the cost
 # lanes are markers: files that run the real model or Ray Serve say `pytestmark = pytest.mark.slow`, and
