@@ -70,14 +70,14 @@ serve: install
 	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml
 
 # Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each),
-# then those (`slow` in tests/serve) in one process: they share Ray Serve apps and size their load by the
+# then those (`slow` in tests/serve, not `engine_only`) in one process: they share Ray Serve apps and size their load by the
 # machine's pace, and two lanes there competed for the cores (docs/benchmarks.md, test time).
 # PYTEST_ARGS (options, not paths) go to both passes; UNIT_LANES=1 runs the first pass serially.
 UNIT_LANES ?= 2
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)
 test: install-test
 	$(BIN)/python -m pytest -q $(XDIST) --without-serve-apps $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS) tests/serve
+	$(BIN)/python -m pytest -q --serve-apps-only $(PYTEST_ARGS) tests/serve
 
 # The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
 test-fast: install-test

@@ -31,19 +31,29 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--without-serve-apps", action="store_true",
-                     help="deselect tests/serve's slow tests (Ray Serve apps): `make test`'s first pass")
+                     help="deselect the tests on Ray Serve apps (tests/serve's slow tests): `make test`'s first pass")
+    parser.addoption("--serve-apps-only", action="store_true",
+                     help="only the tests on Ray Serve apps: `make test`'s second pass")
+
+
+def _on_serve_apps(item: pytest.Item, serve_dir: str) -> bool:
+    """tests/serve's slow tests, except the ones marked `engine_only` (the real model, no Ray)."""
+    return (str(item.path).startswith(serve_dir) and item.get_closest_marker("slow") is not None
+            and item.get_closest_marker("engine_only") is None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs tests/serve's slow tests (the ones on Ray Serve apps) alone in its second pass; its
-    first pass, in several workers, takes everything else, tests/serve's unit tests included."""
-    if not config.getoption("--without-serve-apps"):
+    """`make test` runs the tests on Ray Serve apps alone in its second pass; its first pass, in several
+    workers, takes everything else (tests/serve's unit and engine-only tests included)."""
+    without, only = config.getoption("--without-serve-apps"), config.getoption("--serve-apps-only")
+    if not (without or only):
         return
     serve = os.path.join(os.path.dirname(__file__), "serve") + os.sep
-    apps = [it for it in items if str(it.path).startswith(serve) and it.get_closest_marker("slow")]
-    if apps:
-        config.hook.pytest_deselected(items=apps)
-        items[:] = [it for it in items if it not in set(apps)]
+    drop = [it for it in items if _on_serve_apps(it, serve) == without]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        gone = set(drop)
+        items[:] = [it for it in items if it not in gone]
 
 
 @pytest.fixture

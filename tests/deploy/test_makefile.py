@@ -88,6 +88,6 @@ def test_make_test_runs_the_other_folders_in_workers_then_tests_serve_alone(tree
     _touch_after_sources(tree / ".venv" / ".installed-test")
     first, second = [ln for ln in _dry_run(tree, "test").splitlines() if "-m pytest" in ln]
     assert "-n 2 --dist loadfile" in first and "--without-serve-apps" in first
-    assert second.endswith("-m slow  tests/serve") and "-n " not in second  # the Serve apps' tests in one process
+    assert second.endswith("--serve-apps-only  tests/serve") and "-n " not in second  # the Serve apps' tests in one process
     serial = [ln for ln in _dry_run(tree, "test", "UNIT_LANES=1").splitlines() if "-m pytest" in ln]
     assert len(serial) == 2 and not any("-n " in ln for ln in serial)

@@ -28,7 +28,8 @@ from rayllm.schema.config import (
 from rayllm.schema.sampling_params import SamplingParams
 from rayllm.serve.llm_server import LLMServer
 
-pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+# The real model (`make test-fast` skips it), no Ray: `make test` runs it in its first pass.
+pytestmark = [pytest.mark.slow, pytest.mark.engine_only]
 
 
 @pytest.fixture(scope="module")
