@@ -34,6 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_bench import run_point, served_model  # noqa: E402
 from serve_prompts import messages_for  # noqa: E402
 
+# The venv's py-spy when the venv is not on PATH (`.venv/bin/python benchmarks/serve_cpu.py`).
+PY_SPY = str(Path(sys.executable).with_name("py-spy")) if Path(sys.executable).with_name("py-spy").exists() else "py-spy"
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -87,7 +90,7 @@ def _py_spy(pids: dict[str, int], seconds: float, folder: str) -> dict[str, subp
     for group, pid in pids.items():
         out = os.path.join(folder, f"{group.replace(':', '_')}.txt")
         procs[group] = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "50",
+            [PY_SPY, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "50",
              "--format", "raw", "--output", out, "--nonblocking"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return procs
