@@ -138,7 +138,7 @@ async def main() -> None:
         with tqdm(total=len(warm), desc="warm-up", file=sys.stderr) as bar:
             await run_point(client, args.url, model, warm, args.concurrency, args.max_tokens, 600, bar)
         before = {pid: cpu_seconds(pid) for pid in procs}
-        spy_dir = tempfile.mkdtemp(prefix="serve-cpu-")
+        spy_dir = os.environ.get("SERVE_CPU_SPY_DIR") or tempfile.mkdtemp(prefix="serve-cpu-")
         spies = {}
         if args.py_spy:
             busiest: dict[str, int] = {}

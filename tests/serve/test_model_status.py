@@ -1,5 +1,6 @@
-"""How the ingress reads Serve's status for /health and scale to zero (rayllm.serve.model_status), on Serve's
-own status classes; the end-to-end behaviour is tests/serve/test_scale_to_zero.py."""
+"""How the ingress reads Serve's status for /health and scale to zero (rayllm.serve.model_status), on instance
+details shaped as Serve's controller sends them (Serve's own enums); test_scale_to_zero.py checks the read against
+`serve.status()` on the real app, and the end-to-end behaviour."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ import threading
 import time
 
 import pytest
-from ray.serve._private.common import DeploymentStatus
-from ray.serve.schema import ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+from ray.serve._private.common import DeploymentStatus, ReplicaState
 
 from rayllm.protocol.errors import APIError
 from rayllm.serve.model_status import DeploymentState, ServeModelStatus, states_of, wake
 
 
-def serve_status(**deployments: tuple[DeploymentStatus, dict]) -> ServeStatus:
-    deps = {name: DeploymentStatusOverview(status=st, status_trigger="AUTOSCALING", replica_states=replicas,
-                                           message="") for name, (st, replicas) in deployments.items()}
-    return ServeStatus(applications={"app": ApplicationStatusOverview(status="RUNNING", message="",
-                                                                      last_deployed_time_s=0, deployments=deps)})
+def serve_status(**deployments: tuple[DeploymentStatus, dict]) -> dict:
+    """The controller's instance details (`get_serve_instance_details`) for app "app", the fields read."""
+    deps = {name: {"name": name, "status": st, "message": "",
+                   "replicas": [{"state": ReplicaState(state)} for state, n in replicas.items() for _ in range(n)]}
+            for name, (st, replicas) in deployments.items()}
+    return {"applications": {"app": {"status": "RUNNING", "deployments": deps}}}
 
 
 def test_states_asleep_and_healthy_from_serve_status():

@@ -68,6 +68,24 @@ def running() -> int:
     return serve.status().applications[APP].deployments["llm"].replica_states.get("RUNNING", 0)
 
 
+def read_matches_serve_status() -> bool:
+    """The ingress's read of the app's state (model_status: the controller's details, not `serve.status()`)
+    says what `serve.status()` says: each deployment's status and running replicas."""
+    from ray import serve
+
+    from rayllm.serve.model_status import _read_serve_status, states_of
+
+    ours = {name: (s.status, s.running) for name, s in states_of(_read_serve_status(), APP).items()}
+    ref = {name: (d.status.value, d.replica_states.get("RUNNING", 0))
+           for name, d in serve.status().applications[APP].deployments.items()}
+    return ours == ref and set(ours) == {"ingress", "tokenizer", "llm"}
+
+
+def settled_read_matches() -> bool:
+    """read_matches_serve_status, read again if a replica changed state between the two reads."""
+    return any(read_matches_serve_status() for _ in range(5))
+
+
 @pytest.fixture(scope="module")
 def zero(server) -> str:
     from ray import serve
@@ -82,6 +100,7 @@ def test_probes_leave_it_asleep_a_request_wakes_it_and_it_sleeps_again(zero):
     base = zero
     # Asleep from the start (initial_replicas 0), and healthy: a load balancer keeps the ingress in rotation.
     assert replica_actors() == [] and running() == 0
+    assert settled_read_matches()
     t_end = time.monotonic() + PROBE_S
     with httpx.Client(timeout=10) as http:
         while time.monotonic() < t_end:
@@ -111,7 +130,7 @@ def test_probes_leave_it_asleep_a_request_wakes_it_and_it_sleeps_again(zero):
         wake_s = time.monotonic() - t0
         body = r.json()
         assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["message"]["content"]
-        assert len(replica_actors()) == 1
+        assert len(replica_actors()) == 1 and settled_read_matches()
         print(f"\nwake-up (first request to first answer, model {MODEL}): {wake_s:.2f} s")
 
         # Awake: /v1/models now reports the model's real context length, read from the replica once.
