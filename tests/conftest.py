@@ -54,6 +54,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=drop)
         gone = set(drop)
         items[:] = [it for it in items if it not in gone]
+    if without:
+        # The workers take whole files in this order: files that run a model first, the quick unit files last,
+        # so that neither worker is left with a long file while the other has finished (longest first).
+        heavy = {it.path for it in items if it.get_closest_marker("slow")}
+        items.sort(key=lambda it: it.path not in heavy)
 
 
 @pytest.fixture
