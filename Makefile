@@ -69,9 +69,10 @@ serve: install
 	set -a && . ./serving.env && set +a && eval "$$($(BIN)/python -m rayllm.serve.serving_env)" && \
 	exec $(BIN)/python -m rayllm.serve.launch serve run cluster.yaml
 
-# Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each),
-# then those (`slow` in tests/serve, not `engine_only`) in one process: they share Ray Serve apps and size their load by the
-# machine's pace, and two lanes there competed for the cores (docs/benchmarks.md, test time).
+# Two passes: everything but tests/serve's Ray Serve tests in UNIT_LANES pytest-xdist workers (whole files each; the
+# scenarios on Ray instances of their own, `own_ray`, among them), then those (`slow` in tests/serve, not `engine_only` or
+# `own_ray`) in one process: they share Ray Serve apps and size their load by the machine's pace, and two lanes there
+# competed for the cores (docs/benchmarks.md, test time).
 # PYTEST_ARGS (options, not paths) go to both passes; UNIT_LANES=1 runs the first pass serially.
 UNIT_LANES ?= 2
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)

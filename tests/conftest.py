@@ -36,10 +36,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="only the tests on Ray Serve apps: `make test`'s second pass")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist hands out whole files largest first by their number of tests, a poor guess of their time;
+    # the first pass keeps the order pytest_collection_modifyitems gives them.
+    if config.getoption("--without-serve-apps") and hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def _on_serve_apps(item: pytest.Item, serve_dir: str) -> bool:
-    """tests/serve's slow tests, except the ones marked `engine_only` (the real model, no Ray)."""
+    """tests/serve's slow tests, except the ones marked `engine_only` (the real model, no Ray) or `own_ray`
+    (scenarios on Ray instances of their own, which wait on start-ups and probes more than they compute:
+    beside the first pass's unit files their waits take no core from the shared apps' paced tests)."""
     return (str(item.path).startswith(serve_dir) and item.get_closest_marker("slow") is not None
-            and item.get_closest_marker("engine_only") is None)
+            and item.get_closest_marker("engine_only") is None and item.get_closest_marker("own_ray") is None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -22,6 +22,7 @@ for _k, _v in serving_env().items():
 import ray.serve._private.constants  # noqa: E402, F401
 
 from tests.serve.ops_apps import (  # noqa: E402
+    SESSION,
     SHARED_APPS,
     SMALL_ENGINE,
     Receiver,
@@ -78,7 +79,9 @@ def server(tmp_path_factory):
                    "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "batch_invariant": True}},
     })
     serve.run(app, name="llm", route_prefix="/", blocking=False)
-    yield wait_healthy(f"http://127.0.0.1:{port}")
+    SESSION["url"] = wait_healthy(f"http://127.0.0.1:{port}")
+    yield SESSION["url"]
+    del SESSION["url"]
     # Not serve.shutdown(): its graceful stop of every replica took 16-21 s at the end of each run, and the
     # graceful paths are tested on their own (test_scaling_and_drain, test_stop_leaves_nothing). Stopping
     # this Ray instance ends its replicas, their engine processes and HAProxy (each dies with its parent).

@@ -111,6 +111,10 @@ class Pace:
 
 
 # Extra apps that several modules share (conftest.SharedApps): app name -> the module fixtures that use it.
+# {"url": the session app's URL} while conftest.server runs it: tests that can run on a Ray instance of their
+# own join it instead (pytest loads conftest.py as a module of its own, so the flag lives here).
+SESSION: dict[str, str] = {}
+
 SHARED_APPS: dict[str, frozenset[str]] = {
     "prio": frozenset({"prio", "traced"}),  # test_priority_serving.py, test_tracing_serving.py
     "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py

@@ -20,7 +20,7 @@ import pytest
 
 from tests.serve.ops_apps import own_haproxy_env
 
-pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]  # `make test-fast` skips it; its own Ray: the first pass
 
 ROOT = Path(__file__).resolve().parents[2]
 

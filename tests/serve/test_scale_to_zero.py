@@ -8,16 +8,19 @@ from the page), the delays shortened. The wake-up time is printed (the page reco
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.serve.ops_apps import MODEL, chat_body, run_app
+from tests.serve.ops_apps import MODEL, SESSION, chat_body, free_port, run_app
 from tests.serve.test_shipped_config import CLUSTER_YAML, merge
 
-pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+# The real model on Ray Serve (`make test-fast` skips it), on a Ray instance of its own: mostly probes and
+# start-ups, it runs in `make test`'s first pass (tests/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 APP = "zero"
 PROBE_S = 20  # 10x the downscale delay: a probe that woke the model would show well within it
@@ -87,13 +90,33 @@ def settled_read_matches() -> bool:
 
 
 @pytest.fixture(scope="module")
-def zero(server) -> str:
+def zero(tmp_path_factory) -> str:
+    """The app, in this process's Serve instance when the session app runs (conftest.server), else in a Ray
+    instance and Serve of its own, stopped after this module."""
+    import ray
     from ray import serve
 
     from rayllm.serve.builder import build_app
-
-    yield run_app(server, build_app(zero_args()), APP, wait_s=120)
-    serve.delete(APP, _blocking=False)
+    own = "url" not in SESSION
+    if own:
+        if ray.is_initialized():  # a folder's tensor-parallel Ray (tests/conftest.ray_local) still up
+            ray.shutdown()
+        port = free_port()
+        os.environ["STORAGE_URL"] = f"sqlite:///{tmp_path_factory.mktemp('zero')}/conversations.db"
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+    else:
+        base = SESSION["url"]
+    try:
+        yield run_app(base, build_app(zero_args()), APP, wait_s=120)
+    finally:
+        if own:
+            os.environ.pop("STORAGE_URL", None)
+            ray.shutdown()  # the app, its replicas and HAProxy end with this Ray instance
+        else:
+            serve.delete(APP, _blocking=False)
 
 
 def test_probes_leave_it_asleep_a_request_wakes_it_and_it_sleeps_again(zero):

@@ -26,7 +26,7 @@ import pytest
 from rayllm.serve.serving_env import serving_env
 from tests.serve.ops_apps import free_port, own_haproxy_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_ray]  # `make test-fast` skips it; its own Ray: the first pass
 
 ROOT = Path(__file__).resolve().parents[2]
 HOWS = ("SIGTERM", "SIGINT", "force")
