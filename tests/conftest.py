@@ -77,7 +77,7 @@ def ray_local() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         _RAY_BY_FIXTURE = True
 
 

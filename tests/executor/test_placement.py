@@ -44,7 +44,7 @@ class Probe:
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

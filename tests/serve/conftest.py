@@ -59,7 +59,7 @@ def server(tmp_path_factory):
     # Conversations go to a throwaway SQLite file (every app these tests build, through STORAGE_URL).
     os.environ["STORAGE_URL"] = f"sqlite:///{tmp_path_factory.mktemp('state')}/conversations.db"
     # More logical CPUs than cores: the ingress and tokenizer reserve none, TP ranks one each.
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+    ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # The shipped numerics (bf16, 4-bit small-batch copies of the GGUF's weights, oneDNN), plus

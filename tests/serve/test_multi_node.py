@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,8 +31,16 @@ def test_replicas_on_several_nodes_survive_losing_one():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     env.pop("RAY_ADDRESS", None)  # its own cluster, not one this process may have joined
     env |= own_haproxy_env()  # the session app's HAProxy holds conftest's
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multi_node_scenario.py"))], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    # Ray's files in a folder of its own: ray.cluster_utils.Cluster writes its head's address to
+    # <Ray's temp dir>/ray_current_cluster, which every `ray.init()` without an address on this machine would
+    # join (other tests' Ray instances and `serve run`s run beside this one in `make test`'s first pass).
+    tmp = tempfile.mkdtemp(prefix="rmn-", dir="/tmp")  # short: Ray's socket paths live below it
+    env["RAY_TMPDIR"] = tmp
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("multi_node_scenario.py"))], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-4000:]
     r = json.loads(line[len("RESULT "):])

@@ -103,7 +103,7 @@ def zero(tmp_path_factory) -> str:
             ray.shutdown()
         port = free_port()
         os.environ["STORAGE_URL"] = f"sqlite:///{tmp_path_factory.mktemp('zero')}/conversations.db"
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         base = f"http://127.0.0.1:{port}"
