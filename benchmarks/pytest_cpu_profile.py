@@ -3,8 +3,9 @@
     PYTHONPATH=benchmarks CPUPROF_OUT=/tmp/cpuprof.jsonl python -m pytest -q -p pytest_cpu_profile
 
 One JSON line per test (setup to teardown): `wall` seconds, `busy_cpu_s` from /proc/stat (every core), and
-`kinds`, the eight process kinds that used most CPU in it (pytest, Ray's daemons, each Serve replica by app
-and deployment, the rest by command). Processes that start and end within one test are in `busy_cpu_s`
+`kinds`, the eight process kinds that used most CPU in it (pytest: this process; "pytest (other)": other
+pytest processes, such as the other pytest-xdist workers; Ray's daemons, each Serve replica by app and
+deployment, the rest by command). Processes that start and end within one test are in `busy_cpu_s`
 only. Each test scans /proc twice (a few ms each): the suite runs about a minute longer.
 """
 
@@ -26,9 +27,9 @@ def _busy() -> int:
     return sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
 
 
-def _kind(cmd: str) -> str:
+def _kind(pid: str, cmd: str) -> str:
     if "pytest" in cmd:
-        return "pytest"
+        return "pytest" if int(pid) == os.getpid() else "pytest (other)"
     if "ServeReplica:" in cmd:
         return "replica:" + cmd.split("ServeReplica:", 1)[1].split()[0][:40]
     return next((k for k in KINDS if k in cmd), cmd.split()[0][-30:] if cmd else "?")
@@ -45,7 +46,7 @@ def _processes() -> dict[str, tuple[str, int]]:
         except OSError:  # exited meanwhile
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        out[pid] = (_kind(cmd), int(fields[11]) + int(fields[12]))  # utime + stime
+        out[pid] = (_kind(pid, cmd), int(fields[11]) + int(fields[12]))  # utime + stime
     return out
 
 
