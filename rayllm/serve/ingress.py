@@ -64,6 +64,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         self.metrics = server_metrics()
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
         self.model_status = ServeModelStatus(serve.get_replica_context().app_name)
+        self.health_log = ops.HealthLog()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
         configure(config.tracing, "ingress")  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
 
@@ -132,7 +133,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     @app.get("/health")
     async def health(self) -> Response:
-        return await ops.health([r.llm for r in self.routes], self.model_status)
+        return await ops.health([r.llm for r in self.routes], self.model_status, self.health_log)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> JSONResponse:

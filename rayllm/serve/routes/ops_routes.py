@@ -27,18 +27,36 @@ log = logging.getLogger("ray.serve")
 UNHEALTHY = "model unavailable: no healthy model replica answered; retry later"
 
 
-async def health(llms: list[DeploymentHandle], status: ServeModelStatus) -> Response:
+class HealthLog:
+    """/health's log: one line when the set of unhealthy model deployments changes (a load balancer probes
+    every few seconds, and a model starts for many seconds: a line per probe would bury everything else)."""
+
+    def __init__(self) -> None:
+        self.down: tuple[str, ...] = ()
+
+    def report(self, down: list[str], cause: str = "") -> None:
+        now = tuple(down)
+        if now == self.down:
+            return
+        if now:
+            log.warning("/health: model deployments not healthy: %s%s", ", ".join(now), cause and f" ({cause})")
+        else:
+            log.info("/health: every model deployment healthy again (was: %s)", ", ".join(self.down))
+        self.down = now
+
+
+async def health(llms: list[DeploymentHandle], status: ServeModelStatus, health_log: HealthLog) -> Response:
     """200 when every model's deployment is healthy in Serve's own status, or asleep (scaled to zero; a
     request wakes it). Read from the controller, never by calling a replica, so a probe wakes nothing."""
     try:  # bounded: a busy controller must not hold a load balancer's probe
         states = await asyncio.wait_for(status.states(), timeout=10)
         down = [h.deployment_name for h in llms
                 if not states.get(h.deployment_name, DeploymentState("MISSING", 0)).healthy]
+        cause = ""
     except Exception as exc:
-        log.warning("/health: Serve status unavailable: %s", first_line(exc, 500))
-        down = ["(status unavailable)"]
+        down, cause = ["(status unavailable)"], first_line(exc, 500)
+    health_log.report(down, cause)
     if down:
-        log.warning("/health: model deployments not healthy: %s", ", ".join(down))
         return error_response(APIError(503, UNHEALTHY, type="server_error", code="model_unavailable"))
     return Response(status_code=200)
 
