@@ -1,22 +1,30 @@
 """`make serve`'s launcher: `python -m rayllm.serve.launch serve run [serve run's options] cluster.yaml`.
 
-Ray Serve's own `serve run`, unchanged (the same config, application build, Ctrl-C and exit). With
-`RAYLLM_RAY_DASHBOARD=0` it first starts the local Ray that `serve run` would start with `ray.init()`'s
-defaults, without Ray's dashboard: `ray.init` waits for the dashboard's web server and its module processes
-before it starts the raylet, about 2 s of `make serve`'s cold start on two cores (docs/benchmarks.md). The
-dashboard stays on by default because `serve status` / `serve config`, `ray list ...` and its web UI need it;
-Ray's metrics agent (the `ray_vllm_*` exporter of docs/operations.md) runs either way. Where `serve run` would not start a local Ray (RAY_ADDRESS set, or `--address`) or would start it with
-a runtime environment (`--runtime-env`, `--runtime-env-json`, `--working-dir`), it runs as it is.
+Ray Serve's own `serve run`, unchanged (the same config, application build and exit), with three additions:
 
-`serve run` returns to its log once the config is submitted, before any replica is up, so the launcher
-also says when the app answers: it polls each application's `/health` (every 0.5 s, one cheap request)
-and prints `rayllm: ready in N s: URL/v1` on stderr at its first 200, or a line every 30 s while it does not.
+- It starts the local Ray that `serve run` would start with `ray.init()`'s defaults itself, so that it can take
+  the stop signals after Ray has set its own (below). `RAYLLM_RAY_DASHBOARD=0` leaves Ray's dashboard out:
+  `ray.init` waits for the dashboard's web server and its module processes before it starts the raylet, about
+  2 s of `make serve`'s cold start on two cores (docs/benchmarks.md). The dashboard stays on by default because
+  `serve status` / `serve config`, `ray list ...` and its web UI need it; Ray's metrics agent (the `ray_vllm_*`
+  exporter of docs/operations.md) runs either way. Where `serve run` would not start a local Ray (RAY_ADDRESS
+  set, or `--address`) or would start it with a runtime environment (`--runtime-env`, `--runtime-env-json`,
+  `--working-dir`), it runs as it is.
+- A graceful stop: the first SIGTERM (`docker stop`, systemd, `kill`) or Ctrl-C deletes every application, which
+  stops routing new requests to it and lets the requests in flight finish (each replica drains for up to its
+  `graceful_shutdown_timeout_s`), then ends Serve and Ray as `serve run`'s Ctrl-C does. A second signal ends
+  them at once. (`serve run` alone would cut open streams: Ray's driver exits on SIGTERM, and Serve's shutdown
+  stops the HTTP proxy with the replicas.)
+- `serve run` returns to its log once the config is submitted, before any replica is up, so the launcher also
+  says when the app answers: it polls each application's `/health` (every 0.5 s, one cheap request) and prints
+  `rayllm: ready in N s: URL/v1` on stderr at its first 200, or a line every 30 s while it does not.
 """
 
 from __future__ import annotations
 
 import http.client
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,13 +38,56 @@ USAGE = "usage: python -m rayllm.serve.launch serve run [serve run's options] CO
 
 
 def starts_ray_here(run_args: list[str], environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this launcher starts the local Ray (without the dashboard: RAYLLM_RAY_DASHBOARD=0) before
-    `serve run` gets run_args."""
-    if environ.get("RAYLLM_RAY_DASHBOARD", "1").lower() not in ("0", "false", "no"):
-        return False
+    """Whether this launcher starts the local Ray before `serve run` gets run_args: where `serve run` would
+    start one with ray.init()'s defaults."""
     if environ.get("RAY_ADDRESS"):
         return False
     return not any(a == opt or a.startswith(opt + "=") for a in run_args for opt in RAY_INIT_OPTIONS)
+
+
+def with_dashboard(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get("RAYLLM_RAY_DASHBOARD", "1").lower() not in ("0", "false", "no")
+
+
+class GracefulStop:
+    """The stop signals' handler (SIGTERM, SIGINT). The first: `drain` in a thread (delete the applications and
+    wait for them to go: their replicas drain first), then `interrupt` the main thread, where `serve run`'s
+    Ctrl-C path ends Serve; a signal while draining: that path at once."""
+
+    def __init__(self, drain: Callable[[], None], interrupt: Callable[[], None], out: TextIO = sys.stderr) -> None:
+        self.drain, self.interrupt, self.out = drain, interrupt, out
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            raise KeyboardInterrupt  # serve run's own Ctrl-C path: Serve shut down now
+        self.stopping = True
+        print(f"rayllm: {signal.Signals(signum).name}: stopping; requests in flight finish first (again to stop "
+              "now)", file=self.out, flush=True)
+        threading.Thread(target=self._drain_then_stop, daemon=True, name="rayllm-stop").start()
+
+    def _drain_then_stop(self) -> None:
+        try:
+            self.drain()
+        except Exception as exc:  # stop anyway: this was asked for
+            print(f"rayllm: draining failed ({type(exc).__name__}: {exc}); stopping now", file=self.out, flush=True)
+        self.interrupt()
+
+
+def drain_applications(wait_s: float = 180.0, poll_s: float = 0.5, out: TextIO = sys.stderr) -> None:
+    """Delete every Serve application and wait until they are gone: each stops taking requests at once, and
+    Serve stops its replicas once their requests finished (within each deployment's
+    graceful_shutdown_timeout_s; `wait_s` bounds the whole wait beyond that)."""
+    from ray import serve
+
+    names = list(serve.status().applications)
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + wait_s
+    while (left := [n for n in serve.status().applications if n in names]) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    print(f"rayllm: {'drained' if not left else 'stopping with ' + ', '.join(left) + ' still draining'}",
+          file=out, flush=True)
 
 
 def app_urls(run_args: list[str]) -> list[str]:
@@ -102,9 +153,15 @@ def main(argv: list[str]) -> None:
         from ray.serve._private.constants import SERVE_NAMESPACE
         from ray.serve.scripts import parse_runtime_env_args
 
-        # What serve run passes to ray.init when given no Ray options, plus include_dashboard=False.
-        ray.init(address=None, namespace=SERVE_NAMESPACE, include_dashboard=False,
+        # What serve run passes to ray.init when given no Ray options; the dashboard as RAYLLM_RAY_DASHBOARD says.
+        ray.init(address=None, namespace=SERVE_NAMESPACE, include_dashboard=None if with_dashboard() else False,
                  runtime_env=parse_runtime_env_args(runtime_env=None, runtime_env_json=None, working_dir=None))
+        # After ray.init, which set its own SIGTERM handler (exit at once, cutting open streams).
+        # A real signal to the main thread: it wakes serve run's sleep there (interrupt_main would wait it out).
+        main_thread = threading.main_thread().ident
+        stop = GracefulStop(drain_applications, lambda: signal.pthread_kill(main_thread, signal.SIGINT))
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
     from ray.serve.scripts import cli
 
     cli.main(args=argv[1:], prog_name="serve")  # serve run skips its ray.init when Ray is up

@@ -1,11 +1,13 @@
-"""rayllm.serve.launch: which `serve run` command lines it starts the local Ray for (without Ray's dashboard),
-and which it leaves to `serve run`'s own ray.init; which URLs it watches, and its "ready" line against a real
-HTTP server. The launch itself runs in benchmarks/cold_start.py --mode make (docs/benchmarks.md) and in
-tests/serve/test_stop_leaves_nothing.py (which checks its "ready" line); no Ray starts here."""
+"""rayllm.serve.launch: which `serve run` command lines it starts the local Ray for (with or without Ray's
+dashboard), and which it leaves to `serve run`'s own ray.init; its stop signals' handler; which URLs it watches,
+and its "ready" line against a real HTTP server. The launch itself runs in benchmarks/cold_start.py --mode make
+(docs/benchmarks.md) and in tests/serve/test_stop_leaves_nothing.py (its "ready" line, and a stream in flight
+through SIGTERM and Ctrl-C); no Ray starts here."""
 
 from __future__ import annotations
 
 import io
+import signal
 import subprocess
 import sys
 import threading
@@ -14,20 +16,25 @@ from pathlib import Path
 
 import pytest
 
-from rayllm.serve.launch import USAGE, announce_when_ready, app_urls, starts_ray_here
+from rayllm.serve.launch import (
+    USAGE,
+    GracefulStop,
+    announce_when_ready,
+    app_urls,
+    starts_ray_here,
+    with_dashboard,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 NO_DASHBOARD = {"RAYLLM_RAY_DASHBOARD": "0"}
 
 
-def test_without_the_dashboard_ray_is_started_here():
-    assert starts_ray_here(["cluster.yaml"], NO_DASHBOARD)
+def test_the_local_ray_is_started_here_with_the_dashboard_unless_turned_off():
+    assert starts_ray_here(["cluster.yaml"], {}) and with_dashboard({})
+    assert starts_ray_here(["cluster.yaml"], NO_DASHBOARD) and not with_dashboard(NO_DASHBOARD)
     assert starts_ray_here(["--blocking", "-d", ".", "cluster.yaml"], {"RAYLLM_RAY_DASHBOARD": "false"})
-
-
-def test_by_default_serve_run_starts_ray_with_its_dashboard():
-    assert not starts_ray_here(["cluster.yaml"], {})
+    assert not with_dashboard({"RAYLLM_RAY_DASHBOARD": "false"}) and with_dashboard({"RAYLLM_RAY_DASHBOARD": "1"})
 
 
 @pytest.mark.parametrize("args", [["--address", "auto", "c.yaml"], ["-a", "ray://h:10001", "c.yaml"],
@@ -37,10 +44,35 @@ def test_options_that_reach_serve_runs_own_ray_init_leave_it_to_serve_run(args):
     assert not starts_ray_here(args, NO_DASHBOARD)
 
 
-@pytest.mark.parametrize("env", [{"RAY_ADDRESS": "127.0.0.1:6379", **NO_DASHBOARD}, {"RAYLLM_RAY_DASHBOARD": "1"},
-                                 {"RAYLLM_RAY_DASHBOARD": "true"}])
-def test_an_existing_cluster_or_the_dashboard_leave_it_to_serve_run(env):
+@pytest.mark.parametrize("env", [{"RAY_ADDRESS": "127.0.0.1:6379"}, {"RAY_ADDRESS": "auto", **NO_DASHBOARD}])
+def test_an_existing_cluster_is_left_to_serve_run(env):
     assert not starts_ray_here(["cluster.yaml"], env)
+
+
+def test_first_stop_signal_drains_then_interrupts_and_a_second_stops_at_once():
+    """The handler as signal.signal calls it: the first signal drains in a thread and then interrupts the main
+    thread (serve run's Ctrl-C path); one while draining raises KeyboardInterrupt (that path at once)."""
+    release, events = threading.Event(), []
+
+    def drain():
+        events.append("drain")
+        release.wait(10)
+
+    interrupted = threading.Event()
+    out = io.StringIO()
+    stop = GracefulStop(drain, lambda: (events.append("interrupt"), interrupted.set()), out)
+    stop(signal.SIGTERM, None)
+    with pytest.raises(KeyboardInterrupt):
+        stop(signal.SIGINT, None)
+    assert events == ["drain"]  # still draining
+    release.set()
+    assert interrupted.wait(10) and events == ["drain", "interrupt"]
+    assert out.getvalue().startswith("rayllm: SIGTERM: stopping")
+
+    failing = GracefulStop(lambda: 1 / 0, lambda: interrupted.set(), out := io.StringIO())
+    interrupted.clear()
+    failing(signal.SIGINT, None)  # a failed drain still stops
+    assert interrupted.wait(10) and "draining failed (ZeroDivisionError" in out.getvalue()
 
 
 def test_anything_but_serve_run_is_refused_before_ray_starts():

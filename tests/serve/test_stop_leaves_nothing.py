@@ -1,4 +1,5 @@
-"""Stopping `serve run cluster.yaml` leaves no process behind and frees the HTTP port, whatever the signal.
+"""Stopping `serve run cluster.yaml` leaves no process behind and frees the HTTP port, whatever the signal; SIGTERM
+and Ctrl-C first let a stream in flight finish (the launcher's graceful stop).
 
 The real `serve run` on the shipped cluster.yaml (default model), started as `make serve` starts it
 (`python -m rayllm.serve.launch serve run`, serving.env plus haproxy_guard's paths); the SIGTERM run with Ray's
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +119,35 @@ def _tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+class Stream(threading.Thread):
+    """A chat completion streamed through the OpenAI SDK: `started` at its first token; then its token count
+    and finish reason, or the error that ended it."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.max_tokens = port, max_tokens
+        self.started = threading.Event()
+        self.tokens, self.finish, self.error = 0, None, None
+
+    def run(self) -> None:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            for chunk in client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct", stream=True, max_tokens=self.max_tokens, temperature=0,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                    messages=[{"role": "user", "content": "Tell me a long story about a lighthouse."}]):
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    self.finish = chunk.choices[0].finish_reason
+                if chunk.usage:
+                    self.tokens = chunk.usage.completion_tokens
+                self.started.set()
+        except Exception as exc:  # the stream cut: what the graceful stop prevents
+            self.error = exc
+        self.started.set()
+
+
 @pytest.mark.parametrize("how", HOWS)
 def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     run = runs[how]
@@ -125,18 +156,29 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     names = {p.pid: p.name() for p in tree}
     assert any(n == "haproxy" for n in names.values()), names  # HAProxy is what used to outlive Ray
     assert any(n == "raylet" for n in names.values()), names
+    stream = None
     if how == "force":
         for p in [psutil.Process(proc.pid), *tree]:
             if p.name() != "haproxy":
                 p.send_signal(signal.SIGKILL)
     else:
+        # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end.
+        stream = Stream(run.port, max_tokens=128)
+        stream.start()
+        assert stream.started.wait(60) and stream.error is None, stream.error
         proc.send_signal(getattr(signal, how))
+        stream.join(120)
+        assert (stream.error, stream.finish, stream.tokens) == (None, "length", 128), run.log.read_text()[-2000:]
     gone, alive = psutil.wait_procs(tree, timeout=60)
     for p in alive:  # leave the machine clean before failing
         p.kill()
-    if proc.poll() is None:
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
         proc.kill()
-    proc.wait(timeout=30)
+        proc.wait(timeout=30)
+    if stream is not None:
+        assert proc.returncode == 0, run.log.read_text()[-2000:]  # the graceful stop ends as Ctrl-C does
     assert not alive, (f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}; serve run's "
                        f"stdout: {run.log.with_name('serve.out').read_text(errors='replace')[-2000:]}")
     # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it.
