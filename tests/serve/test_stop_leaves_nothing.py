@@ -3,9 +3,9 @@ and Ctrl-C first let a stream in flight finish (the launcher's graceful stop).
 
 The real `serve run` on the shipped cluster.yaml (default model), started as `make serve` starts it
 (`python -m rayllm.serve.launch serve run`, serving.env plus haproxy_guard's paths); the SIGTERM run with Ray's
-dashboard (`serve run` starts Ray), the SIGINT (Ctrl-C, what `make serve`'s users send) and "force" runs with
-`RAYLLM_RAY_DASHBOARD=0`, so the launcher starts Ray itself there (and no dashboard adds to the three starts). "force" stands in for `ray stop --force`, scoped to this
-run's processes: that command SIGKILLs every Ray process on the machine by name (never HAProxy), which
+dashboard (as shipped), the SIGINT (Ctrl-C, what `make serve`'s users send) and "force" runs with
+`RAYLLM_RAY_DASHBOARD=0` (no dashboard adds to the three starts). "force" stands in for `ray stop --force`, scoped
+to this run's processes: that command SIGKILLs every Ray process on the machine by name (never HAProxy), which
 would also stop other Ray instances here; killing this run's tree by pid is the same signal to the same
 processes.
 """
