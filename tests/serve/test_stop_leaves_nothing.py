@@ -166,7 +166,10 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
         stream = Stream(run.port, max_tokens=128)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
-        proc.send_signal(getattr(signal, how))
+        if how == "SIGINT":  # Ctrl-C in a terminal signals the whole foreground group (Ray's daemons too)
+            os.killpg(proc.pid, signal.SIGINT)
+        else:  # docker stop, kill: the launcher alone
+            proc.send_signal(signal.SIGTERM)
         stream.join(120)
         assert (stream.error, stream.finish, stream.tokens) == (None, "length", 128), run.log.read_text()[-2000:]
     gone, alive = psutil.wait_procs(tree, timeout=60)
