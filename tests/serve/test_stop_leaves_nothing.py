@@ -163,7 +163,7 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
                 p.send_signal(signal.SIGKILL)
     else:
         # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end.
-        stream = Stream(run.port, max_tokens=128)
+        stream = Stream(run.port, max_tokens=64)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
         if how == "SIGINT":  # Ctrl-C in a terminal signals the whole foreground group (Ray's daemons too)
@@ -171,7 +171,7 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
         else:  # docker stop, kill: the launcher alone
             proc.send_signal(signal.SIGTERM)
         stream.join(120)
-        assert (stream.error, stream.finish, stream.tokens) == (None, "length", 128), run.log.read_text()[-2000:]
+        assert (stream.error, stream.finish, stream.tokens) == (None, "length", 64), run.log.read_text()[-2000:]
     gone, alive = psutil.wait_procs(tree, timeout=60)
     for p in alive:  # leave the machine clean before failing
         p.kill()
