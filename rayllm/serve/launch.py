@@ -74,20 +74,44 @@ class GracefulStop:
         self.interrupt()
 
 
-def drain_applications(wait_s: float = 180.0, poll_s: float = 0.5, out: TextIO = sys.stderr) -> None:
+def client_connections(ports: set[int], proc_net: str = "/proc/net") -> set[tuple[str, str]]:
+    """The established TCP connections whose local end is one of `ports` (what clients hold open to this
+    server), as (local, remote) address pairs from the kernel's tables (Linux; elsewhere none)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(os.path.join(proc_net, table)) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) in ports:  # 01: ESTABLISHED
+                found.add((fields[1], fields[2]))
+    return found
+
+
+def drain_applications(ports: set[int], wait_s: float = 180.0, flush_s: float = 30.0, poll_s: float = 0.5,
+                       out: TextIO = sys.stderr) -> None:
     """Delete every Serve application and wait until they are gone: each stops taking requests at once, and
     Serve stops its replicas once their requests finished (within each deployment's
-    graceful_shutdown_timeout_s; `wait_s` bounds the whole wait beyond that)."""
+    graceful_shutdown_timeout_s; `wait_s` bounds the whole wait beyond that). Then wait (up to `flush_s`) for
+    the client connections open at the start to close: a finished response can still sit in the proxies'
+    buffers for a slow client, and stopping Serve stops the proxies."""
     from ray import serve
 
+    held = client_connections(ports)
     names = list(serve.status().applications)
     for name in names:
         serve.delete(name, _blocking=False)
     deadline = time.monotonic() + wait_s
     while (left := [n for n in serve.status().applications if n in names]) and time.monotonic() < deadline:
         time.sleep(poll_s)
-    print(f"rayllm: {'drained' if not left else 'stopping with ' + ', '.join(left) + ' still draining'}",
-          file=out, flush=True)
+    flush_deadline = time.monotonic() + flush_s
+    while (open_ := held & client_connections(ports)) and time.monotonic() < flush_deadline:
+        time.sleep(poll_s / 5)
+    print(f"rayllm: {'drained' if not left else 'stopping with ' + ', '.join(left) + ' still draining'}"
+          + (f" ({len(open_)} client connections still open)" if open_ else ""), file=out, flush=True)
 
 
 def app_urls(run_args: list[str]) -> list[str]:
@@ -146,7 +170,8 @@ def announce_when_ready(urls: list[str], out: TextIO = sys.stderr, poll_s: float
 def main(argv: list[str]) -> None:
     if argv[:2] != ["serve", "run"]:
         sys.exit(USAGE)
-    threading.Thread(target=announce_when_ready, args=(app_urls(argv[2:]),), daemon=True,
+    urls = app_urls(argv[2:])
+    threading.Thread(target=announce_when_ready, args=(urls,), daemon=True,
                      name="rayllm-ready").start()
     if starts_ray_here(argv[2:]):
         import ray
@@ -159,7 +184,8 @@ def main(argv: list[str]) -> None:
         # After ray.init, which set its own SIGTERM handler (exit at once, cutting open streams).
         # A real signal to the main thread: it wakes serve run's sleep there (interrupt_main would wait it out).
         main_thread = threading.main_thread().ident
-        stop = GracefulStop(drain_applications, lambda: signal.pthread_kill(main_thread, signal.SIGINT))
+        ports = {urlsplit(url).port or 80 for url in urls}
+        stop = GracefulStop(lambda: drain_applications(ports), lambda: signal.pthread_kill(main_thread, signal.SIGINT))
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
     from ray.serve.scripts import cli

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from rayllm.serve.launch import (
     GracefulStop,
     announce_when_ready,
     app_urls,
+    client_connections,
     starts_ray_here,
     with_dashboard,
 )
@@ -47,6 +49,25 @@ def test_options_that_reach_serve_runs_own_ray_init_leave_it_to_serve_run(args):
 @pytest.mark.parametrize("env", [{"RAY_ADDRESS": "127.0.0.1:6379"}, {"RAY_ADDRESS": "auto", **NO_DASHBOARD}])
 def test_an_existing_cluster_is_left_to_serve_run(env):
     assert not starts_ray_here(["cluster.yaml"], env)
+
+
+def test_client_connections_are_the_established_ones_to_our_ports():
+    """Read from the kernel's tables: a connection accepted on the port is listed until it closes; the listening
+    socket and other ports are not."""
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_server(("127.0.0.1", 0)) as other:
+        port = server.getsockname()[1]
+        assert client_connections({port}) == set()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        elsewhere = socket.create_connection(other.getsockname())
+        found = client_connections({port})
+        assert len(found) == 1
+        ((local, remote),) = found
+        assert int(local.rsplit(":", 1)[1], 16) == port
+        assert int(remote.rsplit(":", 1)[1], 16) == client.getsockname()[1]
+        for s in (client, accepted, elsewhere):
+            s.close()
+        assert client_connections({port}) == set()
 
 
 def test_first_stop_signal_drains_then_interrupts_and_a_second_stops_at_once():
