@@ -19,6 +19,7 @@ Paths (the int4 ones are forced onto their kernel for every position, as decode 
   tied LM head's Q8_0 weight as two 4-bit planes on the same kernel (two passes);
 - int4_vnni_1pass: one int8 pass everywhere (int8_passes 1; the default before issue 35);
 - int4_vnni_gateup2: two passes on gate/up only, one elsewhere (the first fix for issue 35);
+- int4_vnni_one_<types>: the shipped path with one pass on the layer types named (joined by +), two elsewhere;
 - int8_only_<type>: int4 with bf16 activations everywhere except <type> (qkv_proj, o_proj, gate_up_proj,
   down_proj), whose activations are int8 in one pass: which projections lose most to int8 activations;
 - int4_head_bf16 / int4_vnni_head_bf16: int4 / int4_vnni with the LM head on its bf16 weights (no 8-bit copy of
@@ -75,6 +76,9 @@ from rayllm.schema.config import (  # noqa: E402
 from rayllm.schema.sampling_params import SamplingParams  # noqa: E402
 
 LAYER_TYPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# int4_vnni_one_<types>: the shipped path with one int8 pass on these layer types (joined by +), two elsewhere.
+ONE_PASS_MIXES = ("o_proj", "o_proj+qkv_proj", "o_proj+down_proj", "o_proj+qkv_proj+down_proj", "o_proj+gate_up_proj",
+                  "o_proj+gate_up_proj+down_proj")
 PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "fp32": ("float32", "none", "default", "auto"),
     "int4": ("bfloat16", "weight_only", "small-batch", "auto"),
@@ -83,6 +87,7 @@ PATHS = {  # name -> (dtype, small_batch_quant, forced kernel, model.weights)
     "int4_vnni_1pass": ("bfloat16", "auto", "small-batch", "auto"),
     "int4_vnni_gateup2": ("bfloat16", "auto", "small-batch", "auto"),
     **{f"int8_only_{t}": ("bfloat16", "auto", "small-batch", "auto") for t in LAYER_TYPES},
+    **{f"int4_vnni_one_{m}": ("bfloat16", "auto", "small-batch", "auto") for m in ONE_PASS_MIXES},
     "int4_head_bf16": ("bfloat16", "weight_only", "small-batch", "auto"),
     "int4_vnni_head_bf16": ("bfloat16", "auto", "small-batch", "auto"),
     "int4_head_q8": ("bfloat16", "weight_only", "small-batch", "auto"),
@@ -151,10 +156,12 @@ def repack(engine: LLMEngine, name: str) -> None:
             small.max_tokens = method.small.max_tokens
             module.set_method(SmallBatchMethod(small, method.large))
             continue
-        if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith("int8_only_"):
+        if name not in ("int4_vnni_1pass", "int4_vnni_gateup2") and not name.startswith(("int8_only_", "int4_vnni_one_")):
             continue
         vnni = name.startswith("int4_vnni") or mod_name.endswith(name.removeprefix("int8_only_"))
         passes = 2 if name == "int4_vnni_gateup2" and mod_name.endswith("gate_up_proj") else 1
+        if name.startswith("int4_vnni_one_"):
+            passes = 1 if mod_name.endswith(tuple(name.removeprefix("int4_vnni_one_").split("+"))) else 2
         module.set_method(SmallBatchMethod(parallel.PackedWeight(module.weight.data, 4, vnni=vnni, passes=passes),
                                            method.large))
 

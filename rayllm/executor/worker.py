@@ -116,7 +116,7 @@ class Worker:
             source_bits: dict[str, int] = {}  # no small-batch copies: the quantized kernels serve every size
             int8_activations = config.parallel.cpu.small_batch_quant == "auto" and self.platform.int8_activations()
             log.info("kept %d layers quantized", load_quantized_weights(self.model, model_path, int8_activations,
-                                                                           config.parallel.cpu.int8_passes))
+                                                                           config.parallel.cpu.int8_passes_for))
         else:
             cache = weight_cache.for_worker(config, model_path, arch, self.dtype, self.tp, self.platform)
             # A hit leaves nothing to pack: choose_weight_methods then only lays out oneDNN's weights.

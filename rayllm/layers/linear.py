@@ -268,11 +268,12 @@ class ParallelLMHead(LinearBase):
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 
-def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True, passes: int = 2) -> int:
+def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni: bool = True,
+                             passes: Callable[[str], int] = lambda name: 2) -> int:
     """Give every linear layer whose checkpoint was 4- or 8-bit a packed copy for small batches (a
     SmallBatchMethod in front of its dense path); with `vnni`, 4-bit layers other than the LM head run
-    cpu_qgemm's kernel where the CPU has it, with `passes` int8 passes over the activations
-    (parallel.cpu.int8_passes), and an 8-bit LM head runs it as two 4-bit planes with two passes."""
+    cpu_qgemm's kernel where the CPU has it, with `passes(layer name)` int8 passes over the activations
+    (parallel.cpu.int8_passes_for), and an 8-bit LM head runs it as two 4-bit planes with two passes."""
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase) or module.large_batch_method is None:
@@ -285,7 +286,7 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
             head = isinstance(module, ParallelLMHead)  # the logits keep bf16 activations
             small = PackedWeight(module.weight.data, 4 if bits <= 4 else 8,
                                  SMALL_BATCH_TOKENS_LM_HEAD if head else SMALL_BATCH_TOKENS, vnni=vnni and not head,
-                                 passes=passes, int8_planes=vnni and head)
+                                 passes=passes(name), int8_planes=vnni and head)
             module.set_method(SmallBatchMethod(small, module.large_batch_method))
             count += 1
     return count

@@ -3,6 +3,7 @@ blocks are decoded into the weight methods of rayllm.quant.methods through the l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,7 +68,8 @@ def _finish(module: LinearBase, pend: _Pending, dtype: torch.dtype, int8_activat
         module.set_method(Int8GroupWeight(pend.q, pend.scale[:, ::step], pend.zero[:, ::step], dtype))
 
 
-def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False, passes: int = 2) -> int:
+def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool = False,
+                           passes: Callable[[str], int] = lambda name: 2) -> int:
     """Load a GGUF keeping its supported quantized linear weights quantized; everything else (norms,
     the embedding, a tied LM head, other types) dense as `loader.load_weights` does. Returns the
     number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
@@ -103,7 +105,7 @@ def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool =
                                                     torch.zeros(n, k // 16), torch.zeros(n, k // 16))
             _fill(module, params[param_name].weight_loader, pend, tensor, shard)  # type: ignore[arg-type]
             if pend.parts == getattr(params[param_name], "num_shards", 1):
-                _finish(module, pending.pop(mod_name), dtype, int8_activations, passes)
+                _finish(module, pending.pop(mod_name), dtype, int8_activations, passes(mod_name))
         else:
             if isinstance(tensor, RawBlocks):
                 if mod_name in pending:

@@ -87,7 +87,7 @@ def cache_key(config: EngineConfig, model_path: str, arch: LlamaArch, dtype: tor
     st = os.stat(model_path)
     cpu = config.parallel.cpu
     parts = (FORMAT, os.path.realpath(model_path), st.st_size, st.st_mtime_ns, repr(arch), str(dtype),
-             cpu.small_batch_quant, cpu.int8_passes, config.scheduler.batch_invariant,
+             cpu.small_batch_quant, cpu.int8_passes, cpu.int8_one_pass_layers, config.scheduler.batch_invariant,
              platform.small_batch_weights(dtype), tp.rank, tp.size, torch.__version__, cpu_kernels._cpu_tag(),
              cpu_qgemm.available(), source_digest())
     return hashlib.sha256(repr(parts).encode()).hexdigest()

@@ -51,7 +51,7 @@ def choose_weight_methods(model: nn.Module, config: EngineConfig, platform: Plat
     invariant = config.scheduler.batch_invariant
     if cpu.small_batch_quant != "none" and not invariant and platform.small_batch_weights(dtype):
         packed = pack_small_batch_weights(model, source_bits, vnni=cpu.small_batch_quant == "auto",
-                                          passes=cpu.int8_passes)
+                                          passes=cpu.int8_passes_for)
         log.info("packed %d layers for small-batch weight-only kernels", packed)
     # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
     if (cpu.weight_prepack or invariant) and platform.prepacked_gemms(dtype):

@@ -116,6 +116,10 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
 
 
+# The projections of a decoder layer, by the last part of their module names (parallel.cpu.int8_one_pass_layers).
+INT8_LAYER_TYPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class CpuConfig:
     """`parallel.cpu`: the settings only the CPU path reads (weights' CPU forms, threads, the all-reduce)."""
@@ -130,6 +134,9 @@ class CpuConfig:
     # summed in one int32: bf16 activations' quality, measured in docs/cpu.md) or 1 (llama.cpp's Q8_1: faster
     # at 16+ rows, but its error changed the README's own answer, issue 35).
     int8_passes: int = 2
+    # With int8_passes 2: the layer types (qkv_proj, o_proj, gate_up_proj, down_proj) that take one pass all
+    # the same, where the second buys little quality for its time (measured per type in docs/cpu.md).
+    int8_one_pass_layers: tuple[str, ...] = ()
     # Reorder bf16/fp32 weights once into oneDNN's blocked layout (platforms/cpu/onednn.py). Costs a
     # second copy of the linear weights in memory; off keeps plain F.linear.
     weight_prepack: bool = True
@@ -157,11 +164,20 @@ class CpuConfig:
     # NCCL always.
     allreduce: str = "auto"
 
+    def int8_passes_for(self, module_name: str) -> int:
+        """The int8 passes of the layer `module_name` (e.g. layers.3.mlp.down_proj)."""
+        return 1 if module_name.rpartition(".")[2] in self.int8_one_pass_layers else self.int8_passes
+
     def __post_init__(self) -> None:
         if self.small_batch_quant not in ("auto", "weight_only", "none"):
             raise ValueError("parallel.cpu.small_batch_quant must be auto, weight_only or none")
         if self.int8_passes not in (1, 2):
             raise ValueError("parallel.cpu.int8_passes must be 1 or 2")
+        object.__setattr__(self, "int8_one_pass_layers", tuple(self.int8_one_pass_layers))  # a YAML list
+        unknown = sorted(set(self.int8_one_pass_layers) - set(INT8_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"parallel.cpu.int8_one_pass_layers: unknown layer types {unknown} "
+                             f"(choose from {', '.join(INT8_LAYER_TYPES)})")
         if self.allreduce == "deepspeed":
             raise ValueError("parallel.cpu.allreduce: deepspeed was replaced by shm, rayllm's own shared-memory "
                              "kernel (no extra to install)")

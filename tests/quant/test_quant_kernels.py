@@ -134,3 +134,33 @@ def test_batch_invariant_onednn_rows_do_not_depend_on_the_batch():
                         assert torch.equal(g(x[offset : offset + rows], None), alone[offset : offset + rows]), (t, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_int8_one_pass_layers_give_those_layers_one_pass():
+    """parallel.cpu.int8_one_pass_layers: the named layer types run cpu_qgemm's kernel with one int8 pass over
+    their activations, the others with int8_passes (two); each layer's output is that kernel's at its passes."""
+    from rayllm.schema.config import CpuConfig
+
+    cpu = CpuConfig(int8_one_pass_layers=["o_proj", "down_proj"])  # a YAML list
+    assert cpu.int8_one_pass_layers == ("o_proj", "down_proj")
+    with pytest.raises(ValueError, match="int8_one_pass_layers.*'v_proj'"):
+        CpuConfig(int8_one_pass_layers=["v_proj"])
+    if not cpu_qgemm.available():
+        pytest.skip("no AVX-512 VNNI on this CPU (or no C compiler)")
+    model = tiny_model()
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32) * 0.05)  # random weights
+    bits = {f"{name}.weight": 4 for name, m in model.named_modules() if isinstance(m, LinearBase)}
+    parallel.pack_small_batch_weights(model, bits, passes=cpu.int8_passes_for)
+    rows = torch.randn(16, 128).bfloat16()
+    rows[:, 5] *= 40  # an outlier channel: one pass rounds the other channels of its group coarsely
+    layer = model.layers[1]
+    for module, passes in ((layer.self_attn.qkv_proj, 2), (layer.self_attn.o_proj, 1), (layer.mlp.gate_up_proj, 2),
+                           (layer.mlp.down_proj, 1)):
+        assert module.method.small.vnni.passes == passes
+        x = rows[:, : module.weight.shape[1]]
+        same = PackedWeight(module.weight.data, 4, vnni=True, passes=passes)(x)
+        other = PackedWeight(module.weight.data, 4, vnni=True, passes=3 - passes)(x)
+        torch.testing.assert_close(module.method.small(x), same, rtol=0, atol=0)
+        assert not torch.equal(same, other)
