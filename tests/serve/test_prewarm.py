@@ -55,6 +55,15 @@ def test_prewarm_fills_what_the_shipped_replica_reads(tmp_path, monkeypatch, ggu
     assert _files(weights) == before  # a hit: a miss would have saved a new entry (weight_cache.save)
 
 
+def test_tokenizer_only_writes_no_weights(tmp_path, monkeypatch, gguf_path):
+    """The image build's prewarm (the Dockerfile): the snapshot, and no weight cache entry."""
+    monkeypatch.setenv("RAYLLM_WEIGHT_CACHE", str(tmp_path / "weights"))
+    monkeypatch.setenv("TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    assert prewarm.main(["--tokenizer-only", "--strict", CLUSTER_YAML]) == 0
+    assert isinstance(load_snapshot(_snapshot_dir(gguf_path)), RustTokenizer)
+    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
+
+
 def test_remote_models_are_left_to_the_replicas_and_a_missing_one_is_reported(tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text(
