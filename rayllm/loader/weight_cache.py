@@ -200,12 +200,17 @@ class WeightCache:
                 path.unlink(missing_ok=True)
 
 
+def applies(config: EngineConfig, model_path: str) -> bool:
+    """Whether a CPU start of this model reads and writes the cache: a dense load from a GGUF file, the cache on."""
+    return (cache_dir() is not None and model_path.endswith(".gguf") and config.model.weights != "quantized"
+            and config.model.quantization is None)
+
+
 def for_worker(config: EngineConfig, model_path: str, arch: LlamaArch, dtype: torch.dtype, tp: TPGroup,
                platform: Platform) -> WeightCache | None:
     """The entry of a dense CPU load from a GGUF file; None where the cache is off or does not apply."""
     directory = cache_dir()
-    if (directory is None or platform.device.type != "cpu" or not model_path.endswith(".gguf")
-            or config.model.weights == "quantized" or config.model.quantization is not None):
+    if directory is None or platform.device.type != "cpu" or not applies(config, model_path):
         return None
     try:
         return WeightCache(directory, model_path, cache_key(config, model_path, arch, dtype, tp, platform),

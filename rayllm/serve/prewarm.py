@@ -5,9 +5,9 @@ every later one: a replica's first start on a machine otherwise builds the token
 transformers (in the tokenizer and model replicas at once) and, on CPU, dequantizes the GGUF into the weight
 cache, which took the first start from ~14 s to ~22 s on 2 cores (docs/benchmarks.md, cold start). What it
 fills is what a replica would write itself, under the same keys: the tokenizer snapshot
-(rayllm.serve.chat_template), and for CPU models at tensor_parallel_size 1 the weight cache entry
-(rayllm.loader.weight_cache) and the C kernels' build (rayllm.platforms.cpu.kernels), by building the engine
-once in this process. Remote models (Hugging Face ids, object-store URIs) are left to the replicas, which
+(rayllm.serve.chat_template), and for CPU models the C kernels' build (rayllm.platforms.cpu.kernels) and, where
+the weight cache applies (a GGUF loaded dense at tensor_parallel_size 1), its entry (rayllm.loader.weight_cache),
+by building the engine once in this process. Remote models (Hugging Face ids, object-store URIs) are left to the replicas, which
 fetch them at start (an install does not download models). Each model's failure is reported and skipped:
 the caches are an optimisation, and the replica builds whatever is missing. The Dockerfile runs it with
 `--tokenizer-only`: the weight cache's key includes the CPU's flags, which an image build cannot know.
@@ -42,6 +42,8 @@ def server_configs(path: str) -> list[ServerConfig]:
 def prewarm_model(entry: ModelEntry, out: TextIO, tokenizer_only: bool = False) -> None:
     """One model's caches: its tokenizer snapshot, and on CPU (one rank) its weight cache entry and kernels."""
     from rayllm.engine.client.engine_client import make_engine_client
+    from rayllm.loader import weight_cache
+    from rayllm.platforms.cpu import kernels as cpu_kernels
     from rayllm.serve.tokenizer import TokenizerService
 
     name = entry.engine.model.served_model_name or entry.name
@@ -54,11 +56,15 @@ def prewarm_model(entry: ModelEntry, out: TextIO, tokenizer_only: bool = False) 
     TokenizerService(local)
     print(f"rayllm prewarm: {name}: tokenizer {time.perf_counter() - t:.1f} s", file=out, flush=True)
     parallel = entry.engine.parallel
-    if tokenizer_only or parallel.device != "cpu" or parallel.tensor_parallel_size != 1:
+    if tokenizer_only or parallel.device != "cpu":
         return
     t = time.perf_counter()
-    make_engine_client(entry.engine, own_process=False).shutdown()
-    print(f"rayllm prewarm: {name}: weights and kernels {time.perf_counter() - t:.1f} s", file=out, flush=True)
+    if parallel.tensor_parallel_size == 1 and weight_cache.applies(entry.engine, local):
+        make_engine_client(entry.engine, own_process=False).shutdown()  # writes the entry, builds the kernels
+        print(f"rayllm prewarm: {name}: weights and kernels {time.perf_counter() - t:.1f} s", file=out, flush=True)
+    else:  # no cache entry to write here (a shard, safetensors, quantized weights): the kernels only
+        cpu_kernels.build()
+        print(f"rayllm prewarm: {name}: kernels {time.perf_counter() - t:.1f} s", file=out, flush=True)
 
 
 def prewarm(path: str, out: TextIO = sys.stderr, tokenizer_only: bool = False) -> int:

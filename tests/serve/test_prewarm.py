@@ -64,7 +64,7 @@ def test_tokenizer_only_writes_no_weights(tmp_path, monkeypatch, gguf_path):
     assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
 
 
-def test_remote_models_are_left_to_the_replicas_and_a_missing_one_is_reported(tmp_path):
+def test_remote_models_are_left_to_the_replicas_and_a_missing_one_is_reported(tmp_path, monkeypatch):
     config = tmp_path / "serve.yaml"
     config.write_text(
         "applications:\n"
@@ -72,11 +72,17 @@ def test_remote_models_are_left_to_the_replicas_and_a_missing_one_is_reported(tm
         "    args: {engine: {model: {model: 's3://bucket/llama/', served_model_name: remote}}}\n"
         "  - name: missing\n    import_path: rayllm.serve.builder:build_app\n"
         f"    args: {{engine: {{model: {{model: '{tmp_path / 'nowhere.gguf'}', served_model_name: gone}}}}}}\n"
+        "  - name: quantized\n    import_path: rayllm.serve.builder:build_app\n"
+        "    args: {engine: {model: {served_model_name: q, weights: quantized}, parallel: {device: cpu}}}\n"
         "  - name: other\n    import_path: some.other:app\n")
     out = io.StringIO()
+    monkeypatch.setenv("RAYLLM_WEIGHT_CACHE", str(tmp_path / "weights"))
     assert prewarm.prewarm(str(config), out) == 1
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 4
     assert "remote: skipped" in lines[0] and "s3://bucket/llama/" in lines[0]
     assert "not prewarmed" in lines[1] and "nowhere.gguf" in lines[1]
+    # weights kept quantized use no weight cache: the tokenizer and the kernels only, no engine built
+    assert lines[2].startswith("rayllm prewarm: q: tokenizer") and lines[3].startswith("rayllm prewarm: q: kernels")
+    assert not (tmp_path / "weights").exists()
     assert prewarm.main([str(config)]) == 0 and prewarm.main([str(config), "--strict"]) == 1
