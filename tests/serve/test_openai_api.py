@@ -84,7 +84,7 @@ def test_sampling_params_seed_n_top_k(client, model_name):
     assert many.usage.completion_tokens == 3 * 16  # usage counts every choice
 
 
-def test_completions_batched_token_ids_and_echo(client, model_name, server, auth):
+def test_completions_batched_token_ids_and_echo(client, model_name, server, auth, hf_tokenizer):
     prompts = ["The capital of France is", "One, two, three,"]
     r = client.completions.create(model=model_name, prompt=prompts, max_tokens=6, temperature=0)
     assert [c.index for c in r.choices] == [0, 1]
@@ -103,6 +103,11 @@ def test_completions_batched_token_ids_and_echo(client, model_name, server, auth
     text = httpx.post(f"{server}/detokenize", json={"model": model_name, "tokens": ids["tokens"]},
                       headers=auth).json()["prompt"]
     assert text == prompts[0]
+    vocab = len(hf_tokenizer)  # the tokenizer would decode an unknown id to nothing: a 400 names it instead
+    r = httpx.post(f"{server}/detokenize", json={"model": model_name, "tokens": [ids["tokens"][0], vocab]}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens.1", r.text
+    last = httpx.post(f"{server}/detokenize", json={"model": model_name, "tokens": [vocab - 1]}, headers=auth)
+    assert last.status_code == 200 and last.json()["prompt"] == hf_tokenizer.decode([vocab - 1])
 
 
 async def test_sixteen_concurrent_requests_match_alone(aclient, model_name):
