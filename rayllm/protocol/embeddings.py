@@ -25,6 +25,8 @@ class EmbeddingRequest(Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1, le=L.INT32_MAX)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    # vLLM: embed only each input's last k tokens; -1 = as many as one input may hold
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=L.INT32_MAX)] | None = None
 
 
 def raw_inputs(req: EmbeddingRequest, max_inputs: int) -> list[str | list[int]]:

@@ -140,6 +140,23 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` tokens of a prompt (-1: the model's context length;
+    None: the prompt whole). Left truncation, so a chat prompt keeps its newest turns and the generation
+    prompt."""
+    if keep is None:
+        return ids
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 (the context length) or at least 1",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    if keep > max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens ({keep}) is greater than the {max_model_len} tokens a prompt "
+                       "may hold here (the model's context length): choose a smaller value",
+                       param="truncate_prompt_tokens", code="invalid_value")
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def _requested_max_tokens(req: SamplingFields) -> tuple[str, int | None]:
     """(field name, value): max_completion_tokens wins over max_tokens."""
     mct = getattr(req, "max_completion_tokens", None)

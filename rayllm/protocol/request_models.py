@@ -108,6 +108,8 @@ class SamplingFields(Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     request_id: str | None = None  # vLLM; the server makes its own ids
+    # vLLM: keep only the prompt's last k tokens (the rendered chat prompt's); -1 = the model's context length
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=L.INT32_MAX)
     rid: str | list[str] | None = None  # SGLang; likewise
 
     @model_validator(mode="before")

@@ -215,6 +215,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             tools=plan.template_tools if plan is not None and plan.mode != "none" else None,
         )
         info = await self.info()
+        ids = P.truncate_prompt(ids, req.truncate_prompt_tokens, info["max_model_len"])
         context = check_tokens(self.config, req, len(ids), param, info["max_model_len"])
         params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
                          cache_salt=cache_salt(owner, req.cache_salt), tenant=owner or None)
@@ -261,6 +262,10 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         for i, p in enumerate(prompts):  # "" on a model without BOS: nothing for the model to continue
             if not p:
                 raise APIError(400, f"prompt {i} is empty: it encodes to no tokens", param="prompt")
+            kept = P.truncate_prompt(p, req.truncate_prompt_tokens, info["max_model_len"])
+            if len(kept) < len(p):  # echo repeats what the model was given
+                prompts[i] = kept
+                texts[i] = await self.tokenizer.decode.remote(kept, False) if req.echo else ""
         vocab = (await self.tokenizer_info())["vocab_size"]
         # Each prompt is validated against the context on its own; the strictest sets max_tokens.
         params = min(

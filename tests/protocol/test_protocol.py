@@ -18,6 +18,7 @@ from rayllm.protocol.protocol import (
     check_supported,
     stop_options,
     to_sampling_params,
+    truncate_prompt,
 )
 from rayllm.protocol.structured import guided_spec
 from rayllm.protocol.tools import plan_tools
@@ -319,3 +320,19 @@ def test_prompt_lists_and_tokenize_fields_are_bounded():
         with pytest.raises(ValidationError) as exc:
             TokenizeRequest(**kw)
         assert from_validation_error(exc.value).param == param
+
+
+@pytest.mark.parametrize(("keep", "want"), [(None, 10), (3, 3), (10, 10), (64, 10), (-1, 10)])
+def test_truncate_prompt_keeps_the_last_tokens(keep, want):
+    ids = list(range(10))
+    assert truncate_prompt(ids, keep, max_model_len=64) == ids[len(ids) - want :]
+
+
+def test_truncate_prompt_to_the_context_and_its_bounds():
+    assert truncate_prompt(list(range(100)), -1, max_model_len=64) == list(range(36, 100))
+    for keep in (0, 65):
+        with pytest.raises(APIError) as e:
+            truncate_prompt([1, 2], keep, max_model_len=64)
+        assert e.value.status_code == 400 and e.value.param == "truncate_prompt_tokens"
+    with pytest.raises(ValidationError):  # below -1: the request model refuses it
+        CompletionRequest(prompt="x", truncate_prompt_tokens=-2)

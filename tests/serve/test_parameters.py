@@ -156,3 +156,39 @@ def test_chat_template_override(client, model_name, server, auth):
     n = len(httpx.post(f"{server}/tokenize", json={"prompt": content, "add_special_tokens": False},
                        headers=auth).json()["tokens"])
     assert r.usage.prompt_tokens == n  # the override rendered the bare content, no ChatML around it
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, model_name, hf_tokenizer):
+    """vLLM's truncate_prompt_tokens on completions, chat and embeddings: the answer equals the same request
+    sent with only the prompt's last k token ids (transformers' tokenizer and chat template on the same GGUF)."""
+    k = 12
+    text = "Here is a list of fruit: apple, pear, plum, cherry, grape, lemon, lime, melon, and then the colour of the sky is"
+    ids = hf_tokenizer(text).input_ids
+    assert len(ids) > 2 * k
+    cut = client.completions.create(model=model_name, prompt=text, max_tokens=6, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": k})
+    ref = client.completions.create(model=model_name, prompt=ids[-k:], max_tokens=6, temperature=0)
+    assert cut.usage.prompt_tokens == k
+    assert cut.choices[0].text == hf_tokenizer.decode(ids[-k:]) + ref.choices[0].text  # echo: what the model saw
+
+    messages = [{"role": "user", "content": text}]
+    rendered = hf_tokenizer(hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False).input_ids
+    chat = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": k})
+    ref = client.completions.create(model=model_name, prompt=rendered[-k:], max_tokens=6, temperature=0)
+    assert chat.usage.prompt_tokens == k and chat.choices[0].message.content == ref.choices[0].text
+
+    emb = client.embeddings.create(model=model_name, input=[text], extra_body={"truncate_prompt_tokens": k})
+    ref = client.embeddings.create(model=model_name, input=[ids[-k:]])
+    assert emb.usage.prompt_tokens == k and emb.data[0].embedding == ref.data[0].embedding
+
+
+@pytest.mark.parametrize("keep", [0, -2, 1 << 20])
+def test_truncate_prompt_tokens_out_of_range_is_a_400_naming_it(server, auth, model_name, keep):
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}),
+                       ("/v1/embeddings", {"input": "hi"})):
+        r = httpx.post(f"{server}{path}", json={"model": model_name, "truncate_prompt_tokens": keep, **body},
+                       headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (path, r.text)

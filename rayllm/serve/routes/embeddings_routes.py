@@ -13,6 +13,7 @@ from ray import cloudpickle
 
 from rayllm.protocol import embeddings as E
 from rayllm.protocol.errors import APIError
+from rayllm.protocol.protocol import truncate_prompt
 from rayllm.serve.auth import cache_salt
 from rayllm.serve.request_guards import call_model
 from rayllm.serve.routes.http_app import app, parse
@@ -42,7 +43,8 @@ class EmbeddingsRoutes:
             per_input = min(per_input, self.config.max_prompt_tokens)
         texts = [x for x in items if not isinstance(x, list)]
         encoded = iter(await self.tokenizer.encode_batch.remote(texts) if texts else [])  # one round trip
-        prompts = [list(x) if isinstance(x, list) else next(encoded) for x in items]
+        prompts = [truncate_prompt(list(x) if isinstance(x, list) else next(encoded), req.truncate_prompt_tokens,
+                                   per_input) for x in items]
         total = E.check_tokens(prompts, per_input, (await self.tokenizer_info())["vocab_size"])
         # The key's owner is the tenant: scheduler.max_running_share caps its pooling sequences as its generations
         embed = self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None), owner or None)
