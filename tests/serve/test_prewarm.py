@@ -33,15 +33,18 @@ def test_prewarm_fills_what_the_shipped_replica_reads(tmp_path, monkeypatch, ggu
     weights, tokenizers = tmp_path / "weights", tmp_path / "tokenizers"
     monkeypatch.setenv("RAYLLM_WEIGHT_CACHE", str(weights))
     monkeypatch.setenv("TOKENIZER_CACHE", str(tokenizers))
+    # The image build's prewarm (the Dockerfile's `--tokenizer-only`) first: the snapshot, no weight cache entry.
+    assert prewarm.main(["--tokenizer-only", "--strict", CLUSTER_YAML]) == 0
+    snapshot = load_snapshot(_snapshot_dir(gguf_path))  # the serving processes' tokenizer, without transformers
+    assert isinstance(snapshot, RustTokenizer)
+    assert snapshot.encode(TEXT, add_special_tokens=False) == hf_tokenizer.encode(TEXT, add_special_tokens=False)
+    assert not weights.exists() or not any(weights.iterdir())
+
+    # Then `make install`'s: the snapshot is there already; the weights and kernels are built.
     out = io.StringIO()
     assert prewarm.prewarm(CLUSTER_YAML, out) == 0
     lines = out.getvalue().splitlines()
     assert any("tokenizer" in line for line in lines) and any("weights and kernels" in line for line in lines)
-
-    snapshot = load_snapshot(_snapshot_dir(gguf_path))  # the serving processes' tokenizer, without transformers
-    assert isinstance(snapshot, RustTokenizer)
-    assert snapshot.encode(TEXT, add_special_tokens=False) == hf_tokenizer.encode(TEXT, add_special_tokens=False)
-
     entries = sorted(p.name for p in weights.glob("*.safetensors"))
     assert len(entries) == 1
     before = _files(weights)
@@ -53,15 +56,6 @@ def test_prewarm_fills_what_the_shipped_replica_reads(tmp_path, monkeypatch, ggu
     finally:
         client.shutdown()
     assert _files(weights) == before  # a hit: a miss would have saved a new entry (weight_cache.save)
-
-
-def test_tokenizer_only_writes_no_weights(tmp_path, monkeypatch, gguf_path):
-    """The image build's prewarm (the Dockerfile): the snapshot, and no weight cache entry."""
-    monkeypatch.setenv("RAYLLM_WEIGHT_CACHE", str(tmp_path / "weights"))
-    monkeypatch.setenv("TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
-    assert prewarm.main(["--tokenizer-only", "--strict", CLUSTER_YAML]) == 0
-    assert isinstance(load_snapshot(_snapshot_dir(gguf_path)), RustTokenizer)
-    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())
 
 
 def test_remote_models_are_left_to_the_replicas_and_a_missing_one_is_reported(tmp_path, monkeypatch):
