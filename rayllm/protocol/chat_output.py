@@ -127,9 +127,10 @@ class ChatOutputParser:
     """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning_content} / {tool_calls})."""
 
     def __init__(self, *, reasoning: bool = False, starts_in_reasoning: bool = False, stream_reasoning: bool = True,
-                 tools: ToolPlan | None = None) -> None:
+                 include_reasoning: bool = True, tools: ToolPlan | None = None) -> None:
         self.think = ThinkSplitter(starts_in_reasoning) if reasoning else None
         self.stream_reasoning = stream_reasoning
+        self.include_reasoning = include_reasoning
         self.held_reasoning = ""
         self.tools = ToolExtractor(tools) if tools is not None and tools.mode != "none" else None
         self.legacy = bool(tools and tools.legacy)
@@ -144,7 +145,7 @@ class ChatOutputParser:
         deltas: list[dict[str, Any]] = []
         if self.think is not None:
             reasoning, text = self.think.feed(text, final)
-            if reasoning:
+            if reasoning and self.include_reasoning:
                 if self.stream_reasoning:
                     deltas.append({"reasoning_content": reasoning})
                 else:
@@ -207,6 +208,7 @@ def output_parser_factory(req: Any, plan: ToolPlan | None, prompt_text: str,
     return functools.partial(ChatOutputParser, reasoning=reasoning,
                              starts_in_reasoning=reasoning and prompt_text.rstrip().endswith("<think>"),
                              stream_reasoning=req.stream_reasoning is not False,
+                             include_reasoning=getattr(req, "include_reasoning", True) is not False,
                              tools=plan if tools_active else None)
 
 

@@ -21,6 +21,7 @@ MAX_SCHEMA_BYTES = 64 << 10  # one JSON schema (response_format, guided_json, a 
 MAX_TOOLS_BYTES = 512 << 10  # all tools together, as JSON
 MAX_GRAMMAR_CHARS = 64 << 10  # a regex or EBNF grammar, or the grammar built from guided_choice
 MAX_GUIDED_CHOICES = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # allowed_token_ids: more than any vocabulary's worth is a mistake
 MAX_GUIDED_CHOICE_CHARS = 1024
 MAX_MESSAGES = 4096
 MAX_PROMPTS = 1024  # completions: prompts in one request (the fan-out cap in ServerConfig is usually lower)

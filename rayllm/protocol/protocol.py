@@ -56,6 +56,8 @@ UNSUPPORTED: dict[str, str] = {
     "max_dynamic_patch": "this text-only model has no vision patches",
     "min_dynamic_patch": "this text-only model has no vision patches",
     "deep_research": "deep research is not offered by this server",
+    "use_beam_search": "beam search is not offered by this server (n and best_of sample instead)",
+    "length_penalty": "length_penalty applies to beam search, which this server does not offer",
     "modalities": "this text-only model only answers with text",
     "audio": "audio output is not supported by this text-only model",
     "prediction": "predicted outputs are not supported",
@@ -71,6 +73,7 @@ UNSUPPORTED: dict[str, str] = {
 # Values of a table entry that ask for nothing new (besides None and the field's default).
 _HARMLESS: dict[str, Callable[[Any, SamplingFields], bool]] = {
     "modalities": lambda v, req: v == ["text"],
+    "length_penalty": lambda v, req: v == 1.0,  # vLLM's default: asks for nothing
 }
 
 # Accepted and ignored, as OpenAI does.
@@ -218,6 +221,7 @@ def to_sampling_params(req: SamplingFields, *, prompt_len: int, max_model_len: i
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (req.logit_bias or {}).items())),
+            allowed_token_ids=tuple(req.allowed_token_ids or ()),
             return_hidden_states=bool(req.return_hidden_states),
             priority=request_priority(req),
         )

@@ -52,6 +52,19 @@ def json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), default=str).encode())
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` (its spelling since 0.11 of guided_json / guided_regex / guided_choice /
+    guided_grammar): one constraint."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[Annotated[str, Field(max_length=L.MAX_GUIDED_CHOICE_CHARS)]] | None = Field(
+        None, max_length=L.MAX_GUIDED_CHOICES)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
 class SamplingFields(Strict):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -89,6 +102,7 @@ class SamplingFields(Strict):
     guided_choice: list[Annotated[str, Field(max_length=L.MAX_GUIDED_CHOICE_CHARS)]] | None = Field(
         None, max_length=L.MAX_GUIDED_CHOICES)
     guided_json: str | dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
     # SGLang extensions
@@ -108,6 +122,11 @@ class SamplingFields(Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     request_id: str | None = None  # vLLM; the server makes its own ids
+    # vLLM: sample only among these tokens (with any other constraint: the tokens both allow)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=L.MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's beam search: refused by name (rayllm.protocol.protocol.UNSUPPORTED)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = Field(None, ge=-1e6, le=1e6)
     # vLLM: keep only the prompt's last k tokens (the rendered chat prompt's); -1 = the model's context length
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=L.INT32_MAX)
     rid: str | list[str] | None = None  # SGLang; likewise
@@ -173,6 +192,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     enable_thinking: bool | None = None
     separate_reasoning: bool | None = None  # SGLang; default: on when the model or template thinks
+    include_reasoning: bool | None = True  # vLLM: False drops the reasoning (neither reasoning_content nor content)
     stream_reasoning: bool | None = None  # SGLang; default on: reasoning streams as it is generated
     deep_research: bool | None = False
     # platform storage (seed 002)

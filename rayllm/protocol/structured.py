@@ -2,7 +2,8 @@
 
 Accepted spellings: OpenAI's `response_format` (json_object, json_schema; also vLLM's regex, grammar
 and structural_tag types), SGLang's `regex`, `ebnf` and completions' `json_schema` string, and vLLM's
-`guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`. A request may use one of them.
+`guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` and their newer `structured_outputs` object.
+A request may use one of them.
 Schemas are checked here (a 400 naming the problem); regexes and grammars are checked by the compiler
 in the model replica, still before any token is generated.
 """
@@ -70,6 +71,40 @@ def _legacy_structural_tag(fmt: dict[str, Any]) -> str:
                        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
 
 
+def _from_structured_outputs(so: Any) -> list[GuidedSpec]:
+    """vLLM's `structured_outputs` object: each constraint it sets (more than one is refused by the caller)."""
+    specs = []
+    if so.json is not None:
+        param = "structured_outputs.json"
+        specs.append(GuidedSpec("json_schema", check_json_schema(so.json, param), param))
+    if so.regex is not None:
+        specs.append(GuidedSpec("regex", so.regex, "structured_outputs.regex"))
+    if so.choice is not None:
+        if not so.choice:
+            raise bad_request("structured_outputs.choice must list at least one choice", param="structured_outputs.choice")
+        specs.append(GuidedSpec("ebnf", choice_grammar(so.choice), "structured_outputs.choice"))
+    if so.grammar is not None:
+        specs.append(GuidedSpec("ebnf", so.grammar, "structured_outputs.grammar"))
+    if so.json_object:
+        specs.append(GuidedSpec("json_schema", json.dumps(JSON_OBJECT_SCHEMA), "structured_outputs.json_object"))
+    if so.structural_tag is not None:
+        try:
+            tag = json.loads(so.structural_tag)
+        except json.JSONDecodeError as exc:
+            raise bad_request(f"structured_outputs.structural_tag is not valid JSON: {exc}",
+                              param="structured_outputs.structural_tag") from None
+        if not isinstance(tag, dict):
+            raise bad_request("structured_outputs.structural_tag must be a JSON object",
+                              param="structured_outputs.structural_tag")
+        body = ({"type": "structural_tag", "format": tag["format"]} if "format" in tag
+                else json.loads(_legacy_structural_tag(tag)))
+        specs.append(GuidedSpec("structural_tag", json.dumps(body), "structured_outputs.structural_tag"))
+    if not specs:
+        raise bad_request("structured_outputs sets no constraint (json, regex, choice, grammar, json_object or "
+                          "structural_tag)", param="structured_outputs")
+    return specs
+
+
 def _from_response_format(rf: Any) -> GuidedSpec | None:
     extra = rf.model_extra or {}
     if rf.type == "text":
@@ -120,6 +155,8 @@ def guided_spec(req: SamplingFields) -> GuidedSpec | None:
         specs.append(GuidedSpec("ebnf", choice_grammar(req.guided_choice), "guided_choice"))
     if req.guided_json is not None:
         specs.append(GuidedSpec("json_schema", check_json_schema(req.guided_json, "guided_json"), "guided_json"))
+    if req.structured_outputs is not None:
+        specs.extend(_from_structured_outputs(req.structured_outputs))
     json_schema = getattr(req, "json_schema", None)
     if json_schema is not None:
         specs.append(GuidedSpec("json_schema", check_json_schema(json_schema, "json_schema"), "json_schema"))
@@ -176,7 +213,7 @@ def literal_choices(spec: GuidedSpec | None) -> list[str] | None:
     is a plain alternation), in request order without duplicates; None for any other constraint."""
     if spec is None:
         return None
-    if spec.kind == "ebnf" and spec.param == "guided_choice":
+    if spec.kind == "ebnf" and spec.param in ("guided_choice", "structured_outputs.choice"):
         body, decoder, choices = spec.value.removeprefix("root ::= "), json.JSONDecoder(), []
         while body:  # choice_grammar's own output: JSON strings joined by " | "
             choice, end = decoder.raw_decode(body)

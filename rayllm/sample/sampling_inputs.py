@@ -83,10 +83,23 @@ class SamplingInputs:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.generators: dict[str, torch.Generator] = {}
+        self.allowed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}  # allowed_token_ids as bitmask words
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)
+            self.allowed.pop(rid, None)
+
+    def _allowed_words(self, request_id: str, ids: tuple[int, ...]) -> torch.Tensor:
+        """allowed_token_ids as [W] int32 words in the grammar bitmask's layout (built once per request)."""
+        cached = self.allowed.get(request_id)
+        if cached is None or cached[0] is not ids:
+            v = self.vocab_size
+            toks = torch.tensor([t for t in ids if t < v], dtype=torch.long)
+            words = torch.zeros(-(-v // 32), dtype=torch.long)
+            words.index_add_(0, toks // 32, torch.ones_like(toks) << (toks % 32))  # ids are unique: bits add
+            cached = self.allowed[request_id] = (ids, words.to(torch.int32))  # bit 31 wraps to the sign bit
+        return cached[1]
 
     def row(self, s: SeqStep, device: torch.device) -> SamplingRow:
         p = s.params or SamplingParams()
@@ -105,6 +118,9 @@ class SamplingInputs:
                 raise ValueError(f"grammar bitmask of shape {tuple(bitmask.shape)} ({bitmask.dtype}) does not "
                                  f"cover {v} tokens")
             bitmask = bitmask[:words]
+        if p.allowed_token_ids:  # with a grammar: the tokens both allow
+            allowed = self._allowed_words(s.request_id, p.allowed_token_ids)
+            bitmask = allowed if bitmask is None else bitmask & allowed
         return SamplingRow(s.request_id, p, g, bias, bitmask, s.history, s.num_prompt_tokens)
 
     def tensors(self, rows: list[SamplingRow], device: torch.device) -> SamplingTensors:

@@ -74,6 +74,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM: sample only among these (empty: any token)
     return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
     cache_salt: str | None = None  # prefix-cache namespace (tenant, vLLM's cache_salt): see block_manager
     # Scheduling (engine/wait_queue.py): lower is served first, as vLLM's `priority`; read only with
@@ -102,6 +103,8 @@ class SamplingParams:
         if self.seed is not None:  # torch seeds are 64-bit; per-choice seeds (seed + i) wrap the same way
             set_("seed", _int("seed", self.seed, None, None) % _SEED_MODULUS)
         set_("stop_token_ids", tuple(_int("stop_token_ids", t, 0, _MAX_TOKEN_ID) for t in self.stop_token_ids))
+        set_("allowed_token_ids", tuple(sorted({_int("allowed_token_ids", t, 0, _MAX_TOKEN_ID)
+                                                for t in self.allowed_token_ids})))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(name, _int(name, getattr(self, name), 0, _MAX_TOKEN_ID))

@@ -166,10 +166,10 @@ def check_vocab(req: P.SamplingFields, vocab: int, prompts: list[list[int]] = ()
     bad = [k for k in req.logit_bias or {} if int(k) >= vocab]
     if bad:
         raise APIError(400, f"logit_bias token {bad[0]} is not in the vocabulary [0, {vocab})", param="logit_bias")
-    bad_ids = [t for t in req.stop_token_ids or () if t >= vocab]
-    if bad_ids:
-        raise APIError(400, f"stop_token_ids: {bad_ids[0]} is not in the vocabulary [0, {vocab})",
-                       param="stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad_ids = [t for t in getattr(req, name) or () if t >= vocab]
+        if bad_ids:
+            raise APIError(400, f"{name}: {bad_ids[0]} is not in the vocabulary [0, {vocab})", param=name)
 
 
 def body_limit(request: Request) -> int:

@@ -145,12 +145,13 @@ REFUSED_SAMPLES: dict[str, Any] = {
     "custom_logit_processor": "x", "return_routed_experts": True,
     "max_dynamic_patch": 4, "min_dynamic_patch": 1, "deep_research": True, "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "prediction": {"type": "content", "content": "x"},
-    "web_search_options": {},
+    "web_search_options": {}, "use_beam_search": True, "length_penalty": 0.8,
 }
 WORKING_SAMPLES: dict[str, Any] = {  # structured output, tools and reasoning: parsed into a plan
     "response_format": {"type": "json_object"}, "regex": "a+", "ebnf": "root ::= 'a'",
     "json_schema": '{"type": "object"}', "guided_choice": ["a", "b"], "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_grammar": "root ::= 'a'", "tools": [TOOL], "tool_choice": "none",
+    "structured_outputs": {"choice": ["a", "b"]}, "allowed_token_ids": [1, 2], "include_reasoning": False,
     "separate_reasoning": True, "stream_reasoning": False, "return_hidden_states": True, "best_of": 3,
     "suffix": "end",  # the 400 for a model without fill-in-the-middle tokens comes from the ingress
 }
@@ -336,3 +337,37 @@ def test_truncate_prompt_to_the_context_and_its_bounds():
         assert e.value.status_code == 400 and e.value.param == "truncate_prompt_tokens"
     with pytest.raises(ValidationError):  # below -1: the request model refuses it
         CompletionRequest(prompt="x", truncate_prompt_tokens=-2)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("structured", "legacy"), [
+    ({"json": SCHEMA}, {"guided_json": SCHEMA}),
+    ({"regex": "(yes|no)"}, {"guided_regex": "(yes|no)"}),
+    ({"choice": ["red", "green"]}, {"guided_choice": ["red", "green"]}),
+    ({"grammar": 'root ::= "a"'}, {"guided_grammar": 'root ::= "a"'}),
+    ({"json_object": True}, {"response_format": {"type": "json_object"}}),
+])
+def test_structured_outputs_constrain_as_the_guided_fields_do(structured, legacy):
+    """vLLM's structured_outputs (its spelling since 0.11) compiles to what the older guided_* field does."""
+    new = guided_spec(ChatCompletionRequest(model="m", messages=MSG, structured_outputs=structured))
+    old = guided_spec(ChatCompletionRequest(model="m", messages=MSG, **legacy))
+    assert (new.kind, new.value) == (old.kind, old.value) and new.param.startswith("structured_outputs.")
+
+
+def test_structured_outputs_bounds_and_refusals():
+    assert chat_error(structured_outputs={}).param == "structured_outputs"  # no constraint
+    assert chat_error(structured_outputs={"regex": "a", "choice": ["b"]}).param == "structured_outputs.choice"
+    assert chat_error(structured_outputs={"json": {"type": "nonsense"}}).param == "structured_outputs.json"
+    assert chat_error(structured_outputs={"choice": ["a"]}, guided_regex="b").param == "structured_outputs.choice"
+    assert chat_error(structured_outputs={"whitespace_pattern": " "}).param.startswith("structured_outputs")
+    assert chat_error(use_beam_search=True).param == "use_beam_search"
+    assert completion_error(length_penalty=0.5).param == "length_penalty"
+    assert outcome(CompletionRequest, {"model": "m", "prompt": "hi", "length_penalty": 1.0}) is None
+    assert chat_error(allowed_token_ids=[]).param == "allowed_token_ids"
+
+
+def test_allowed_token_ids_reach_the_sampling_params():
+    req = ChatCompletionRequest(model="m", messages=MSG, allowed_token_ids=[9, 3, 9])
+    assert to_sampling_params(req, prompt_len=10, max_model_len=100).allowed_token_ids == (3, 9)

@@ -48,6 +48,9 @@ FEATURES: dict[str, list[SeqStep]] = {
     "min_tokens": [seq_step("a", SamplingParams(temperature=0.7, min_tokens=4), mask_token_ids=(2, 9))],
     "grammar": [seq_step("a", SamplingParams(temperature=0.7), allowed_bitmask=bitmask([1, 31, 40, 99])),
                 seq_step("b", SamplingParams(temperature=0.0))],
+    "allowed_token_ids": [seq_step("a", SamplingParams(temperature=0.7, allowed_token_ids=(3, 31, 32, 97))),
+                          seq_step("b", SamplingParams(temperature=0.0, allowed_token_ids=(5,)),
+                                   allowed_bitmask=bitmask([5, 6]))],
     "logprobs": [seq_step("a", SamplingParams(temperature=0.7, logprobs=5)),
                  seq_step("b", SamplingParams(temperature=0.0, logprobs=0))],
 }
@@ -168,3 +171,22 @@ def test_greedy_batch_takes_the_fast_path_only_without_bias_masks_or_logprobs():
     assert [result.sampled[s.request_id] for s in seqs] == expected.tolist()
     assert result.sampled["bias"] == boosted and result.sampled["masked"] != int(best[2])
     assert set(result.logprobs) == {"logprobs"}
+
+
+def test_allowed_token_ids_restrict_sampling_and_meet_a_grammar():
+    """vLLM's allowed_token_ids: greedy takes the best allowed token (the reference: argmax over the allowed
+    columns), sampling never leaves the set, and beside a grammar only the tokens both allow remain."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
+    allowed = (0, 31, 32, 63, 99)
+    inputs = SamplingInputs(VOCAB)
+    greedy = inputs.sample([seq_step("g", SamplingParams(temperature=0.0, allowed_token_ids=allowed))], logits[:1])
+    assert greedy.sampled["g"] == allowed[int(logits[0, list(allowed)].argmax())]
+    drawn = {inputs.sample([seq_step(f"s{i}", SamplingParams(temperature=2.0, seed=i, allowed_token_ids=allowed))],
+                           logits[1:2]).sampled[f"s{i}"] for i in range(200)}
+    assert drawn <= set(allowed) and len(drawn) > 1
+    both = inputs.sample([seq_step("b", SamplingParams(temperature=2.0, seed=0, allowed_token_ids=allowed),
+                                   allowed_bitmask=bitmask([32, 40, 50]))], logits[2:])
+    assert both.sampled["b"] == 32  # the one token in both sets
+    assert {"g", "b"} <= set(inputs.allowed)
+    inputs.forget(["g", "b", *(f"s{i}" for i in range(200))])
+    assert inputs.allowed == {}

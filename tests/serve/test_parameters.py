@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -192,3 +194,17 @@ def test_truncate_prompt_tokens_out_of_range_is_a_400_naming_it(server, auth, mo
         r = httpx.post(f"{server}{path}", json={"model": model_name, "truncate_prompt_tokens": keep, **body},
                        headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (path, r.text)
+
+
+def test_allowed_token_ids_keep_every_sampled_token_in_the_set(client, model_name, hf_tokenizer):
+    """vLLM's allowed_token_ids: at temperature 1 every generated token is one of the allowed ids (each a whole
+    word here, so the text is a sequence of those words), and greedy picks among them too."""
+    words = [" red", " blue", " green"]
+    ids = [hf_tokenizer.encode(w, add_special_tokens=False) for w in words]
+    assert all(len(i) == 1 for i in ids)
+    allowed = [i[0] for i in ids]
+    for temperature in (1.0, 0.0):
+        r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=temperature, seed=3,
+                                           max_tokens=8, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+        text = r.choices[0].message.content
+        assert r.usage.completion_tokens == 8 and re.fullmatch(r"( red| blue| green){8}", text), text

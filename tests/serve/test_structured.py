@@ -61,6 +61,9 @@ def test_json_schema_streaming_reassembles(client, model_name, temperature):
      lambda t: re.fullmatch(r"(red|green|blue) (car|house)", t)),
     ({"guided_choice": ["Paris", "London", "Rome"]}, lambda t: t in ("Paris", "London", "Rome")),
     ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    # vLLM's newer spelling of the same constraints
+    ({"structured_outputs": {"json": SCHEMA}}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"structured_outputs": {"choice": ["Paris", "London", "Rome"]}}, lambda t: t in ("Paris", "London", "Rome")),
     ({"response_format": {"type": "regex", "regex": r"\d{3}-\d{4}"}}, lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
 ])
 @pytest.mark.parametrize("temperature", TEMPS)
@@ -89,6 +92,7 @@ def test_completions_json_schema_string_and_response_format(client, model_name, 
     ({"ebnf": 'root ::= "a" | '}, "ebnf", "ebnf"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "undefined_rule"),
     ({"regex": "a+", "guided_choice": ["x"]}, "guided_choice", "one output constraint"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "regex"),
 ])
 def test_invalid_constraints_are_400s(server, auth, model_name, body, param, words):
     for stream in (False, True):

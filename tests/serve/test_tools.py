@@ -164,6 +164,14 @@ def test_reasoning_is_separated(client, model_name):
     thought, answer = raw[len("<think>"):].split("</think>", 1)
     assert msg.reasoning_content == thought and msg.content == answer.lstrip("\n")
     assert "<think>" not in msg.content
+    # vLLM's include_reasoning: false drops the thought from the answer altogether, streamed or not
+    kw = dict(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
+              extra_body={"chat_template": THINK_TEMPLATE, "include_reasoning": False})
+    dropped = client.chat.completions.create(**kw).choices[0].message
+    assert getattr(dropped, "reasoning_content", None) is None and dropped.content == msg.content
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in chunks)
+    assert "".join(d.content or "" for d in chunks) == msg.content
 
 
 @pytest.mark.parametrize("stream_reasoning", [True, False])
