@@ -62,6 +62,7 @@ class ChoiceState:
         self.logprobs: list[dict] = []  # chat-shaped entries of the generated tokens
         self.legacy = LegacyLogprobs() if legacy_logprobs else None  # completions: prompt (echo) and output
         self.hidden_states: list[list[float]] = []
+        self.token_ids: list[int] = []  # generated so far (vLLM's return_token_ids)
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None
         self.pieces: list[dict[str, Any]] = []  # every parser piece so far (the message, merged)
@@ -78,6 +79,7 @@ class ChoiceState:
         self.texts.append(d.text)
         self.length += len(d.text)
         self.completion_tokens = d.completion_tokens
+        self.token_ids.extend(d.token_ids)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
             if self.legacy is not None:

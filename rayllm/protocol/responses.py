@@ -87,16 +87,18 @@ class ChatResponseMessage(OpenAIObject):
 
 
 class ChatChoice(OpenAIObject):
-    _omit_none = frozenset({"hidden_states"})
+    _omit_none = frozenset({"hidden_states", "token_ids"})
     index: int
     message: ChatResponseMessage = Field(default_factory=ChatResponseMessage)
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None  # SGLang: the stop string or token id that ended the choice
     hidden_states: list[list[float]] | None = None  # SGLang return_hidden_states: one per output token
+    token_ids: list[int] | None = None  # vLLM return_token_ids: the generated tokens
 
 
 class ChatCompletionResponse(OpenAIObject):
+    _omit_none = frozenset({"prompt_token_ids"})
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -104,6 +106,7 @@ class ChatCompletionResponse(OpenAIObject):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM return_token_ids
 
 
 class DeltaMessage(OpenAIObject):
@@ -140,13 +143,15 @@ class ChatCompletionChunk(OpenAIObject):
 
 
 class CompletionChoice(OpenAIObject):
-    _omit_none = frozenset({"hidden_states"})
+    _omit_none = frozenset({"hidden_states", "prompt_token_ids", "token_ids"})
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     hidden_states: list[list[float]] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM return_token_ids: this choice's prompt
+    token_ids: list[int] | None = None  # and its generated tokens
 
 
 class CompletionResponse(OpenAIObject):
@@ -160,7 +165,7 @@ class CompletionResponse(OpenAIObject):
 
 
 class CompletionChunkChoice(CompletionChoice):
-    _omit_none = frozenset({"matched_stop", "hidden_states"})
+    _omit_none = frozenset({"matched_stop", "hidden_states", "prompt_token_ids", "token_ids"})
 
 
 class CompletionChunk(OpenAIObject):

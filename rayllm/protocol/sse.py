@@ -94,13 +94,20 @@ class OpenAIFormat(WireFormat):
 
     def __init__(self, state: GenerationState, *, request_id: str, model: str, created: int,
                  include_usage: bool = False, continuous_usage_stats: bool = False,
-                 trace_id: str | None = None) -> None:
+                 trace_id: str | None = None, prompt_token_ids: list[list[int]] | None = None) -> None:
         super().__init__(state)
         self.request_id, self.model, self.created = request_id, model, created
         self.base = {"id": request_id, "object": self.object_name, "created": created, "model": model}
         self.include_usage = include_usage
         self.continuous_usage_stats = continuous_usage_stats
         self.trace_id = trace_id
+        # vLLM's return_token_ids: each prompt's ids (None: not asked for); choices carry their tokens too
+        self.prompt_token_ids = prompt_token_ids
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        """The prompt of choice `index` (choices i * n .. i * n + n - 1 continue prompt i)."""
+        assert self.prompt_token_ids is not None
+        return self.prompt_token_ids[index // self.state.n]
 
     def tail(self) -> str:
         usage = sse_event(self.base | {"choices": [], "usage": self.state.usage()}) if self.include_usage else ""
@@ -109,9 +116,9 @@ class OpenAIFormat(WireFormat):
     def error(self, exc: BaseException) -> str:
         return error_events(exc, self.trace_id)
 
-    def _chunk(self, choice: dict[str, Any]) -> str:
+    def _chunk(self, choice: dict[str, Any], top: dict[str, Any] | None = None) -> str:
         extra = {"usage": self.state.usage()} if self.continuous_usage_stats else {}
-        return sse_event(self.base | {"choices": [choice]} | extra)
+        return sse_event(self.base | (top or {}) | {"choices": [choice]} | extra)
 
 
 class ChatFormat(OpenAIFormat):
@@ -122,12 +129,14 @@ class ChatFormat(OpenAIFormat):
 
     def delta(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> str:
         out = ""
-        if c.deltas == 1:  # each choice opens with the role
+        ids = self.prompt_token_ids is not None
+        if c.deltas == 1:  # each choice opens with the role (and, asked for, the prompt's token ids)
             out = self._chunk({"index": d.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None})
+                               "finish_reason": None}, {"prompt_token_ids": self._prompt_ids(d.index)} if ids else {})
         if pieces is not None:
-            return out + "".join(self._chunk(choice) for choice in _parsed_choices(c, d, pieces))
-        if not d.text and d.finish_reason is None and not d.logprobs:
+            chunks = _parsed_choices(c, d, pieces, with_ids=ids)
+            return out + "".join(self._chunk(choice) for choice in chunks)
+        if not d.text and d.finish_reason is None and not d.logprobs and not (ids and d.token_ids):
             return out  # nothing to say yet (e.g. a stop string may be forming)
         choice: dict[str, Any] = {"index": d.index, "delta": {"content": d.text} if d.text or d.logprobs else {},
                                   "logprobs": {"content": d.logprobs} if d.logprobs else None,
@@ -136,28 +145,36 @@ class ChatFormat(OpenAIFormat):
             choice["matched_stop"] = d.matched_stop
         if d.hidden_states:
             choice["hidden_states"] = d.hidden_states
+        if ids:
+            choice["token_ids"] = d.token_ids
         return out + self._chunk(choice)
 
     def body(self) -> ChatCompletionResponse:
         """Text concatenated per choice (through its parser when there is one), usage summed over choices."""
+        ids = self.prompt_token_ids is not None
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage.model_validate(c.message()),
                               logprobs=ChatLogprobs.model_validate({"content": c.logprobs}) if c.logprobs else None,
                               finish_reason=c.reason(), matched_stop=c.matched_stop,  # type: ignore[arg-type]
-                              hidden_states=c.hidden_states or None)
+                              hidden_states=c.hidden_states or None, token_ids=c.token_ids if ids else None)
                    for c in self.state.sorted_choices()]
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                      usage=Usage.model_validate(self.state.usage()))
+                                      usage=Usage.model_validate(self.state.usage()),
+                                      prompt_token_ids=self._prompt_ids(0) if ids else None)
 
 
-def _parsed_choices(c: ChoiceState, d: GenerationDelta, pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A delta's parsed pieces as chunk choices: zero or more content / reasoning / tool-call chunks."""
+def _parsed_choices(c: ChoiceState, d: GenerationDelta, pieces: list[dict[str, Any]],
+                    with_ids: bool = False) -> list[dict[str, Any]]:
+    """A delta's parsed pieces as chunk choices: zero or more content / reasoning / tool-call chunks (the
+    delta's logprobs, hidden states and token ids on the first)."""
     lp = {"content": d.logprobs} if d.logprobs else None
     out = [{"index": d.index, "delta": piece, "logprobs": lp if k == 0 else None, "finish_reason": None}
            for k, piece in enumerate(pieces)]
-    if (lp is not None or d.hidden_states) and not out:
+    if (lp is not None or d.hidden_states or (with_ids and d.token_ids)) and not out:
         out.append({"index": d.index, "delta": {}, "logprobs": lp, "finish_reason": None})
     if d.hidden_states:
         out[0]["hidden_states"] = d.hidden_states
+    if with_ids and d.token_ids:
+        out[0]["token_ids"] = d.token_ids
     if d.finish_reason is not None:
         out.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": c.reason(),
                     "matched_stop": d.matched_stop})
@@ -176,7 +193,8 @@ class CompletionFormat(OpenAIFormat):
             text = d.prompt_text + text
             lp.add(d.prompt_logprobs or [], 0)
         lp.add(d.logprobs or [], c.offset)  # each delta's tokens start where its text does
-        if not text and d.finish_reason is None and not lp:
+        ids = self.prompt_token_ids is not None
+        if not text and d.finish_reason is None and not lp and not (ids and (d.token_ids or c.deltas == 1)):
             return ""
         choice: dict[str, Any] = {"index": d.index, "text": text, "logprobs": lp.to_dict() if lp else None,
                                   "finish_reason": d.finish_reason}
@@ -184,13 +202,20 @@ class CompletionFormat(OpenAIFormat):
             choice["matched_stop"] = d.matched_stop
         if d.hidden_states:
             choice["hidden_states"] = d.hidden_states
+        if ids:
+            if c.deltas == 1:  # the choice's first chunk names its prompt
+                choice["prompt_token_ids"] = self._prompt_ids(d.index)
+            choice["token_ids"] = d.token_ids
         return self._chunk(choice)
 
     def body(self) -> CompletionResponse:
+        ids = self.prompt_token_ids is not None
         choices = [CompletionChoice(index=c.index, text=c.text, matched_stop=c.matched_stop,
                                     logprobs=CompletionLogprobs.model_validate(c.legacy.to_dict()) if c.legacy else None,
                                     finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                                    hidden_states=c.hidden_states or None)
+                                    hidden_states=c.hidden_states or None,
+                                    prompt_token_ids=self._prompt_ids(c.index) if ids else None,
+                                    token_ids=c.token_ids if ids else None)
                    for c in self.state.sorted_choices()]
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                   usage=Usage.model_validate(self.state.usage()))

@@ -112,7 +112,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         opts = req.stream_options if req.stream else None
         return cls(state, request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()),
                    include_usage=bool(opts and opts.include_usage),
-                   continuous_usage_stats=bool(opts and opts.continuous_usage_stats), trace_id=greq.trace_id or None)
+                   continuous_usage_stats=bool(opts and opts.continuous_usage_stats), trace_id=greq.trace_id or None,
+                   prompt_token_ids=greq.prompts if req.return_token_ids else None)
 
     async def run(self, greq: GenerateRequest, fmt: WireFormat, req: P.SamplingFields,
                   on_complete: OnComplete | None = None):

@@ -208,3 +208,32 @@ def test_allowed_token_ids_keep_every_sampled_token_in_the_set(client, model_nam
                                            max_tokens=8, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
         text = r.choices[0].message.content
         assert r.usage.completion_tokens == 8 and re.fullmatch(r"( red| blue| green){8}", text), text
+
+
+def test_return_token_ids_are_the_prompt_and_the_tokens_generated(client, model_name, hf_tokenizer):
+    """vLLM's return_token_ids: the prompt's ids (transformers' tokenizer and chat template on the same GGUF) and
+    the generated ids, which decode to the text returned; a stream's chunks carry the same ids in order."""
+    prompt = "The three primary colours are"
+    kw = dict(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.prompt_token_ids == hf_tokenizer(prompt).input_ids
+    assert len(whole.token_ids) == 8 and hf_tokenizer.decode(whole.token_ids) == whole.text
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert chunks[0].prompt_token_ids == whole.prompt_token_ids
+    assert [t for c in chunks for t in c.token_ids or []] == whole.token_ids
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    rendered = hf_tokenizer(hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False).input_ids
+    kw = dict(model=model_name, messages=messages, max_tokens=8, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    chat = client.chat.completions.create(**kw)
+    assert chat.prompt_token_ids == rendered
+    assert hf_tokenizer.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
+    stream = list(client.chat.completions.create(stream=True, **kw))
+    assert stream[0].prompt_token_ids == rendered
+    assert [t for c in stream if c.choices for t in getattr(c.choices[0], "token_ids", None) or []] == \
+        chat.choices[0].token_ids
+    plain = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_dump() and "token_ids" not in plain.choices[0].model_dump()
