@@ -27,3 +27,5 @@ MAX_MESSAGES = 4096
 MAX_PROMPTS = 1024  # completions: prompts in one request (the fan-out cap in ServerConfig is usually lower)
 MAX_CHAT_TEMPLATE_CHARS = 64 << 10  # a request's own chat_template (only when the operator allows them)
 MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # chat_template_kwargs, as JSON
+MAX_DOCUMENTS = 256  # documents for a retrieval-augmented chat template
+MAX_DOCUMENTS_BYTES = 1 << 20  # all of them, as JSON (the rendered prompt is bounded by the context after)

@@ -112,7 +112,8 @@ def check_supported(req: SamplingFields) -> None:
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs plus the reasoning switches that templates read by name (Qwen3, gpt-oss).
+    """chat_template_kwargs plus the reasoning switches that templates read by name (Qwen3, gpt-oss) and the
+    retrieval documents (`documents`, as transformers passes them).
 
     An explicit chat_template_kwargs entry wins over the top-level field.
     """
@@ -121,6 +122,8 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
         kw.setdefault("enable_thinking", req.enable_thinking)
     if req.reasoning_effort is not None:
         kw.setdefault("reasoning_effort", req.reasoning_effort)
+    if req.documents is not None:
+        kw.setdefault("documents", req.documents)
     return kw
 
 

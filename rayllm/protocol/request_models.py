@@ -189,6 +189,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
     chat_template: str | None = Field(None, max_length=L.MAX_CHAT_TEMPLATE_CHARS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: documents for retrieval-augmented templates (transformers' apply_chat_template(documents=...))
+    documents: list[dict[str, str]] | None = Field(None, max_length=L.MAX_DOCUMENTS)
     # reasoning
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     enable_thinking: bool | None = None
@@ -232,6 +234,13 @@ class ChatCompletionRequest(SamplingFields):
     def _kwargs_size(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None and json_size(v) > L.MAX_TEMPLATE_KWARGS_BYTES:
             raise ValueError(f"chat_template_kwargs exceeds {L.MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+        return v
+
+    @field_validator("documents")
+    @classmethod
+    def _documents_size(cls, v: list[dict[str, str]] | None) -> list[dict[str, str]] | None:
+        if v is not None and json_size(v) > L.MAX_DOCUMENTS_BYTES:
+            raise ValueError(f"the documents exceed {L.MAX_DOCUMENTS_BYTES} bytes as JSON")
         return v
 
     @field_validator("continue_final_message")

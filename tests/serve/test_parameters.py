@@ -237,3 +237,23 @@ def test_return_token_ids_are_the_prompt_and_the_tokens_generated(client, model_
         chat.choices[0].token_ids
     plain = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
     assert "prompt_token_ids" not in plain.model_dump() and "token_ids" not in plain.choices[0].model_dump()
+
+
+def test_documents_reach_the_chat_template(server, auth, model_name, hf_tokenizer):
+    """vLLM's `documents` (transformers' apply_chat_template(documents=...)): a retrieval template renders them
+    (the prompt is exactly the reference rendering's tokens); the model's own template, which has no use for
+    them, still answers."""
+    template = ("{% for d in documents %}[{{ d['title'] }}: {{ d['text'] }}]{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    docs = [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Which letter?"}], "max_tokens": 1}
+    r = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60,
+                   json=body | {"chat_template": template, "documents": docs})
+    assert r.status_code == 200, r.text
+    want = hf_tokenizer("[A: alpha][B: beta]Which letter?", add_special_tokens=False).input_ids
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    assert httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60,
+                      json=body | {"documents": docs}).status_code == 200
+    big = [{"title": "x", "text": "y" * 4096}] * 300
+    r = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60, json=body | {"documents": big})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
