@@ -42,6 +42,17 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "SequenceError"]
 
 
+def banned_next(words: tuple[tuple[int, ...], ...], token_ids: list[int], num_output: int) -> tuple[int, ...]:
+    """vLLM's bad_words: the tokens that would complete a bad word now, given the output so far (the prompt
+    does not count: a word may start only in the output)."""
+    out = []
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (k <= num_output and tuple(token_ids[len(token_ids) - k :]) == w[:-1]):
+            out.append(w[-1])
+    return tuple(out)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None):
         config = resolve_local_device(config)  # `auto` device and block size, as the executor sees them
@@ -137,6 +148,8 @@ class LLMEngine:
                 step.history = seq.token_ids
             if seq.num_output_tokens < p.min_tokens:
                 step.mask_token_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+            if p.bad_words_token_ids:
+                step.mask_token_ids += banned_next(p.bad_words_token_ids, seq.token_ids, seq.num_output_tokens)
             if seq.matcher is not None:
                 step.allowed_bitmask = next_token_bitmask(seq.matcher, self.arch.vocab_size)
         if p.prompt_logprobs is not None and not seq.prompt_logprobs_sent and start < seq.num_prompt_tokens:

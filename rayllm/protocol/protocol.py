@@ -163,6 +163,25 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     return ids[-keep:] if len(ids) > keep else ids
 
 
+def bad_word_variants(words: list[str]) -> list[str]:
+    """The texts to tokenize for vLLM's bad_words: each word as written (left-stripped), then with a leading
+    space (how it is tokenized mid-sentence)."""
+    return [v for w in words for v in (w.lstrip(), " " + w.lstrip())]
+
+
+def bad_word_ids(encoded: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    """bad_word_variants' encodings -> the token sequences to ban, as vLLM picks them: the word as written,
+    and its leading-space form when that is another word of as many tokens (not a space token before it)."""
+    out: list[tuple[int, ...]] = []
+    for plain, spaced in zip(encoded[::2], encoded[1::2], strict=True):
+        if not plain:  # only whitespace: nothing to ban (not every space)
+            continue
+        out.append(tuple(plain))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+    return tuple(out)
+
+
 def _requested_max_tokens(req: SamplingFields) -> tuple[str, int | None]:
     """(field name, value): max_completion_tokens wins over max_tokens."""
     mct = getattr(req, "max_completion_tokens", None)

@@ -123,6 +123,9 @@ class SamplingFields(Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     request_id: str | None = None  # vLLM; the server makes its own ids
+    # vLLM: words never to generate (each with and without a leading space)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=L.MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=L.MAX_BAD_WORDS)
     # vLLM: sample only among these tokens (with any other constraint: the tokens both allow)
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=L.MAX_ALLOWED_TOKEN_IDS)
     # vLLM's beam search: refused by name (rayllm.protocol.protocol.UNSUPPORTED)

@@ -75,6 +75,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     allowed_token_ids: tuple[int, ...] = ()  # vLLM: sample only among these (empty: any token)
+    # vLLM's bad_words as token sequences: a sequence's last token is banned whenever the output ends with
+    # the rest of it (a one-token word: always)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     return_hidden_states: bool = False  # SGLang: the final hidden state behind each output token
     cache_salt: str | None = None  # prefix-cache namespace (tenant, vLLM's cache_salt): see block_manager
     # Scheduling (engine/wait_queue.py): lower is served first, as vLLM's `priority`; read only with
@@ -105,6 +108,10 @@ class SamplingParams:
         set_("stop_token_ids", tuple(_int("stop_token_ids", t, 0, _MAX_TOKEN_ID) for t in self.stop_token_ids))
         set_("allowed_token_ids", tuple(sorted({_int("allowed_token_ids", t, 0, _MAX_TOKEN_ID)
                                                 for t in self.allowed_token_ids})))
+        words = tuple(tuple(_int("bad_words", t, 0, _MAX_TOKEN_ID) for t in w) for w in self.bad_words_token_ids)
+        if any(not w for w in words):
+            raise ValueError("bad_words: a word must have at least one token")
+        set_("bad_words_token_ids", tuple(dict.fromkeys(words)))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 set_(name, _int(name, getattr(self, name), 0, _MAX_TOKEN_ID))

@@ -219,11 +219,18 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         ids = P.truncate_prompt(ids, req.truncate_prompt_tokens, info["max_model_len"])
         context = check_tokens(self.config, req, len(ids), param, info["max_model_len"])
         params = replace(P.to_sampling_params(req, prompt_len=len(ids), max_model_len=context),
-                         cache_salt=cache_salt(owner, req.cache_salt), tenant=owner or None)
+                         cache_salt=cache_salt(owner, req.cache_salt), tenant=owner or None,
+                         bad_words_token_ids=await self.bad_words(req))
         check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
                                lora=lora[0], lora_path=lora[1], trace_id=request_id_of(request))
         return greq, await self.output_parser(req, plan, text)
+
+    async def bad_words(self, req: P.SamplingFields) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as the token sequences the engine bans (one round trip to the tokenizer)."""
+        if not req.bad_words:
+            return ()
+        return P.bad_word_ids(await self.tokenizer.encode_batch.remote(P.bad_word_variants(req.bad_words), False))
 
     async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
         """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""
@@ -277,7 +284,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         )
         check_sampling(self.config, req, seqs, params.max_tokens, vocab, prompts)
         params = replace(params, cache_salt=cache_salt(owner, req.cache_salt),  # per tenant (block_manager)
-                         tenant=owner or None)  # scheduler.max_running_share
+                         tenant=owner or None,  # scheduler.max_running_share
+                         bad_words_token_ids=await self.bad_words(req))
         rid = f"cmpl-{uuid.uuid4().hex}"
         best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
         if best_of is not None and req.stream:

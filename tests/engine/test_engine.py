@@ -56,6 +56,23 @@ def test_batched_greedy_equals_transformers_alone(engine, chat_prompts, referenc
     assert got == reference_outputs
 
 
+def test_bad_words_match_transformers_bad_words_ids(engine, hf_model, eos, chat_prompts, reference_outputs):
+    """vLLM's bad_words as token sequences: greedy output equals transformers' generate with the same
+    bad_words_ids (a one-token word, and a two-token one whose first token the free answer generates), while
+    an unconstrained neighbour in the batch is unchanged."""
+    prompt, free = chat_prompts[0], reference_outputs[0]
+    one, (a, b) = free[2], free[5:7]
+    assert prompt[-1] != a  # transformers also matches across the prompt; a word here starts in the output
+    with torch.no_grad():
+        gen = hf_model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos[0], bad_words_ids=[[one], [a, b]])
+    want = gen[0, len(prompt):].tolist()
+    assert want != free and one not in want
+    banned = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, bad_words_token_ids=((one,), (a, b)))
+    got, neighbour = engine.generate([prompt, chat_prompts[1]], [banned, GREEDY])
+    assert got == want and neighbour == reference_outputs[1]
+
+
 def test_prefix_cache_hit_gives_same_output_and_reports_cached_tokens(engine, hf_tokenizer):
     text = "Here is a long shared context about the history of Paris. " * 6 + "Summarise it."
     ids = hf_tokenizer(text).input_ids

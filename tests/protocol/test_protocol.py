@@ -371,3 +371,15 @@ def test_structured_outputs_bounds_and_refusals():
 def test_allowed_token_ids_reach_the_sampling_params():
     req = ChatCompletionRequest(model="m", messages=MSG, allowed_token_ids=[9, 3, 9])
     assert to_sampling_params(req, prompt_len=10, max_model_len=100).allowed_token_ids == (3, 9)
+
+
+def test_bad_word_ids_pick_vllms_variants():
+    """Each word as written, plus its leading-space form when that is a different word of as many tokens."""
+    from rayllm.protocol.protocol import bad_word_ids, bad_word_variants
+
+    assert bad_word_variants(["  Paris", "New York"]) == ["Paris", " Paris", "New York", " New York"]
+    encoded = [[10], [20],  # "Paris" / " Paris": another single token -> both
+               [30, 31], [40]]  # "New York" / " New York": another length -> the written form only
+    assert bad_word_ids(encoded) == ((10,), (20,), (30, 31))
+    assert bad_word_ids([[5, 6], [5, 6]]) == ((5, 6),)  # the same first token: one entry
+    assert bad_word_ids([[], [7]]) == ()  # whitespace only bans nothing

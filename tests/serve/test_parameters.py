@@ -257,3 +257,18 @@ def test_documents_reach_the_chat_template(server, auth, model_name, hf_tokenize
     big = [{"title": "x", "text": "y" * 4096}] * 300
     r = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60, json=body | {"documents": big})
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+
+
+def test_bad_words_keep_a_word_out_of_the_answer(client, model_name):
+    """vLLM's bad_words: the README's question names Paris; banned, the answer does not (streamed or not), and
+    completions honour it too."""
+    free = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in free.choices[0].message.content
+    kw = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=24, extra_body={"bad_words": ["Paris"]})
+    banned = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert "Paris" not in banned and streamed == banned
+    text = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=8,
+                                     temperature=0, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert "Paris" not in text
