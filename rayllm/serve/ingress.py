@@ -33,6 +33,7 @@ from rayllm.serve.request_guards import (
     call_model,
     check_request,
     check_sampling,
+    check_token_list,
     check_tokens,
     conversation_not_found,
 )
@@ -325,10 +326,7 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         self.check_auth(request)
         req = await parse(request, P.DetokenizeRequest)
         self.check_model(req.model)
-        vocab = (await self.tokenizer_info())["vocab_size"]
-        if bad := [i for i, t in enumerate(req.tokens) if t >= vocab]:  # the tokenizer would drop them silently
-            raise APIError(400, f"tokens.{bad[0]}: token id {req.tokens[bad[0]]} is not in the vocabulary [0, {vocab})",
-                           param=f"tokens.{bad[0]}", code="invalid_value")
+        check_token_list(req.tokens, (await self.tokenizer_info())["vocab_size"])
         return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
 
     # ---- conversations and stored completions (storage: rayllm.serve.stores.conversation_store) ----------------

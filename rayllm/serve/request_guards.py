@@ -172,6 +172,13 @@ def check_vocab(req: P.SamplingFields, vocab: int, prompts: list[list[int]] = ()
             raise APIError(400, f"{name}: {bad_ids[0]} is not in the vocabulary [0, {vocab})", param=name)
 
 
+def check_token_list(tokens: list[int], vocab: int, param: str = "tokens") -> None:
+    """/detokenize's ids: each must exist (the tokenizer would drop an unknown one silently)."""
+    if bad := [i for i, t in enumerate(tokens) if t >= vocab]:
+        raise APIError(400, f"{param}.{bad[0]}: token id {tokens[bad[0]]} is not in the vocabulary [0, {vocab})",
+                       param=f"{param}.{bad[0]}", code="invalid_value")
+
+
 def body_limit(request: Request) -> int:
     return getattr(request.app.state, "max_request_bytes", 0)
 
