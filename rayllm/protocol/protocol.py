@@ -263,4 +263,5 @@ def stop_options(req: SamplingFields) -> StopOptions:
         include_stop_str_in_output=bool(req.no_stop_trim or req.include_stop_str_in_output),
         skip_special_tokens=req.skip_special_tokens is not False,
         spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )

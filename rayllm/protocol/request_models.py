@@ -111,6 +111,7 @@ class SamplingFields(Strict):
     custom_logit_processor: str | None = None
     return_hidden_states: bool | None = False
     return_token_ids: bool | None = False  # vLLM: the prompt's and each choice's token ids in the response
+    return_tokens_as_token_ids: bool | None = False  # vLLM: logprobs name each token "token_id:<id>"
     return_routed_experts: bool | None = False
     return_cached_tokens_details: bool | None = False  # "detailed cache hit info": usage always carries it
     # Scheduling (honoured with scheduler.policy: priority): vLLM's priority, lower first; without it

@@ -59,10 +59,14 @@ def tag_replica(batch: list) -> None:
         batch[0].replica_id = rid
 
 
-def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob]) -> list[dict]:
+def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob], as_ids: bool = False) -> list[dict]:
     ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
-    strings = dict(zip(ids, tok.token_strings(ids), strict=True))
-    raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
+    if as_ids:  # vLLM's return_tokens_as_token_ids: unambiguous names, their bytes those of the name
+        strings = {t: f"token_id:{t}" for t in ids}
+        raw = {t: list(name.encode()) for t, name in strings.items()}
+    else:
+        strings = dict(zip(ids, tok.token_strings(ids), strict=True))
+        raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
     return [
         {
             "token": strings[lp.token_id],
@@ -211,7 +215,7 @@ class LLMServer:
                     index=index,
                     text=text,
                     token_ids=o.new_token_ids,
-                    logprobs=_token_logprobs(self.tokenizer, o.logprobs) if o.logprobs else None,
+                    logprobs=_token_logprobs(self.tokenizer, o.logprobs, stop.tokens_as_ids) if o.logprobs else None,
                     finish_reason=finish if (o.finished or matched is not None) else None,
                     matched_stop=matched_stop,
                     prompt_tokens=o.num_prompt_tokens,
@@ -224,7 +228,7 @@ class LLMServer:
                     if req.echo_texts is not None:
                         delta.prompt_text = req.echo_texts[index // req.n]
                     if o.prompt_logprobs is not None:
-                        delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0])
+                        delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0], stop.tokens_as_ids)
                 out.put_nowait(delta)
                 if matched is not None:  # abort now, not when the generator is collected: an adapter's
                     self.engine.abort(rid)  # slot may be reused once this task has ended
@@ -239,14 +243,12 @@ class LLMServer:
         except Exception as exc:
             out.put_nowait(engine_failure(exc))
 
-    def _prompt_logprobs(self, o: RequestOutput, first_token: int) -> list[dict | None]:
+    def _prompt_logprobs(self, o: RequestOutput, first_token: int, as_ids: bool = False) -> list[dict | None]:
         """The first prompt token has no logprob: it is reported with its text and a null value."""
         assert o.prompt_logprobs is not None
         rest = [lp for lp in o.prompt_logprobs if lp is not None]
-        (first,) = self.tokenizer.token_strings([first_token])
-        head = {"token": first, "logprob": None, "bytes": self.tokenizer.token_bytes([first_token])[0],
-                "top_logprobs": []}
-        return [head] + _token_logprobs(self.tokenizer, rest)
+        (head,) = _token_logprobs(self.tokenizer, [TokenLogprob(first_token, 0.0)], as_ids)
+        return [head | {"logprob": None}] + _token_logprobs(self.tokenizer, rest, as_ids)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[list[GenerationDelta]]:
         """Yields batches of deltas (whatever all choices produced since the last yield)."""

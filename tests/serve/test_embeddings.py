@@ -101,3 +101,52 @@ def test_an_adapter_is_refused_naming_the_field(client, model_name):
     with pytest.raises(openai.BadRequestError) as exc:
         client.embeddings.create(model=f"{model_name}:some-adapter", input="x")
     assert exc.value.body["param"] == "model"
+
+
+QUERY = "Which city is the capital of France?"
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France's capital city is Paris.",
+        "The sea is deep."]
+
+
+def test_rerank_orders_documents_by_the_cosine_of_their_embeddings(client, model_name, server, auth):
+    """vLLM's /rerank with an embedding model: each document's relevance is the cosine similarity of its
+    /v1/embeddings vector and the query's; results by descending score, top_n of them, documents echoed unless
+    return_documents is false; /v1/rerank, /v2/rerank and /rerank answer alike."""
+    vectors = [d.embedding for d in client.embeddings.create(model=model_name, input=[QUERY, *DOCS]).data]
+    want = [_cos(vectors[0], v) for v in vectors[1:]]
+    body = {"model": model_name, "query": QUERY, "documents": [DOCS[0], {"text": DOCS[1]}, *DOCS[2:]]}
+    r = httpx.post(f"{server}/v1/rerank", json=body, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+    for x in results:
+        assert abs(x["relevance_score"] - want[x["index"]]) < 1e-5 and x["document"]["text"] == DOCS[x["index"]]
+    assert r.json()["usage"]["total_tokens"] > len(DOCS)
+    for path in ("/v2/rerank", "/rerank"):
+        top = httpx.post(f"{server}{path}", json=body | {"top_n": 2, "return_documents": False}, headers=auth,
+                         timeout=60).json()["results"]
+        assert [x["index"] for x in top] == [x["index"] for x in results[:2]] and "document" not in top[0]
+
+
+def test_score_pairs_texts_as_vllm_does(client, model_name, server, auth):
+    """vLLM's /score: one text_1 against every text_2, or pair by pair; scores are cosine similarities."""
+    vectors = {t: d.embedding for t, d in zip([QUERY, *DOCS],
+                                                client.embeddings.create(model=model_name, input=[QUERY, *DOCS]).data,
+                                                strict=True)}
+    one = httpx.post(f"{server}/v1/score", json={"model": model_name, "text_1": QUERY, "text_2": DOCS},
+                     headers=auth, timeout=60).json()
+    assert [d["index"] for d in one["data"]] == list(range(len(DOCS))) and one["object"] == "list"
+    for d, doc in zip(one["data"], DOCS, strict=True):
+        assert d["object"] == "score" and abs(d["score"] - _cos(vectors[QUERY], vectors[doc])) < 1e-5
+    pairs = httpx.post(f"{server}/score", json={"model": model_name, "text_1": DOCS[:2], "text_2": DOCS[2:]},
+                       headers=auth, timeout=60).json()["data"]
+    assert [round(d["score"], 5) for d in pairs] == [round(_cos(vectors[a], vectors[b]), 5)
+                                                     for a, b in zip(DOCS[:2], DOCS[2:], strict=True)]
+    bad = httpx.post(f"{server}/v1/score", json={"model": model_name, "text_1": DOCS[:2], "text_2": DOCS[:3]},
+                     headers=auth, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    for body, param in (({"query": QUERY, "documents": []}, "documents"),
+                        ({"query": QUERY, "documents": ["x"] * 64}, "documents"),
+                        ({"query": "", "documents": ["x"]}, "query")):
+        r = httpx.post(f"{server}/v1/rerank", json={"model": model_name, **body}, headers=auth, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

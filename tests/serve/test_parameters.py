@@ -272,3 +272,21 @@ def test_bad_words_keep_a_word_out_of_the_answer(client, model_name):
     text = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=8,
                                      temperature=0, extra_body={"bad_words": ["Paris"]}).choices[0].text
     assert "Paris" not in text
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model_name):
+    """vLLM's return_tokens_as_token_ids: logprob entries name tokens "token_id:<id>", the ids the same
+    response returns (return_token_ids), prompt tokens (echo) included; the alternatives too."""
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(re.fullmatch(r"token_id:\d+", t.token) and bytes(t.bytes) == t.token.encode()
+               for c in content for t in c.top_logprobs)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy: the chosen token is the top one
+    done = client.completions.create(model=model_name, prompt="Red, green and", max_tokens=4, temperature=0, echo=True,
+                                     logprobs=1, extra_body={"return_tokens_as_token_ids": True,
+                                                             "return_token_ids": True}).choices[0]
+    assert done.logprobs.tokens == [f"token_id:{t}" for t in done.prompt_token_ids + done.token_ids]
+    assert done.logprobs.token_logprobs[0] is None

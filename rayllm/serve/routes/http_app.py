@@ -11,7 +11,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from rayllm.protocol import embeddings as E
 from rayllm.protocol import protocol as P
+from rayllm.protocol import scores as S
 from rayllm.protocol.errors import APIError, from_validation_error
 from rayllm.serve.request_guards import body_limit, too_large
 from rayllm.serve.tracing import span
@@ -34,6 +36,9 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": P.CompletionRequest,
     "/tokenize": P.TokenizeRequest,
     "/detokenize": P.DetokenizeRequest,
+    "/v1/embeddings": E.EmbeddingRequest,
+    "/v1/rerank": S.RerankRequest,
+    "/v1/score": S.ScoreRequest,
 }
 
 
