@@ -93,7 +93,7 @@ class SamplingInputs:
     def _allowed_words(self, request_id: str, ids: tuple[int, ...]) -> torch.Tensor:
         """allowed_token_ids as [W] int32 words in the grammar bitmask's layout (built once per request)."""
         cached = self.allowed.get(request_id)
-        if cached is None or cached[0] is not ids:
+        if cached is None or cached[0] != ids:  # (a TP rank gets the params unpickled: equal, not the same)
             v = self.vocab_size
             toks = torch.tensor([t for t in ids if t < v], dtype=torch.long)
             words = torch.zeros(-(-v // 32), dtype=torch.long)
@@ -120,7 +120,12 @@ class SamplingInputs:
             bitmask = bitmask[:words]
         if p.allowed_token_ids:  # with a grammar: the tokens both allow
             allowed = self._allowed_words(s.request_id, p.allowed_token_ids)
-            bitmask = allowed if bitmask is None else bitmask & allowed
+            if bitmask is not None:
+                bitmask = bitmask & allowed
+                if not bool(bitmask.any()):  # this request's own fault: it alone fails, with the reason
+                    raise ValueError("allowed_token_ids and the output constraint leave no token to sample")
+            else:
+                bitmask = allowed
         return SamplingRow(s.request_id, p, g, bias, bitmask, s.history, s.num_prompt_tokens)
 
     def tensors(self, rows: list[SamplingRow], device: torch.device) -> SamplingTensors:

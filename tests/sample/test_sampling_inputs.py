@@ -49,8 +49,7 @@ FEATURES: dict[str, list[SeqStep]] = {
     "grammar": [seq_step("a", SamplingParams(temperature=0.7), allowed_bitmask=bitmask([1, 31, 40, 99])),
                 seq_step("b", SamplingParams(temperature=0.0))],
     "allowed_token_ids": [seq_step("a", SamplingParams(temperature=0.7, allowed_token_ids=(3, 31, 32, 97))),
-                          seq_step("b", SamplingParams(temperature=0.0, allowed_token_ids=(5,)),
-                                   allowed_bitmask=bitmask([5, 6]))],
+                          seq_step("b", SamplingParams(temperature=0.0, allowed_token_ids=(5, 6)))],
     "logprobs": [seq_step("a", SamplingParams(temperature=0.7, logprobs=5)),
                  seq_step("b", SamplingParams(temperature=0.0, logprobs=0))],
 }
@@ -187,6 +186,9 @@ def test_allowed_token_ids_restrict_sampling_and_meet_a_grammar():
     both = inputs.sample([seq_step("b", SamplingParams(temperature=2.0, seed=0, allowed_token_ids=allowed),
                                    allowed_bitmask=bitmask([32, 40, 50]))], logits[2:])
     assert both.sampled["b"] == 32  # the one token in both sets
+    none = inputs.sample([seq_step("n", SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+                                   allowed_bitmask=bitmask([40, 50]))], logits[:1])
+    assert none.sampled == {} and "leave no token" in none.errors["n"]
     assert {"g", "b"} <= set(inputs.allowed)
-    inputs.forget(["g", "b", *(f"s{i}" for i in range(200))])
+    inputs.forget(["g", "b", "n", *(f"s{i}" for i in range(200))])
     assert inputs.allowed == {}
