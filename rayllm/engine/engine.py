@@ -46,9 +46,11 @@ def banned_next(words: tuple[tuple[int, ...], ...], token_ids: list[int], num_ou
     """vLLM's bad_words: the tokens that would complete a bad word now, given the output so far (the prompt
     does not count: a word may start only in the output)."""
     out = []
+    last = token_ids[-1] if num_output else None
     for w in words:
         k = len(w) - 1
-        if k == 0 or (k <= num_output and tuple(token_ids[len(token_ids) - k :]) == w[:-1]):
+        # The last token first: a step pays one comparison per word unless the word is under way.
+        if k == 0 or (k <= num_output and w[-2] == last and tuple(token_ids[len(token_ids) - k :]) == w[:-1]):
             out.append(w[-1])
     return tuple(out)
 
