@@ -113,11 +113,23 @@ class ResponseCreate(Strict):
         return v
 
 
+# The errors truncation "auto" answers by dropping the oldest turns: the context, and the server's own bounds.
+TOO_LONG = frozenset({"context_length_exceeded", "prompt_too_long", "max_total_tokens_exceeded"})
+
+
+def turn_starts(messages: list[dict[str, Any]]) -> tuple[int, list[int]]:
+    """For truncation "auto": the leading system / developer messages (the instructions: always kept) and
+    where each user turn starts after them. Dropping whole turns from the start keeps every tool call with
+    its output; the last turn is never dropped."""
+    head = 0
+    while head < len(messages) and messages[head].get("role") in ("system", "developer"):
+        head += 1
+    return head, [i for i in range(head, len(messages)) if messages[i].get("role") == "user"]
+
+
 def check_supported(req: ResponseCreate) -> None:
     if req.background:
         raise unsupported("background", "background responses are not offered by this server")
-    if req.truncation == "auto":
-        raise unsupported("truncation", "inputs longer than the context are refused, never truncated")
     if req.prompt is not None:
         raise unsupported("prompt", "stored prompt templates are not offered by this server")
     if req.max_tool_calls is not None:

@@ -32,7 +32,7 @@ def skeleton(req: ResponseCreate, response_id: str, model: str, conversation_id:
         "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": fmt or {"type": "text"}}, "tool_choice": req.tool_choice or "auto", "tools": tools,
         "top_logprobs": req.top_logprobs, "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {},
+        "truncation": req.truncation or "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {},
     }
 
 

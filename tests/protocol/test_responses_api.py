@@ -144,7 +144,8 @@ def test_item_bounds_name_the_field(item, param):
 
 
 def test_unsupported_options_and_renamed_errors():
-    for body, param in (({"background": True}, "background"), ({"truncation": "auto"}, "truncation"),
+    R.check_supported(create(truncation="auto"))  # works: the oldest turns are dropped to fit
+    for body, param in (({"background": True}, "background"),
                         ({"previous_response_id": "resp_1", "conversation": "conv_1"}, "previous_response_id")):
         with pytest.raises(APIError) as exc:
             R.check_supported(create(**body))
@@ -157,3 +158,11 @@ def test_unsupported_options_and_renamed_errors():
     with pytest.raises(APIError) as exc:
         R.chat_response_format(R.TextConfig.model_validate({"format": {"type": "json_schema", "name": "x"}}))
     assert exc.value.param == "text.format.schema"
+
+
+def test_truncation_keeps_the_instructions_and_drops_whole_turns():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, {"role": "tool", "content": "t"},
+            {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    assert R.turn_starts(msgs) == (1, [1, 5])  # a cut only where a user turn starts: tool calls keep outputs
+    assert R.turn_starts([{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]) == (0, [1])

@@ -254,3 +254,21 @@ def test_reasoning_items_from_a_thinking_model(client, model_name):
     events = list(client.responses.create(stream=True, **kw))
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert thought == expected.reasoning_content
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit_the_context(client, server, auth, model_name):
+    """OpenAI's truncation "auto": a chain past the context (the session app's 2,048 tokens) drops its oldest
+    turns until it fits; the model then sees the instructions and the newest turn, exactly (the server's
+    /tokenize of those messages). Without it the same request is a 400."""
+    long_text = "Here are some notes. " + " ".join(f"Note {i}: the river is wide here." for i in range(150))
+    first = client.responses.create(model=model_name, input=long_text, temperature=0, max_output_tokens=4)
+    follow = long_text.replace("river", "road")
+    kw = dict(model=model_name, previous_response_id=first.id, instructions="Answer briefly.", input=follow,
+              temperature=0, max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**kw)
+    assert e.value.code == "context_length_exceeded"
+    r = client.responses.create(truncation="auto", **kw)
+    assert r.truncation == "auto" and r.output_text
+    kept = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": follow}]
+    assert r.usage.input_tokens == _tokens(server, auth, model_name, kept)

@@ -111,7 +111,12 @@ class ResponsesRoutes:
         """A response runs the chat handler's steps (Ingress.prepare_chat) on the chat request it became."""
         rid = R.new_item_id("resp")
         messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-        greq, factory = await self.prepare_chat(request, owner, chat, messages, rid, param="input")
+        try:
+            greq, factory = await self.prepare_chat(request, owner, chat, messages, rid, param="input")
+        except APIError as exc:
+            if req.truncation != "auto" or exc.code not in R.TOO_LONG:
+                raise
+            greq, factory = await self.truncated(request, owner, chat, messages, rid, exc)
         fmt = ResponsesFormat(GenerationState(greq.n, factory), skeleton(req, rid, req.model or self.model_name, cid),
                               rid)
 
@@ -131,6 +136,28 @@ class ResponsesRoutes:
                                          key="response") from None
 
         return await self.run(greq, fmt, chat, on_complete=keep)
+
+    async def truncated(self, request: Request, owner: str, chat: P.ChatCompletionRequest, messages: list[dict],
+                        rid: str, too_long: APIError):
+        """OpenAI's truncation "auto": the request with the fewest oldest turns dropped that fits (a binary
+        search over where the kept turns start, one render per probe); the last turn alone not fitting is
+        the original error."""
+        head, starts = R.turn_starts(messages)
+        # Candidates: keep from starts[k] on. starts[0] == head is the whole conversation, which did not fit.
+        lo, hi, found = (1 if starts and starts[0] == head else 0), len(starts) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            try:
+                found = await self.prepare_chat(request, owner, chat, messages[:head] + messages[starts[mid]:], rid,
+                                                param="input")
+                hi = mid - 1
+            except APIError as exc:
+                if exc.code not in R.TOO_LONG:
+                    raise
+                lo = mid + 1
+        if found is None:  # successes only move left: the last one is the most kept that fits
+            raise too_long
+        return found
 
     @app.get("/v1/responses/{rid}")
     async def get_response(self, rid: str, request: Request) -> JSONResponse:
