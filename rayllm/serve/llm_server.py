@@ -67,15 +67,9 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob], as_ids: bool
     else:
         strings = dict(zip(ids, tok.token_strings(ids), strict=True))
         raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
-    return [
-        {
-            "token": strings[lp.token_id],
-            "logprob": lp.logprob,
-            "bytes": raw[lp.token_id],
-            "top_logprobs": [{"token": strings[t], "logprob": v, "bytes": raw[t]} for t, v in lp.top],
-        }
-        for lp in lps
-    ]
+    return [{"token": strings[lp.token_id], "logprob": lp.logprob, "bytes": raw[lp.token_id],
+             "top_logprobs": [{"token": strings[t], "logprob": v, "bytes": raw[t]} for t, v in lp.top]}
+            for lp in lps]
 
 
 def step_failure(exc: SequenceError) -> APIError:
