@@ -71,20 +71,22 @@ class Access:
     """Who may call what: any accepted key for the API, an admin key for routes that change everyone's
     service (loading and unloading adapters), and optionally a key for /metrics.
 
-    Admin keys are accepted keys too. With keys on and no admin key configured, the admin routes are
-    closed to everyone (403); with keys off (local use), everything is open.
+    Admin keys are accepted keys too. The admin routes are closed (403) until the operator opens them:
+    with admin keys (then only those keys), or, with no keys at all (local use), with
+    `allow_runtime_lora_updating` (vLLM's switch of the same name).
     """
 
     keys: KeyRing = KeyRing()
     admins: KeyRing = KeyRing()
     metrics_require_key: bool = False
+    admin_open_without_keys: bool = False
 
     @classmethod
     def from_entries(cls, api_keys: tuple[str, ...] | list[str], admin_keys: tuple[str, ...] | list[str] = (),
-                     metrics_require_key: bool = False) -> Access:
+                     metrics_require_key: bool = False, allow_runtime_lora_updating: bool = False) -> Access:
         admins = KeyRing.from_entries(admin_keys)
         keys = KeyRing.from_entries(api_keys)
-        return cls(KeyRing(keys.digests + admins.digests), admins, metrics_require_key)
+        return cls(KeyRing(keys.digests + admins.digests), admins, metrics_require_key, allow_runtime_lora_updating)
 
     @property
     def enabled(self) -> bool:
@@ -97,7 +99,10 @@ class Access:
         """The caller's owner id if it holds an admin key; 401 for no valid key, 403 for a non-admin key."""
         owner = self.keys.owner(authorization)
         if not self.keys.enabled:
-            return owner
+            if self.admin_open_without_keys:
+                return owner
+            raise forbidden("this route changes the service for every client and is off: set admin_api_keys, "
+                            "or allow_runtime_lora_updating: true on a server without API keys")
         digest = bytes.fromhex(owner)
         ok = False
         for d in self.admins.digests:

@@ -104,8 +104,11 @@ class ServerConfig:
     wake_timeout_s: float = 60.0
     # ---- files, keys and tenants (issue 17) --------------------------------------------------------------
     # Keys that may also load and unload LoRA adapters (same forms as api_keys; also ADMIN_API_KEYS). With
-    # api_keys set and none here, those routes answer 403. Admin keys are accepted API keys too.
+    # none here, those routes answer 403. Admin keys are accepted API keys too.
     admin_api_keys: tuple[str, ...] = ()
+    # With no API keys at all (local use), let any client load and unload adapters (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, those routes answer 403 until admin_api_keys are set.
+    allow_runtime_lora_updating: bool = False
     # /metrics needs an API key (it names adapters and shows load); default open, for Prometheus scrapers.
     metrics_require_key: bool = False
     # Seconds a storage call waits for a locked SQLite database / a PostgreSQL connection or statement

@@ -60,7 +60,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         self.config = config
         self.created = int(time.time())
         self.routes = ModelRoutes(config.models, llms, tokenizer, self.created)
-        self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key)
+        self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key,
+                                       config.allow_runtime_lora_updating)
         self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
         self.metrics = server_metrics()
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)

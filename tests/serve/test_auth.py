@@ -22,11 +22,20 @@ def status(fn, *args) -> int:
     return 200
 
 
-def test_keys_off_leaves_everything_open():
+def test_keys_off_leaves_the_api_open_and_the_admin_routes_closed_until_allowed():
     access = Access.from_entries([], [])
     assert not access.enabled
-    assert access.owner(None) == "" and access.admin(None) == ""
+    assert access.owner(None) == ""
     access.metrics(None)
+    # Loading or unloading an adapter changes every client's service: closed unless the operator opens it.
+    with pytest.raises(APIError) as err:
+        access.admin(None)
+    assert err.value.status_code == 403 and "allow_runtime_lora_updating" in err.value.message
+    opened = Access.from_entries([], [], allow_runtime_lora_updating=True)
+    assert opened.admin(None) == ""
+    # The switch opens nothing once keys are on: an admin key is still needed.
+    keyed = Access.from_entries(["user-key"], [], allow_runtime_lora_updating=True)
+    assert status(keyed.admin, bearer("user-key")) == 403
 
 
 def test_admin_routes_need_an_admin_key():
