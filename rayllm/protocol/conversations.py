@@ -17,9 +17,13 @@ MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 _ROLES = ("user", "assistant", "system", "developer", "tool")
+# What one conversation may hold (its whole history is loaded, rendered and sent with each turn that uses it).
+MAX_CONVERSATION_ITEMS = 4096
+MAX_CONVERSATION_CHARS = 16 << 20  # its items, as stored JSON
 
 
-def _check_metadata(v: dict[str, Any] | None) -> dict[str, Any] | None:
+def check_metadata(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's bounds on `metadata` (conversations, Responses, stored chat completions)."""
     if v is None:
         return v
     if len(v) > MAX_METADATA_KEYS:
@@ -39,7 +43,7 @@ class ConversationCreate(Strict):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _check_metadata(v)
+        return check_metadata(v)
 
 
 class ConversationUpdate(Strict):
@@ -48,7 +52,7 @@ class ConversationUpdate(Strict):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, Any]) -> dict[str, Any] | None:
-        return _check_metadata(v)
+        return check_metadata(v)
 
 
 class ItemsCreate(Strict):
@@ -130,3 +134,11 @@ def turn_items(last_input: dict[str, Any], answer: str, reasoning: str | None) -
 def items_page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
             "last_id": items[-1]["id"] if items else None, "has_more": has_more}
+
+
+def check_room(conversation_id: str, count: int, chars: int, add_count: int, add_chars: int) -> None:
+    """A 400 when a conversation holding `count` items (`chars` of JSON) cannot take `add_count` more."""
+    if count + add_count > MAX_CONVERSATION_ITEMS or chars + add_chars > MAX_CONVERSATION_CHARS:
+        raise bad_request(f"conversation {conversation_id} is full: it holds {count} items ({chars} characters); "
+                          f"at most {MAX_CONVERSATION_ITEMS} items and {MAX_CONVERSATION_CHARS} characters are "
+                          "allowed: start a new conversation", param="conversation", code="conversation_full")

@@ -93,11 +93,12 @@ def _field_path(loc: Sequence[Any]) -> list[str]:
 
 
 def _pick(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The first field's error; among its union branches, the deepest (the branch the client meant)."""
+    """The first field's error; among its union branches, the deepest (the branch the client meant), and at
+    one depth a value's bound over a type mismatch (ids past int32: not "should be a valid string")."""
     first = errors[0]
     top = _field_path(first.get("loc", ()))[:1]
     same = [e for e in errors if _field_path(e.get("loc", ()))[:1] == top]
-    return max(same, key=lambda e: len(_field_path(e.get("loc", ()))))
+    return max(same, key=lambda e: (len(_field_path(e.get("loc", ()))), not str(e.get("type", "")).endswith("_type")))
 
 
 def from_validation_error(exc: ValidationError | Sequence[dict[str, Any]]) -> APIError:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: as vLLM (n seeded choices use seed + i, still < 2**64)
+MAX_ID_CHARS = 256  # an identifier a client sends (user, request_id, prompt_cache_key, ...), as OpenAI's `user`
+MAX_PATH_CHARS = 4096  # a path (lora_path), as PATH_MAX
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # one stop string

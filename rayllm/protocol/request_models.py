@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from rayllm.protocol import limits as L
+from rayllm.protocol.conversations import check_metadata
 from rayllm.protocol.messages import ChatMessage, ResponseFormat, StreamOptions, Strict
 from rayllm.schema.sampling_params import MAX_PRIORITY
 
@@ -106,7 +107,8 @@ class SamplingFields(Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     # SGLang extensions
-    lora_path: str | list[str | None] | None = None
+    lora_path: Annotated[str, Field(max_length=L.MAX_PATH_CHARS)] | list[
+        Annotated[str, Field(max_length=L.MAX_PATH_CHARS)] | None] | None = Field(None, max_length=L.MAX_PROMPTS)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM: a private prefix-cache namespace
     custom_logit_processor: str | None = None
     return_hidden_states: bool | None = False
@@ -119,11 +121,12 @@ class SamplingFields(Strict):
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # accepted and ignored
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    request_id: str | None = None  # vLLM; the server makes its own ids
+    user: str | None = Field(None, max_length=L.MAX_ID_CHARS)
+    safety_identifier: str | None = Field(None, max_length=L.MAX_ID_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=L.MAX_ID_CHARS)
+    request_id: str | None = Field(None, max_length=L.MAX_ID_CHARS)  # vLLM; the server makes its own ids
+    # stored with the completion (store: true), bounded as OpenAI bounds it
+    metadata: Annotated[dict[str, Any] | None, AfterValidator(check_metadata)] = None
     # vLLM: words never to generate (each with and without a leading space)
     bad_words: list[Annotated[str, Field(min_length=1, max_length=L.MAX_BAD_WORD_CHARS)]] | None = Field(
         None, max_length=L.MAX_BAD_WORDS)
@@ -134,7 +137,8 @@ class SamplingFields(Strict):
     length_penalty: float | None = Field(None, ge=-1e6, le=1e6)
     # vLLM: keep only the prompt's last k tokens (the rendered chat prompt's); -1 = the model's context length
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=L.INT32_MAX)
-    rid: str | list[str] | None = None  # SGLang; likewise
+    rid: Annotated[str, Field(max_length=L.MAX_ID_CHARS)] | list[  # SGLang; likewise
+        Annotated[str, Field(max_length=L.MAX_ID_CHARS)]] | None = Field(None, max_length=L.MAX_PROMPTS)
 
     @model_validator(mode="before")
     @classmethod
@@ -147,6 +151,13 @@ class SamplingFields(Strict):
                 raise ValueError("extra_body must be a JSON object")
             data = {k: v for k, v in data.items() if k != "extra_body"} | (extra or {})
         return data
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # as OpenAI and vLLM answer
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -271,7 +282,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=128)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from rayllm.protocol.conversations import _check_metadata
+from rayllm.protocol.conversations import check_metadata
 from rayllm.protocol.errors import APIError, bad_request, from_validation_error, unsupported
 from rayllm.protocol.limits import MAX_CHAT_TEMPLATE_CHARS
 from rayllm.protocol.messages import Strict
@@ -101,7 +101,7 @@ class ResponseCreate(Strict):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _check_metadata(v)
+        return check_metadata(v)
 
     @field_validator("input")
     @classmethod

@@ -2,7 +2,6 @@
 
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
-import asyncio
 import logging
 import time
 import uuid
@@ -19,7 +18,7 @@ from rayllm.protocol import conversations as C
 from rayllm.protocol import protocol as P
 from rayllm.protocol.chat_output import output_parser_factory
 from rayllm.protocol.choice_state import GenerationState
-from rayllm.protocol.errors import APIError, not_found
+from rayllm.protocol.errors import APIError
 from rayllm.protocol.io_struct import GenerateRequest
 from rayllm.protocol.sse import ChatFormat, CompletionFormat, OpenAIFormat, WireFormat
 from rayllm.protocol.structured import guided_spec
@@ -35,11 +34,11 @@ from rayllm.serve.request_guards import (
     check_sampling,
     check_token_list,
     check_tokens,
-    conversation_not_found,
 )
 from rayllm.serve.routes import ops_routes as ops
+from rayllm.serve.routes.conversation_routes import ConversationRoutes
 from rayllm.serve.routes.embeddings_routes import EmbeddingsRoutes
-from rayllm.serve.routes.http_app import app, parse, parse_query, read_body, request_id_of
+from rayllm.serve.routes.http_app import app, parse, request_id_of
 from rayllm.serve.routes.model_routes import ModelRoutes
 from rayllm.serve.routes.playground import PlaygroundRoutes
 from rayllm.serve.routes.responses_routes import ResponsesRoutes
@@ -54,7 +53,7 @@ log = logging.getLogger("ray.serve")
 # graceful_shutdown_timeout_s: on redeploy or scale-down, open streams get this long to finish (as cluster.yaml).
 @serve.deployment(name="ingress", max_ongoing_requests=1000, graceful_shutdown_timeout_s=60)
 @serve.ingress(app)
-class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
+class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsRoutes):
     def __init__(self, config: ServerConfig, tokenizer: DeploymentHandle, llms: dict[str, DeploymentHandle]):
         ServingPriority.of(config).step_back()
         self.config = config
@@ -111,10 +110,11 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
 
     def openai_format(self, cls: type[OpenAIFormat], greq: GenerateRequest, req: P.SamplingFields,
                       state: GenerationState) -> OpenAIFormat:
-        opts = req.stream_options if req.stream else None
+        usage = bool(req.stream_options and req.stream_options.include_usage)  # only with stream (request_models)
         return cls(state, request_id=greq.request_id, model=req.model or self.model_name, created=int(time.time()),
-                   include_usage=bool(opts and opts.include_usage),
-                   continuous_usage_stats=bool(opts and opts.continuous_usage_stats), trace_id=greq.trace_id or None,
+                   include_usage=usage,  # vLLM: per-chunk usage only with the final usage chunk asked for too
+                   continuous_usage_stats=usage and bool(req.stream_options.continuous_usage_stats),
+                   trace_id=greq.trace_id or None,
                    prompt_token_ids=greq.prompts if req.return_token_ids else None)
 
     async def run(self, greq: GenerateRequest, fmt: WireFormat, req: P.SamplingFields,
@@ -187,7 +187,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         last_input = messages[-1]  # what `store` keeps (before any history is merged in)
         cid = C.conversation_id(req.conversation)
         if cid is not None:
-            messages = C.with_history(C.history_messages(await self.conversation_history(owner, cid)), messages)
+            history = await self.conversation_history(owner, cid, 3 if req.store else 0)  # a stored turn: up to 3 items
+            messages = C.with_history(C.history_messages(history), messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq, parser_factory = await self.prepare_chat(request, owner, req, messages, rid)
         save = completion_store(self.store, self.model_name, owner, req, cid, rid, last_input) if req.store else None
@@ -266,7 +267,8 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
             elif isinstance(p, str):
                 prompts.append(next(encoded))
                 texts.append(p)
-            else:
+            else:  # ids: each must exist before echo decodes them (the tokenizer fails or drops others)
+                check_token_list(list(p), (await self.tokenizer_info())["vocab_size"], "prompt")
                 prompts.append(list(p))
                 texts.append(await self.tokenizer.decode.remote(list(p), False) if req.echo else "")
         for i, p in enumerate(prompts):  # "" on a model without BOS: nothing for the model to continue
@@ -329,72 +331,4 @@ class Ingress(ResponsesRoutes, PlaygroundRoutes, EmbeddingsRoutes):
         self.check_model(req.model)
         check_token_list(req.tokens, (await self.tokenizer_info())["vocab_size"])
         return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
-
-    # ---- conversations and stored completions (storage: rayllm.serve.stores.conversation_store) ----------------
-
-    async def conversation_history(self, owner: str, cid: str) -> list[dict]:
-        items = await asyncio.to_thread(self.store.history, owner, cid)
-        if items is None:  # missing, or another key's: the same answer, so nothing leaks
-            raise conversation_not_found(cid)
-        return items
-
-    @app.post("/v1/conversations")
-    async def create_conversation(self, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        body = await read_body(request)
-        req = await parse(request, C.ConversationCreate) if body.strip() else C.ConversationCreate()
-        items = [C.client_item(it, i) for i, it in enumerate(req.items or [])]
-        return JSONResponse(await asyncio.to_thread(self.store.create, owner, req.metadata, items))
-
-    @app.get("/v1/conversations/{cid}")
-    async def get_conversation(self, cid: str, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        conv = await asyncio.to_thread(self.store.get, owner, cid)
-        if conv is None:
-            raise conversation_not_found(cid)
-        return JSONResponse(conv)
-
-    @app.post("/v1/conversations/{cid}")
-    async def update_conversation(self, cid: str, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        req = await parse(request, C.ConversationUpdate)
-        conv = await asyncio.to_thread(self.store.update, owner, cid, req.metadata)
-        if conv is None:
-            raise conversation_not_found(cid)
-        return JSONResponse(conv)
-
-    @app.delete("/v1/conversations/{cid}")
-    async def delete_conversation(self, cid: str, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        if not await asyncio.to_thread(self.store.delete, owner, cid):
-            raise conversation_not_found(cid)
-        return JSONResponse({"id": cid, "object": "conversation.deleted", "deleted": True})
-
-    @app.get("/v1/conversations/{cid}/items")
-    async def list_items(self, cid: str, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        q = parse_query(request, C.ItemsQuery)
-        page = await asyncio.to_thread(self.store.items, owner, cid, limit=q.limit, order=q.order, after=q.after)
-        if page is None:
-            raise conversation_not_found(cid)
-        return JSONResponse(C.items_page(*page))
-
-    @app.post("/v1/conversations/{cid}/items")
-    async def add_items(self, cid: str, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        req = await parse(request, C.ItemsCreate)
-        items = [C.client_item(it, i) for i, it in enumerate(req.items)]
-        added = await asyncio.to_thread(self.store.add_items, owner, cid, items)
-        if added is None:
-            raise conversation_not_found(cid)
-        return JSONResponse(C.items_page(added, False))
-
-    @app.get("/v1/chat/completions/{completion_id}")
-    async def get_stored_completion(self, completion_id: str, request: Request) -> JSONResponse:
-        owner = self.check_auth(request)
-        body = await asyncio.to_thread(self.store.get_completion, owner, completion_id)
-        if body is None:
-            raise not_found(f"No stored completion found with id '{completion_id}'.", param="completion_id",
-                            code="completion_not_found")
-        return JSONResponse(body)
 

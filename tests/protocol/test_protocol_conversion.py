@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rayllm.protocol.errors import APIError
+from rayllm.protocol.errors import APIError, from_validation_error
 from rayllm.protocol.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -112,10 +112,19 @@ def test_completion_prompts():
     assert completion_prompts(completion(prompt=[1, 2])) == [[1, 2]]
     assert completion_prompts(completion(prompt=[[1], [2, 3]])) == [[1], [2, 3]]
     assert completion_prompts(completion(prompt=["a", "b"])) == ["a", "b"]
-    for bad in ([], [[]], [[1], [-2]], [-1], ["a", ""]):
+    for bad in ([], [[]], ["a", ""]):
         with pytest.raises(APIError) as e:
             completion_prompts(completion(prompt=bad))
         assert e.value.param == "prompt"
+    # Ids are int32 and not negative at parse (the tokenizer would overflow decoding them for echo); the 400
+    # names the id and its bound, not the union's other branches.
+    for bad, param, bound in (([[1], [-2]], "prompt.1.0", "greater than or equal to 0"),
+                              ([-1], "prompt.0", "greater than or equal to 0"),
+                              ([2**40, 5], "prompt.0", "less than or equal to 2147483647")):
+        with pytest.raises(ValidationError) as v:
+            completion(prompt=bad)
+        err = from_validation_error(v.value)
+        assert (err.status_code, err.param) == (400, param) and bound in err.message
 
 
 def test_tokenize_requests():

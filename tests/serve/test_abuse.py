@@ -83,6 +83,10 @@ def test_out_of_range_numbers_are_400s_naming_the_field(server, auth, same_repli
     ({"logprobs": 2**40}, "logprobs"),
     ({"prompt": [2**40]}, "prompt"),
     ({"prompt": [[1, 2], [49152]]}, "prompt"),
+    ({"prompt": [2**40, 5], "echo": True}, "prompt"),  # echo decodes the ids: past int32 the tokenizer overflowed
+    ({"prompt": [1, 49152], "echo": True}, "prompt"),
+    ({"metadata": {"k": "v" * 600}}, "metadata"),  # stored with a chat completion: bounded as OpenAI's
+    ({"user": "u" * 300}, "user"),
 ])
 def test_completions_numbers_out_of_range(server, auth, same_replica, body, param):
     refused(post(server, auth, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2} | body), param)

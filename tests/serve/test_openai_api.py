@@ -55,6 +55,14 @@ def test_stream_ends_with_done_and_continuous_usage(server, auth, model_name):
     assert all(e.get("usage") for e in events)  # continuous_usage_stats: usage on every chunk
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert counts == sorted(counts) and counts[-1] <= 8
+    # As vLLM: usage on every chunk only with the final usage chunk asked for too.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth, timeout=60) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    assert events and not any(e.get("usage") for e in events)
+    # stream_options without stream: a 400 naming it (OpenAI's and vLLM's answer).
+    r = httpx.post(f"{server}/v1/chat/completions", json=body | {"stream": False}, headers=auth, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
 def test_max_tokens_length_and_stop_strings_trimmed(client, model_name):

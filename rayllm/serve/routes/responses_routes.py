@@ -90,7 +90,7 @@ class ResponsesRoutes:
             if history is None:  # missing, or another key's: the same answer
                 raise response_not_found(req.previous_response_id, "previous_response_id")
         elif cid is not None:
-            history = await self.conversation_history(owner, cid)
+            history = await self.conversation_history(owner, cid, len(items) + 1)
         if len(history) + len(items) > R.MAX_CONTEXT_ITEMS:
             raise bad_request(f"the context would hold {len(history) + len(items)} items; at most "
                               f"{R.MAX_CONTEXT_ITEMS} are allowed", param="input")

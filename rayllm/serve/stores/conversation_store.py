@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from rayllm.common.errors import first_line
+from rayllm.protocol.conversations import check_room
 from rayllm.protocol.errors import APIError
 
 log = logging.getLogger("ray.serve")
@@ -209,11 +210,14 @@ class ConversationStore:
             rows = [json.loads(r[0]) for r in cur.fetchall()]
         return rows[:limit], len(rows) > limit
 
-    def history(self, owner: str, conversation_id: str) -> list[dict[str, Any]] | None:
-        """Every item, oldest first (None: no such conversation for this owner)."""
+    def history(self, owner: str, conversation_id: str, room_for: int = 0) -> list[dict[str, Any]] | None:
+        """Every item, oldest first (None: no such conversation for this owner); a 400 when the
+        conversation cannot take `room_for` more items (a turn that would not be stored is refused first)."""
         with self._tx(write=False) as cur:
             if self._get(cur, owner, conversation_id) is None:
                 return None
+            if room_for:
+                check_room(conversation_id, *self._size(cur, conversation_id), room_for, 0)
             cur.execute("SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY seq",
                         (conversation_id,))
             return [json.loads(r[0]) for r in cur.fetchall()]
@@ -253,15 +257,25 @@ class ConversationStore:
         return {"id": row[0], "object": "conversation", "created_at": int(row[1]), "metadata": json.loads(row[2])}
 
     @staticmethod
-    def _add_items(cur: _Cursor, conversation_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _size(cur: _Cursor, conversation_id: str) -> tuple[int, int]:
+        """Items and characters of JSON a conversation holds."""
+        cur.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(item)), 0) FROM conversation_items WHERE conversation_id = ?",
+                    (conversation_id,))
+        count, chars = cur.fetchone()
+        return int(count), int(chars)
+
+    @classmethod
+    def _add_items(cls, cur: _Cursor, conversation_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         now = int(time.time())
-        out = []
-        for item in items:
-            # Ids are always ours: a client-chosen id could collide with another owner's item.
-            item = dict(item) | {"id": new_id("msg" if item.get("type", "message") == "message" else "rs")}
+        # Ids are always ours: a client-chosen id could collide with another owner's item.
+        out = [dict(item) | {"id": new_id("msg" if item.get("type", "message") == "message" else "rs")}
+               for item in items]
+        rows = [json.dumps(item) for item in out]
+        if rows:  # bounded at write time, so a history load is bounded too
+            check_room(conversation_id, *cls._size(cur, conversation_id), len(rows), sum(map(len, rows)))
+        for item, row in zip(out, rows, strict=True):
             cur.execute("INSERT INTO conversation_items (id, conversation_id, created_at, item) VALUES (?, ?, ?, ?)",
-                        (item["id"], conversation_id, now, json.dumps(item)))
-            out.append(item)
+                        (item["id"], conversation_id, now, row))
         return out
 
 

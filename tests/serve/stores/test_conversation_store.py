@@ -75,6 +75,28 @@ def test_items_paging_and_order(url):
     assert len({i["id"] for i in store.history(ALICE, cid)}) == 5
 
 
+def test_a_conversation_is_bounded_at_write_and_a_full_one_refuses_a_stored_turn(url, monkeypatch):
+    monkeypatch.setattr(C, "MAX_CONVERSATION_ITEMS", 5)
+    monkeypatch.setattr(C, "MAX_CONVERSATION_CHARS", 4000)
+    store = ConversationStore(url)
+    cid = store.create(ALICE, None, [C.message_item("user", "m0")])["id"]
+    store.add_items(ALICE, cid, [C.message_item("user", f"m{i}") for i in (1, 2, 3)])
+    with pytest.raises(APIError) as err:  # 4 + 2 > 5: the whole batch is refused, nothing of it stored
+        store.add_items(ALICE, cid, [C.message_item("user", "m4"), C.message_item("user", "m5")])
+    assert (err.value.status_code, err.value.code, err.value.param) == (400, "conversation_full", "conversation")
+    assert len(store.history(ALICE, cid)) == 4
+    with pytest.raises(APIError):  # a turn (up to 3 items) no longer fits: refused before it is generated
+        store.history(ALICE, cid, room_for=3)
+    assert len(store.history(ALICE, cid, room_for=1)) == 4
+    with pytest.raises(APIError):  # a chat turn saved into it past the bound
+        store.save_completion(ALICE, completion("chatcmpl-x", "a"), None, cid, turn("q", "a"))
+    assert store.get_completion(ALICE, "chatcmpl-x") is None  # one transaction: neither is kept
+    other = store.create(ALICE)["id"]
+    with pytest.raises(APIError):  # the size bound: one item of 5,000 characters
+        store.add_items(ALICE, other, [C.message_item("user", "x" * 5000)])
+    assert store.history(ALICE, other) == []
+
+
 def test_turn_is_one_transaction_and_completion_keeps_metadata(url):
     store = ConversationStore(url)
     cid = store.create(ALICE)["id"]
