@@ -11,6 +11,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: as vLLM (n seeded choices use seed + i, still < 2**64)
 MAX_ID_CHARS = 256  # an identifier a client sends (user, request_id, prompt_cache_key, ...), as OpenAI's `user`
 MAX_PATH_CHARS = 4096  # a path (lora_path), as PATH_MAX
+MAX_DETOKENIZE_IDS = 1 << 20  # /detokenize: more than any context's worth of ids
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # one stop string

@@ -332,4 +332,4 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: list[TokenId] = Field(max_length=L.MAX_DETOKENIZE_IDS)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from rayllm.protocol import limits as L
 from rayllm.protocol.errors import APIError, from_validation_error
 from rayllm.protocol.protocol import (
     ChatCompletionRequest,
@@ -135,6 +136,10 @@ def test_tokenize_requests():
             TokenizeRequest.model_validate(body)
     with pytest.raises(ValidationError):
         DetokenizeRequest(tokens=[-1])
+    with pytest.raises(ValidationError) as v:  # bounded: more ids than any context holds
+        DetokenizeRequest(tokens=[1] * (L.MAX_DETOKENIZE_IDS + 1))
+    assert from_validation_error(v.value).param == "tokens"
+    assert len(DetokenizeRequest(tokens=[1] * L.MAX_DETOKENIZE_IDS).tokens) == L.MAX_DETOKENIZE_IDS
 
 
 def test_app_imports_neither_torch_nor_ray():
