@@ -29,6 +29,11 @@ REGEX_WINDOW_CHARS = 1024
 # space or a UTF-8 character split across the prompt/output boundary decodes as it would in place.
 PROMPT_CONTEXT_TOKENS = 5
 
+# Tokens that may wait for the rest of a UTF-8 character (at most 4 bytes, so 3 byte tokens wait): a run
+# of more that still decodes to U+FFFD (lone bytes), or to nothing new (skipped special tokens), is emitted
+# as it decodes, so the window, and each step's decode, stays bounded whatever the model writes.
+MAX_UNREAD_TOKENS = 4
+
 
 def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Any | None:
     """The Rust `tokenizers.Tokenizer` behind a fast tokenizer, else None (slow/Python tokenizer)."""
@@ -77,7 +82,7 @@ class IncrementalDetokenizer:
 
     Decoding uses a sliding window (prefix/read offsets): each step re-decodes only the tokens since
     the last emitted one plus the previous few, and text ending in an incomplete UTF-8 character
-    (U+FFFD) waits for the next token. Emitted text is never revisited, so a step is O(new tokens)
+    (U+FFFD) waits for the next token (up to MAX_UNREAD_TOKENS). Emitted text is never revisited, so a step is O(new tokens)
     plus the stop search over the held-back tail (and, with stop_regex, a linear-time search of the output's last REGEX_WINDOW_CHARS).
     """
 
@@ -112,7 +117,8 @@ class IncrementalDetokenizer:
         for tid in token_ids:
             self._ids.append(tid)
             full = self._decode(self._ids)
-            if len(full) > len(self._prefix_text) and not full.endswith("\ufffd"):
+            complete = len(full) > len(self._prefix_text) and not full.endswith("\ufffd")
+            if complete or len(self._ids) - self._read >= MAX_UNREAD_TOKENS:
                 new.append(full[len(self._prefix_text) :])
                 # Slide the window: the tokens just read become the next step's context.
                 del self._ids[: self._read]

@@ -9,7 +9,7 @@ import pytest
 
 from rayllm.loader.model_files import DEFAULT_MODEL_NAME, resolve_model_path
 from rayllm.serve.chat_template import load_tokenizer
-from rayllm.serve.detokenizer import IncrementalDetokenizer
+from rayllm.serve.detokenizer import MAX_UNREAD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from rayllm.serve.tokenizer import TokenizerService
 
 TEXT = "Hello wörld 🎉 — naïve café, 東京タワー. The capital of France is Paris. END"
@@ -118,6 +118,24 @@ def test_incomplete_character_at_the_end_is_flushed_like_decode(svc):
     text, _ = feed(det, ids)
     assert "\ufffd" not in text
     assert text + det.flush() == svc.decode(ids)
+
+
+@pytest.mark.parametrize("kind", ["lone bytes", "skipped special tokens"])
+def test_a_long_run_that_never_completes_a_character_keeps_the_window_bounded(svc, kind):
+    """A model that writes only lone UTF-8 bytes (each decodes to U+FFFD alone; a logit_bias can force one),
+    or only special tokens that decode to nothing: the window still slides, so a step's decode stays small
+    (it grew with the output before: quadratic), and the text equals the whole output's decode."""
+    vocab = svc.info()["vocab_size"]
+    lone = next(i for i in range(vocab) if svc.decode([i]) == "\ufffd" and svc.decode([i, i]) == "\ufffd\ufffd")
+    tid = lone if kind == "lone bytes" else svc.encode("<|im_end|>", add_special_tokens=False)[0]
+    ids = [tid] * 400 + svc.encode(" done", add_special_tokens=False)
+    det = IncrementalDetokenizer(svc.tokenizer, svc.encode("Hi", add_special_tokens=False))
+    text, widest = "", 0
+    for t in ids:
+        text += det.add([t])[0]
+        widest = max(widest, len(det._ids))
+    assert text + det.flush() == svc.decode(ids)
+    assert widest <= 2 * MAX_UNREAD_TOKENS + PROMPT_CONTEXT_TOKENS
 
 
 def test_special_tokens_skipped_or_kept(svc):
