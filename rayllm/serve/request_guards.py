@@ -16,6 +16,10 @@ from rayllm.protocol import protocol as P
 from rayllm.protocol.errors import APIError, not_found, replica_failed
 from rayllm.serve.config import ServerConfig
 
+# return_hidden_states: each output token's final hidden state goes back (as JSON numbers) and a whole
+# response is held by the ingress; at 4,096 tokens of an 8B model's 4,096 values that is ~0.5 GB at most.
+MAX_HIDDEN_STATE_TOKENS = 4096
+
 
 class Overloaded(APIError):
     """The model deployment's queue is full (Serve's BackPressureError): 503 with Retry-After."""
@@ -127,6 +131,11 @@ def check_sampling(config: ServerConfig, req: P.SamplingFields, seqs: int, max_t
     """The bounds that need the vocabulary and the final max_tokens."""
     check_vocab(req, vocab, prompts)
     check_requested_tokens(config, req, seqs, max_tokens)
+    if req.return_hidden_states and seqs * max_tokens > MAX_HIDDEN_STATE_TOKENS:
+        name, _ = P._requested_max_tokens(req)
+        raise APIError(400, f"return_hidden_states keeps a vector per output token: at most {MAX_HIDDEN_STATE_TOKENS} "
+                       f"tokens per request with it ({seqs} sequences x {name} {max_tokens}; set {name} lower)",
+                       param="return_hidden_states", code="too_many_requested_tokens")
 
 
 def check_fanout(config: ServerConfig, num_prompts: int, n: int | None, best_of: int | None = None) -> int:

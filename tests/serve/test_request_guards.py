@@ -48,6 +48,16 @@ def test_requested_tokens_count_the_default_max_tokens():
     assert refusal(check_sampling, cfg, chat(max_completion_tokens=200), 10, 200, 50).param == "max_completion_tokens"
 
 
+def test_hidden_states_are_bounded_per_request():
+    cfg = ServerConfig()
+    check_sampling(cfg, chat(max_tokens=1024, return_hidden_states=True), 4, 1024, 50)
+    err = refusal(check_sampling, cfg, chat(max_tokens=1025, return_hidden_states=True), 4, 1025, 50)
+    assert err.param == "return_hidden_states" and "max_tokens 1025" in err.message
+    err = refusal(check_sampling, cfg, chat(return_hidden_states=True), 1, 8000, 50)  # the default: the context's rest
+    assert err.param == "return_hidden_states"
+    check_sampling(cfg, chat(), 1, 8000, 50)  # without it, only max_requested_tokens applies
+
+
 def test_token_ids_must_be_in_the_vocabulary():
     cfg = ServerConfig()
     assert refusal(check_sampling, cfg, chat(logit_bias={"50": 1}), 1, 4, 50).param == "logit_bias"
