@@ -25,16 +25,15 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
 def check_json_schema(schema: Any, param: str) -> str:
-    """The schema as compact JSON text, after checking it is a valid JSON Schema (and small enough)."""
+    """The schema as compact JSON text, after checking it is a valid JSON Schema (small and shallow enough)."""
+    if not isinstance(schema, str) and L.json_depth(schema) > L.MAX_JSON_DEPTH:  # before json_size recurses
+        raise bad_request(f"{param} nests deeper than {L.MAX_JSON_DEPTH} levels", param=param)
     size = len(schema.encode()) if isinstance(schema, str) else json_size(schema)
     if size > L.MAX_SCHEMA_BYTES:
         raise bad_request(f"{param} is too large: {size} bytes as JSON, at most {L.MAX_SCHEMA_BYTES} are allowed",
                           param=param.split(".")[0], code="constraint_too_large")
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
+        schema = _loads(schema, param)
     if not isinstance(schema, dict | bool):
         raise bad_request(f"{param} must be a JSON Schema object", param=param)
     from jsonschema import SchemaError, validators
@@ -45,7 +44,17 @@ def check_json_schema(schema: Any, param: str) -> str:
         where = "/".join(str(p) for p in exc.path)
         raise bad_request(f"{param} is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else ""),
                           param=param) from None
+    except RecursionError:  # several frames per subschema level: a backstop for a call stack already deep
+        raise bad_request(f"{param} nests too deeply to check", param=param) from None
     return json.dumps(schema, separators=(",", ":"))
+
+
+def _loads(text: str, param: str) -> Any:
+    """A client's JSON text, parsed; malformed or too deep is a 400 naming `param`."""
+    try:
+        return L.loads_bounded(text)
+    except ValueError as exc:
+        raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -88,11 +97,9 @@ def _from_structured_outputs(so: Any) -> list[GuidedSpec]:
     if so.json_object:
         specs.append(GuidedSpec("json_schema", json.dumps(JSON_OBJECT_SCHEMA), "structured_outputs.json_object"))
     if so.structural_tag is not None:
-        try:
-            tag = json.loads(so.structural_tag)
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"structured_outputs.structural_tag is not valid JSON: {exc}",
-                              param="structured_outputs.structural_tag") from None
+        # Its size is checked with the others' only after parsing: here first, so no huge text is parsed.
+        check_spec_size(GuidedSpec("structural_tag", so.structural_tag, "structured_outputs.structural_tag"))
+        tag = _loads(so.structural_tag, "structured_outputs.structural_tag")
         if not isinstance(tag, dict):
             raise bad_request("structured_outputs.structural_tag must be a JSON object",
                               param="structured_outputs.structural_tag")
@@ -130,6 +137,8 @@ def _from_response_format(rf: Any) -> GuidedSpec | None:
         return GuidedSpec("ebnf", grammar, "response_format")
     assert rf.type == "structural_tag"
     fmt = rf.model_dump(exclude_none=True)
+    if L.json_depth(fmt) > L.MAX_JSON_DEPTH:  # json.dumps and the grammar compiler recurse per level
+        raise bad_request(f"response_format nests deeper than {L.MAX_JSON_DEPTH} levels", param="response_format")
     if "format" in fmt:
         return GuidedSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt["format"]}),
                           "response_format")

@@ -273,3 +273,24 @@ def test_render_chat_batch_equals_apply_chat_template(gguf_path, hf_tokenizer):
         assert result == asyncio.run(deployment.render_chat("m", messages, **kw))  # one by one: the same
     with pytest.raises(ValueError, match="no tokenizer"):
         asyncio.run(deployment.render_chat_batch("other", calls))
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past json's own recursion limit
+
+
+def _tool_history(arguments: object) -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "Call f."}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+
+
+def test_deeply_nested_tool_call_arguments_render_as_the_clients_text(svc):
+    text, ids = svc.render_chat(_tool_history(DEEP))
+    assert f'{{"name": "f", "arguments": "{DEEP}"}}' in text  # the client's string, as a malformed one
+    assert ids == svc.encode(text, add_special_tokens=False)
+    assert '"arguments": {"a": 1}' in svc.render_chat(_tool_history('{"a": 1}'))[0]  # a shallow one: a mapping
+    deep: dict = {}
+    for _ in range(5000):  # a mapping nested past what json.dumps walks: the client's error, not a RecursionError
+        deep = {"a": deep}
+    with pytest.raises(ValueError, match="nest too deeply"):
+        svc.render_chat(_tool_history(deep))
