@@ -35,6 +35,7 @@ MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # chat_template_kwargs, as JSON
 MAX_DOCUMENTS = 256  # documents for a retrieval-augmented chat template
 MAX_DOCUMENTS_BYTES = 1 << 20  # all of them, as JSON (the rendered prompt is bounded by the context after)
 MAX_JSON_DEPTH = 64  # nesting of JSON a client sends inside a string or as a schema (parsers, validators recurse)
+MAX_REGEX_NESTING = 64  # parenthesis depth of a guided regex
 
 
 def json_depth(value: Any) -> int:

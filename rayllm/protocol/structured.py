@@ -178,13 +178,40 @@ def guided_spec(req: SamplingFields) -> GuidedSpec | None:
 
 
 def check_spec_size(spec: GuidedSpec) -> None:
-    """Grammar compilation time grows with the spec: bound its size before it reaches the compiler."""
+    """Grammar compilation time grows with the spec: bound its size (and a regex's nesting) before it reaches
+    the compiler."""
     limit = L.MAX_SCHEMA_BYTES if spec.kind in ("json_schema", "structural_tag") else L.MAX_GRAMMAR_CHARS
     size = len(spec.value.encode()) if spec.kind in ("json_schema", "structural_tag") else len(spec.value)
     if size > limit:
         unit = "bytes as JSON" if spec.kind in ("json_schema", "structural_tag") else "characters"
         raise bad_request(f"{spec.param} is too large: {size} {unit}, at most {limit} are allowed",
                           param=spec.param, code="constraint_too_large")
+    if spec.kind == "regex" and (depth := regex_nesting(spec.value)) > L.MAX_REGEX_NESTING:
+        raise bad_request(f"{spec.param} nests {depth} groups deep, at most {L.MAX_REGEX_NESTING} are allowed",
+                          param=spec.param)
+
+
+def regex_nesting(pattern: str) -> int:
+    """The deepest nesting of a regex's groups: unescaped `(`, outside character classes (parsers recurse per group)."""
+    depth = deepest = i = 0
+    in_class = False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 1  # the escaped character is a literal
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            i += pattern.startswith("^", i + 1)
+            i += pattern.startswith("]", i + 1)  # `[]...]` and `[^]...]`: a leading `]` is a member
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+    return deepest
 
 
 _REGEX_META = set(".^$*+?{}[]|()\\")
@@ -192,10 +219,16 @@ _REGEX_META = set(".^$*+?{}[]|()\\")
 
 def _regex_literals(pattern: str) -> list[str] | None:
     """The alternatives of a regex that is a plain alternation of literals (`yes|no`, `(?:a|b\\.c)`), else None."""
-    for head in ("(?:", "("):
-        if pattern.startswith(head) and pattern.endswith(")") and _regex_literals(pattern[len(head):-1]) is not None:
-            pattern = pattern[len(head):-1]
-            break
+    for head in ("(?:", "("):  # one group around it at most (a group inside one is not a literal)
+        if pattern.startswith(head) and pattern.endswith(")"):
+            inner = _alternation(pattern[len(head):-1])
+            if inner is not None:
+                return inner
+    return _alternation(pattern)
+
+
+def _alternation(pattern: str) -> list[str] | None:
+    """The alternatives of `a|b\\.c`, when each is a literal; else None."""
     out, cur, i = [], [], 0
     while i < len(pattern):
         ch = pattern[i]
