@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import re
 import threading
@@ -33,6 +34,7 @@ from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.template_sandbox import TemplateSandbox
 from rayllm.serve.tracing import TracingConfig, configure, remote_span
 
+log = logging.getLogger("ray.serve")
 
 # Roles some chat templates do not know, mapped onto ones they do.
 @functools.lru_cache(maxsize=1)
@@ -223,17 +225,21 @@ class TokenizerDeployment:
         return self.service(model).decode(ids, skip_special_tokens)
 
     async def render_chat_batch(self, model: str,
-                                calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | ValueError]:
+                                calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | Exception]:
         """Several requests' renders with the model's own template in one round trip (render_chat's keyword
-        arguments but chat_template; rayllm.serve.render_batcher): a client's error is returned in its place."""
+        arguments but chat_template; rayllm.serve.render_batcher). A request's error is returned in its place:
+        the client's as its ValueError, a fault of ours as a RuntimeError; the others render all the same."""
         service = self.service(model)
-        out: list[tuple[str, list[int]] | ValueError] = []
+        out: list[tuple[str, list[int]] | Exception] = []
         for messages, kw in calls:
             try:
                 with remote_span("tokenizer.render", kw.pop("traceparent", None), **{"gen_ai.request.model": model}):
                     out.append(service.render_chat(messages, **kw))
             except ValueError as exc:
                 out.append(exc)
+            except Exception as exc:  # a plain RuntimeError in its place: it pickles, whatever the original held
+                log.exception("render_chat_batch: rendering a request for %r failed", model)
+                out.append(RuntimeError(f"render failed: {type(exc).__name__}: {exc}"))
         return out
 
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,

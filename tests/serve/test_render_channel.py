@@ -64,3 +64,18 @@ def test_closed_channel_raises_connection_error(gguf_path):
         assert channel.closed
 
     asyncio.run(main())
+
+
+def test_a_render_that_fails_fails_alone_and_the_channel_serves_on(server):
+    # Not a shape the ingress lets through (its request model checks tool_calls): a stand-in for a fault of ours.
+    broken = [{"role": "assistant", "content": "x", "tool_calls": [5]}]
+
+    async def main() -> tuple:
+        channel = await RenderChannel.connect(server.path)
+        out = await asyncio.gather(channel.render("m", broken, {}), channel.render("m", CONVERSATIONS[0], {}))
+        return *out, await channel.render("m", CONVERSATIONS[0], {}), channel.closed
+
+    bad, good, again, closed = asyncio.run(main())
+    assert isinstance(bad, RuntimeError) and "TypeError" in str(bad)  # a server error, for this request only
+    assert good == again and good[1] and not closed
+

@@ -276,6 +276,8 @@ def test_render_chat_batch_equals_apply_chat_template(gguf_path, hf_tokenizer):
 
 
 DEEP = "[" * 5000 + "]" * 5000  # past json's own recursion limit
+# Not a shape the ingress lets through (its request model checks tool_calls): a stand-in for a fault of ours.
+BROKEN = [{"role": "assistant", "content": "x", "tool_calls": [5]}]
 
 
 def _tool_history(arguments: object) -> list[dict]:
@@ -294,3 +296,24 @@ def test_deeply_nested_tool_call_arguments_render_as_the_clients_text(svc):
         deep = {"a": deep}
     with pytest.raises(ValueError, match="nest too deeply"):
         svc.render_chat(_tool_history(deep))
+
+
+@pytest.fixture(scope="module")
+def deployment(gguf_path):
+    from rayllm.serve.tokenizer import TokenizerDeployment
+
+    deployment = TokenizerDeployment.func_or_class({"m": gguf_path})  # the replica's class, without Serve
+    yield deployment
+    deployment.channel.close()
+
+
+def test_a_render_that_fails_fails_alone_in_its_batch(deployment, svc):
+    import asyncio
+
+    good = [{"role": "user", "content": "Hi"}]
+    calls = [(good, {}), (BROKEN, {}), (_tool_history(DEEP), {}), (good, {"add_generation_prompt": False})]
+    out = asyncio.run(deployment.render_chat_batch("m", calls))
+    assert isinstance(out[1], RuntimeError) and "TypeError" in str(out[1])  # a server error for this one
+    assert out[0] == svc.render_chat(good) and out[3] == svc.render_chat(good, add_generation_prompt=False)
+    assert out[2] == svc.render_chat(_tool_history(DEEP))
+
