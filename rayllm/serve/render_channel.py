@@ -28,6 +28,9 @@ RenderResult = tuple[str, list[int]]
 # What a channel render may carry: the model's own template only (a request's template renders in the sandbox).
 RENDER_KWARGS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 _LEN = 4  # bytes of each frame's length prefix (little-endian)
+# An input this large (characters, or bytes of a frame) is rendered or tokenized in a thread: it would hold an
+# event loop for milliseconds to seconds. A smaller one runs inline (a thread hop costs more than it does).
+LARGE_INPUT = 16 << 10
 
 
 class _Renders(Protocol):
@@ -83,11 +86,23 @@ class RenderServer:
             return _frame([rid, None, None, f"render failed: {type(exc).__name__}: {exc}", False])
         return _frame([rid, text, ids, None, False])
 
+    async def _answer_in_thread(self, body: bytes, writer: asyncio.StreamWriter) -> None:
+        answer = await asyncio.to_thread(self._answer, body)
+        if not writer.is_closing():
+            writer.write(answer)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        large: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
         try:
             while True:
-                writer.write(self._answer(await _read_body(reader)))
+                body = await _read_body(reader)
+                if len(body) <= LARGE_INPUT:
+                    writer.write(self._answer(body))
+                else:  # off this loop, as a task of its own: the renders behind it need not wait (answers carry ids)
+                    task = asyncio.create_task(self._answer_in_thread(body, writer))
+                    large.add(task)
+                    task.add_done_callback(large.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the ingress went away
         finally:

@@ -79,3 +79,23 @@ def test_a_render_that_fails_fails_alone_and_the_channel_serves_on(server):
     assert isinstance(bad, RuntimeError) and "TypeError" in str(bad)  # a server error, for this request only
     assert good == again and good[1] and not closed
 
+
+def test_a_large_render_does_not_hold_back_the_renders_behind_it(server, hf_tokenizer):
+    big = [{"role": "user", "content": ("Grüße aus Köln! 東京 🎉 " * 40000)[:600_000]}]
+
+    async def main() -> tuple:
+        channel = await RenderChannel.connect(server.path)
+        done: list[str] = []
+
+        async def render(name: str, messages: list[dict]) -> tuple:
+            result = await channel.render("m", messages, {})
+            done.append(name)
+            return result
+
+        big_result, _ = await asyncio.gather(render("big", big), render("small", CONVERSATIONS[0]))
+        return done, big_result
+
+    done, (text, ids) = asyncio.run(main())
+    assert done == ["small", "big"]  # sent second on the same connection, answered first
+    assert text == hf_tokenizer.apply_chat_template(big, tokenize=False, add_generation_prompt=True)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)

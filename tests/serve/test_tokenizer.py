@@ -317,3 +317,37 @@ def test_a_render_that_fails_fails_alone_in_its_batch(deployment, svc):
     assert out[0] == svc.render_chat(good) and out[3] == svc.render_chat(good, add_generation_prompt=False)
     assert out[2] == svc.render_chat(_tool_history(DEEP))
 
+
+def test_large_inputs_leave_the_event_loop_free(deployment, svc):
+    """encode holds the GIL (a megabyte: a second with every other thread stalled): a large input is encoded,
+    decoded or rendered in a thread with the GIL released, and the replica's event loop goes on serving."""
+    import asyncio
+    import time
+
+    big = (LONG * 1000)[:600_000]
+
+    async def main() -> tuple:
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.002)
+                gaps.append(time.perf_counter() - last)
+                last += gaps[-1]
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        ids = await deployment.encode("m", big, add_special_tokens=False)
+        text = await deployment.decode("m", ids)
+        rendered = await deployment.render_chat("m", [{"role": "user", "content": big}])
+        await asyncio.sleep(0.05)  # the ticker's turn: a stall (inline work never yields) shows as one long gap
+        tick.cancel()
+        return ids, text, rendered, max(gaps)
+
+    ids, text, (rendered, rendered_ids), gap = asyncio.run(main())
+    assert gap < 0.2, f"the event loop stalled {gap:.3f} s"
+    assert ids == svc.tokenizer.encode(big, add_special_tokens=False)  # the inline path's ids
+    assert text == svc.tokenizer.decode(ids, skip_special_tokens=True) == big
+    assert rendered == svc.renderer.render([{"role": "user", "content": big}])
+    assert rendered_ids == svc.tokenizer.encode(rendered, add_special_tokens=False)
