@@ -7,6 +7,9 @@ is compiled or searched a size bound. A breach is a 400 naming the field.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seed: as vLLM (n seeded choices use seed + i, still < 2**64)
 MAX_ID_CHARS = 256  # an identifier a client sends (user, request_id, prompt_cache_key, ...), as OpenAI's `user`
@@ -34,3 +37,27 @@ MAX_CHAT_TEMPLATE_CHARS = 64 << 10  # a request's own chat_template (only when t
 MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # chat_template_kwargs, as JSON
 MAX_DOCUMENTS = 256  # documents for a retrieval-augmented chat template
 MAX_DOCUMENTS_BYTES = 1 << 20  # all of them, as JSON (the rendered prompt is bounded by the context after)
+MAX_JSON_DEPTH = 64  # nesting of JSON a client sends inside a string or as a schema (parsers, validators recurse)
+MAX_REGEX_NESTING = 64  # parenthesis depth of a guided regex
+
+
+def json_depth(value: Any) -> int:
+    """How deep parsed JSON nests (a scalar 0, `[]` 1, `[[]]` 2), level by level: no recursion on a client's value."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, dict | list)]:
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def loads_bounded(text: str | bytes) -> Any:
+    """json.loads for a client's text; a ValueError (as malformed JSON) when it nests deeper than MAX_JSON_DEPTH:
+    past about a thousand levels the parser itself raises RecursionError, and whatever walks the value after
+    (a schema validator, json.dumps, a template's tojson) recurses once per level too."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    return value

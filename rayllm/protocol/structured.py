@@ -25,16 +25,15 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
 def check_json_schema(schema: Any, param: str) -> str:
-    """The schema as compact JSON text, after checking it is a valid JSON Schema (and small enough)."""
+    """The schema as compact JSON text, after checking it is a valid JSON Schema (small and shallow enough)."""
+    if not isinstance(schema, str) and L.json_depth(schema) > L.MAX_JSON_DEPTH:  # before json_size recurses
+        raise bad_request(f"{param} nests deeper than {L.MAX_JSON_DEPTH} levels", param=param)
     size = len(schema.encode()) if isinstance(schema, str) else json_size(schema)
     if size > L.MAX_SCHEMA_BYTES:
         raise bad_request(f"{param} is too large: {size} bytes as JSON, at most {L.MAX_SCHEMA_BYTES} are allowed",
                           param=param.split(".")[0], code="constraint_too_large")
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
+        schema = _loads(schema, param)
     if not isinstance(schema, dict | bool):
         raise bad_request(f"{param} must be a JSON Schema object", param=param)
     from jsonschema import SchemaError, validators
@@ -45,7 +44,17 @@ def check_json_schema(schema: Any, param: str) -> str:
         where = "/".join(str(p) for p in exc.path)
         raise bad_request(f"{param} is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else ""),
                           param=param) from None
+    except RecursionError:  # several frames per subschema level: a backstop for a call stack already deep
+        raise bad_request(f"{param} nests too deeply to check", param=param) from None
     return json.dumps(schema, separators=(",", ":"))
+
+
+def _loads(text: str, param: str) -> Any:
+    """A client's JSON text, parsed; malformed or too deep is a 400 naming `param`."""
+    try:
+        return L.loads_bounded(text)
+    except ValueError as exc:
+        raise bad_request(f"{param} is not valid JSON: {exc}", param=param) from None
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -88,11 +97,9 @@ def _from_structured_outputs(so: Any) -> list[GuidedSpec]:
     if so.json_object:
         specs.append(GuidedSpec("json_schema", json.dumps(JSON_OBJECT_SCHEMA), "structured_outputs.json_object"))
     if so.structural_tag is not None:
-        try:
-            tag = json.loads(so.structural_tag)
-        except json.JSONDecodeError as exc:
-            raise bad_request(f"structured_outputs.structural_tag is not valid JSON: {exc}",
-                              param="structured_outputs.structural_tag") from None
+        # Its size is checked with the others' only after parsing: here first, so no huge text is parsed.
+        check_spec_size(GuidedSpec("structural_tag", so.structural_tag, "structured_outputs.structural_tag"))
+        tag = _loads(so.structural_tag, "structured_outputs.structural_tag")
         if not isinstance(tag, dict):
             raise bad_request("structured_outputs.structural_tag must be a JSON object",
                               param="structured_outputs.structural_tag")
@@ -130,6 +137,8 @@ def _from_response_format(rf: Any) -> GuidedSpec | None:
         return GuidedSpec("ebnf", grammar, "response_format")
     assert rf.type == "structural_tag"
     fmt = rf.model_dump(exclude_none=True)
+    if L.json_depth(fmt) > L.MAX_JSON_DEPTH:  # json.dumps and the grammar compiler recurse per level
+        raise bad_request(f"response_format nests deeper than {L.MAX_JSON_DEPTH} levels", param="response_format")
     if "format" in fmt:
         return GuidedSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt["format"]}),
                           "response_format")
@@ -169,13 +178,40 @@ def guided_spec(req: SamplingFields) -> GuidedSpec | None:
 
 
 def check_spec_size(spec: GuidedSpec) -> None:
-    """Grammar compilation time grows with the spec: bound its size before it reaches the compiler."""
+    """Grammar compilation time grows with the spec: bound its size (and a regex's nesting) before it reaches
+    the compiler."""
     limit = L.MAX_SCHEMA_BYTES if spec.kind in ("json_schema", "structural_tag") else L.MAX_GRAMMAR_CHARS
     size = len(spec.value.encode()) if spec.kind in ("json_schema", "structural_tag") else len(spec.value)
     if size > limit:
         unit = "bytes as JSON" if spec.kind in ("json_schema", "structural_tag") else "characters"
         raise bad_request(f"{spec.param} is too large: {size} {unit}, at most {limit} are allowed",
                           param=spec.param, code="constraint_too_large")
+    if spec.kind == "regex" and (depth := regex_nesting(spec.value)) > L.MAX_REGEX_NESTING:
+        raise bad_request(f"{spec.param} nests {depth} groups deep, at most {L.MAX_REGEX_NESTING} are allowed",
+                          param=spec.param)
+
+
+def regex_nesting(pattern: str) -> int:
+    """The deepest nesting of a regex's groups: unescaped `(`, outside character classes (parsers recurse per group)."""
+    depth = deepest = i = 0
+    in_class = False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 1  # the escaped character is a literal
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            i += pattern.startswith("^", i + 1)
+            i += pattern.startswith("]", i + 1)  # `[]...]` and `[^]...]`: a leading `]` is a member
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+    return deepest
 
 
 _REGEX_META = set(".^$*+?{}[]|()\\")
@@ -183,10 +219,16 @@ _REGEX_META = set(".^$*+?{}[]|()\\")
 
 def _regex_literals(pattern: str) -> list[str] | None:
     """The alternatives of a regex that is a plain alternation of literals (`yes|no`, `(?:a|b\\.c)`), else None."""
-    for head in ("(?:", "("):
-        if pattern.startswith(head) and pattern.endswith(")") and _regex_literals(pattern[len(head):-1]) is not None:
-            pattern = pattern[len(head):-1]
-            break
+    for head in ("(?:", "("):  # one group around it at most (a group inside one is not a literal)
+        if pattern.startswith(head) and pattern.endswith(")"):
+            inner = _alternation(pattern[len(head):-1])
+            if inner is not None:
+                return inner
+    return _alternation(pattern)
+
+
+def _alternation(pattern: str) -> list[str] | None:
+    """The alternatives of `a|b\\.c`, when each is a literal; else None."""
     out, cur, i = [], [], 0
     while i < len(pattern):
         ch = pattern[i]

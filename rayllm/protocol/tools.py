@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rayllm.protocol.errors import bad_request
+from rayllm.protocol.limits import loads_bounded
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.structured import check_json_schema
 from rayllm.schema.sampling_params import GuidedSpec
@@ -48,8 +49,8 @@ class ToolFormat:
     def parse(self, body: str) -> list[ParsedCall] | None:
         """The calls in a body (one JSON object, or a list of them); None if it is not a call."""
         try:
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError:
+            obj = loads_bounded(body.strip())
+        except ValueError:  # malformed or nested past the bound: text, not a call
             return None
         items = obj if isinstance(obj, list) else [obj]
         calls = []
@@ -211,9 +212,9 @@ def hermes_system_prompt(tools: list[dict[str, Any]]) -> str:
 def hermes_call_text(name: str, arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
+            arguments = loads_bounded(arguments)
+        except ValueError:
+            pass  # malformed or too deep to re-serialize: the client's text as it is
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
 

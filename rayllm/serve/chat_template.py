@@ -4,12 +4,12 @@ Used by the tokenizer deployment and, for client-supplied templates, by its sand
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
+from rayllm.protocol.limits import loads_bounded
 from rayllm.protocol.messages import text_of
 from rayllm.protocol.tools import inline_tools, template_knows_tools
 from rayllm.serve.rust_tokenizer import RustTokenizer, load_snapshot, save_snapshot, versions
@@ -130,9 +130,9 @@ def _tool_calls(calls: list[dict]) -> list[dict]:
         fn = call.get("function")
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
-                call["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
-            except json.JSONDecodeError:
-                pass  # leave malformed arguments as the client sent them
+                call["function"] = {**fn, "arguments": loads_bounded(fn["arguments"])}
+            except ValueError:
+                pass  # leave malformed (or too deeply nested) arguments as the client sent them
         out.append(call)
     return out
 
@@ -174,6 +174,14 @@ class ChatRenderer:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> str:
+        try:
+            return self._render(messages, add_generation_prompt, continue_final_message, chat_template,
+                                chat_template_kwargs, tools)
+        except RecursionError:  # a client's structure nested past what the template (or json) walks: its 400
+            raise ValueError("messages nest too deeply to render") from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                chat_template: str | None, chat_template_kwargs: dict | None, tools: list[dict] | None) -> str:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         template = chat_template or self.default_template

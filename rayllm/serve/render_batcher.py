@@ -4,7 +4,8 @@ node (rayllm.serve.render_channel), else coalesced into `render_chat_batch` call
 A call through a Serve handle costs many times the render in latency and in CPU on both sides
 (docs/benchmarks.md): renders that arrive while `max_in_flight` calls are out go together in the next call,
 so the number of calls grows with the load only up to `max_in_flight` at a time (a lone request still makes
-one call of its own at once). Each request gets its own result or its own client error (a `ValueError`).
+one call of its own at once). Each request gets its own result or its own error: the client's (a `ValueError`,
+a 400) or the tokenizer replica's for that request alone (any other exception, a 500).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class RenderBatcher:
             except (ConnectionError, TypeError):  # the replica went (or JSON cannot carry this): the handle serves
                 pass
             else:
-                if isinstance(result, ValueError):
+                if isinstance(result, Exception):
                     raise result
                 return result
         return await self._batched(messages, kw)
@@ -94,7 +95,7 @@ class RenderBatcher:
             self._senders.add(task)
             task.add_done_callback(self._senders.discard)
         result = await future
-        if isinstance(result, ValueError):
+        if isinstance(result, Exception):
             raise result
         return result
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,10 +23,14 @@ from typing import Any, Protocol
 
 from rayllm.serve.tracing import remote_span
 
+log = logging.getLogger("ray.serve")
 RenderResult = tuple[str, list[int]]
 # What a channel render may carry: the model's own template only (a request's template renders in the sandbox).
 RENDER_KWARGS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 _LEN = 4  # bytes of each frame's length prefix (little-endian)
+# An input this large (characters, or bytes of a frame) is rendered or tokenized in a thread: it would hold an
+# event loop for milliseconds to seconds. A smaller one runs inline (a thread hop costs more than it does).
+LARGE_INPUT = 16 << 10
 
 
 class _Renders(Protocol):
@@ -37,13 +42,14 @@ def _frame(obj: Any) -> bytes:
     return len(body).to_bytes(_LEN, "little") + body
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> Any:
+async def _read_body(reader: asyncio.StreamReader) -> bytes:
     size = int.from_bytes(await reader.readexactly(_LEN), "little")
-    return json.loads(await reader.readexactly(size))
+    return await reader.readexactly(size)
 
 
 class RenderServer:
-    """Serves `[id, model, messages, kwargs]` frames with `[id, text, ids, error]` on its own thread and loop."""
+    """Serves `[id, model, messages, kwargs]` frames with `[id, text, ids, error, client_error]` on its own thread
+    and loop (client_error: the error is the request's, a 400, rather than ours, a 500)."""
 
     def __init__(self, services: dict[str, _Renders]):
         self.services = services
@@ -65,23 +71,38 @@ class RenderServer:
         started.set()
         self._loop.run_forever()
 
-    def _render(self, model: str, messages: list[dict], kw: dict) -> list:
+    def _answer(self, body: bytes) -> bytes:
+        rid, model, messages, kw = json.loads(body)
         service = self.services.get(model)
         if service is None:
-            return [None, None, f"no tokenizer for model {model!r}"]
+            return _frame([rid, None, None, f"no tokenizer for model {model!r}", True])
         try:
             with remote_span("tokenizer.render", kw.get("traceparent"), **{"gen_ai.request.model": model}):
                 text, ids = service.render_chat(messages, **{k: v for k, v in kw.items() if k in RENDER_KWARGS})
         except ValueError as exc:  # the client's (template or message shape): its request gets a 400
-            return [None, None, str(exc)]
-        return [text, ids, None]
+            return _frame([rid, None, None, str(exc), True])
+        except Exception as exc:  # a fault of ours: this request fails, the connection serves the others on
+            log.exception("render channel: rendering a request for %r failed", model)
+            return _frame([rid, None, None, f"render failed: {type(exc).__name__}: {exc}", False])
+        return _frame([rid, text, ids, None, False])
+
+    async def _answer_in_thread(self, body: bytes, writer: asyncio.StreamWriter) -> None:
+        answer = await asyncio.to_thread(self._answer, body)
+        if not writer.is_closing():
+            writer.write(answer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        large: set[asyncio.Task] = set()  # asyncio keeps only weak references to tasks
         try:
             while True:
-                rid, model, messages, kw = await _read_frame(reader)
-                writer.write(_frame([rid, *self._render(model, messages, kw)]))
+                body = await _read_body(reader)
+                if len(body) <= LARGE_INPUT:
+                    writer.write(self._answer(body))
+                else:  # off this loop, as a task of its own: the renders behind it need not wait (answers carry ids)
+                    task = asyncio.create_task(self._answer_in_thread(body, writer))
+                    large.add(task)
+                    task.add_done_callback(large.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the ingress went away
         finally:
@@ -122,9 +143,10 @@ class RenderChannel:
         reader, writer = await asyncio.open_unix_connection(path)
         return cls(reader, writer)
 
-    async def render(self, model: str, messages: list[dict], kw: dict[str, Any]) -> RenderResult | ValueError:
-        """The render's result or the client's error; ConnectionError when the channel is gone (nothing was
-        rendered for this request: retry elsewhere), TypeError when the request is not JSON."""
+    async def render(self, model: str, messages: list[dict], kw: dict[str, Any]) -> RenderResult | Exception:
+        """The render's result, or its error: the client's (ValueError) or the replica's (RuntimeError). Raises
+        ConnectionError when the channel is gone (nothing was rendered for this request: retry elsewhere),
+        TypeError when the request is not JSON."""
         if self.closed:
             raise ConnectionError("the render channel is closed")
         frame = _frame([self._next_id, model, messages, kw])
@@ -137,10 +159,11 @@ class RenderChannel:
     async def _read(self) -> None:
         try:
             while True:
-                rid, text, ids, error = await _read_frame(self._reader)
+                rid, text, ids, error, client_error = json.loads(await _read_body(self._reader))
                 future = self._pending.pop(rid, None)
                 if future is not None and not future.done():
-                    future.set_result(ValueError(error) if error is not None else (text, ids))
+                    future.set_result((text, ids) if error is None else
+                                      ValueError(error) if client_error else RuntimeError(error))
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError):
             pass
         finally:

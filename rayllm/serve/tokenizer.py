@@ -9,15 +9,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import re
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 from ray import serve
 
 from rayllm.loader.model_files import resolve_model_path
+from rayllm.protocol.request_models import json_size
 from rayllm.protocol.tools import detect_tool_format
 from rayllm.serve.chat_template import (
     END_OF_TURN_TOKENS,
@@ -27,11 +30,15 @@ from rayllm.serve.chat_template import (
     load_tokenizer,
 )
 from rayllm.serve.detokenizer import fast_backend
-from rayllm.serve.render_channel import RenderServer
+from rayllm.serve.render_channel import LARGE_INPUT, RenderServer
 from rayllm.serve.rust_tokenizer import RustTokenizer, warm_chat_templates
 from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.template_sandbox import TemplateSandbox
 from rayllm.serve.tracing import TracingConfig, configure, remote_span
+
+log = logging.getLogger("ray.serve")
+T = TypeVar("T")
+LARGE_IDS = LARGE_INPUT // 4  # token ids to decode (a token is about four characters)
 
 
 # Roles some chat templates do not know, mapped onto ones they do.
@@ -88,6 +95,10 @@ class TokenizerService:
         self._added = set(tok.added_tokens_decoder)
         # Byte-level BPE (GPT-2 style) pieces map characters to bytes; SentencePiece pieces do not.
         self._byte_level = backend is not None and '"ByteLevel"' in json.dumps(json.loads(backend.to_str())["decoder"])
+        # The snapshot's encode is the backend's own: large texts can take the backend's GIL-free path with specials too.
+        self._snapshot = isinstance(tok, RustTokenizer)
+        # Ids alone (tokenizers >= 0.21): no offsets or token strings, whose freeing holds the GIL (0.1 s a megabyte).
+        self._encode_ids = None if backend is None else getattr(backend, "encode_batch_fast", backend.encode_batch)
         self._hf: Any = None
         self._hf_lock = threading.Lock()
 
@@ -133,19 +144,25 @@ class TokenizerService:
         return self.encode(f"{pre}{prefix}{suf}{suffix}{mid}", add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._backend is not None and not add_special_tokens:
+        if self._backend is not None and (self._snapshot or not add_special_tokens):
+            if len(text) > LARGE_INPUT:
+                # encode holds the GIL throughout (seconds for megabytes: every other thread of the replica
+                # stalls), the batch encoders release it while they work.
+                return self._encode_ids([text], add_special_tokens=add_special_tokens)[0].ids
             # Straight to Rust: transformers' encode re-checks its arguments and the backend's
             # truncation and padding state on every call (2-3x the cost of the encoding itself here).
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts in one call (the backend encodes them in parallel)."""
-        if self._backend is not None and not add_special_tokens:
-            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        if self._backend is not None and (self._snapshot or not add_special_tokens):
+            return [e.ids for e in self._encode_ids(texts, add_special_tokens=add_special_tokens)]
         return [self.encode(t, add_special_tokens) for t in texts]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None and len(ids) > LARGE_IDS:  # as encode: decode_batch releases the GIL
+            return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def token_strings(self, ids: list[int]) -> list[str]:
@@ -171,11 +188,18 @@ class TokenizerService:
         return out
 
 
+async def _off_loop(large: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn's result; computed in a thread when its input is large, so that the replica's event loop serves the
+    other calls meanwhile (a small one runs inline: the thread hop would cost more than it does)."""
+    return await asyncio.to_thread(fn, *args, **kwargs) if large else fn(*args, **kwargs)
+
+
 @serve.deployment(name="tokenizer", max_ongoing_requests=1000)
 class TokenizerDeployment:
     """Rendering and tokenizing for every model of the app on their own CPU replicas, off the model
-    replicas' cores; each call names its model (a served model name). Every method is async though only
-    the sandbox path awaits: Serve runs plain methods in a thread pool, one more thread hop per call."""
+    replicas' cores; each call names its model (a served model name). Every method is async, and only a
+    large input (or the sandbox) leaves the event loop: Serve runs plain methods in a thread pool, one more
+    thread hop per call."""
 
     def __init__(self, model_paths: dict[str, str], priority: ServingPriority | None = None,
                  tracing: TracingConfig | None = None):
@@ -210,30 +234,37 @@ class TokenizerDeployment:
         return self.service(model).info()
 
     async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.service(model).encode(text, add_special_tokens)
+        return await _off_loop(len(text) > LARGE_INPUT, self.service(model).encode, text, add_special_tokens)
 
     async def encode_batch(self, model: str, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Every prompt of a request in one round trip (each call through a handle costs far more than encoding)."""
-        return self.service(model).encode_batch(texts, add_special_tokens)
+        large = sum(map(len, texts)) > LARGE_INPUT
+        return await _off_loop(large, self.service(model).encode_batch, texts, add_special_tokens)
 
     async def encode_fim(self, model: str, prefix: str, suffix: str) -> list[int]:
-        return self.service(model).encode_fim(prefix, suffix)
+        large = len(prefix) + len(suffix) > LARGE_INPUT
+        return await _off_loop(large, self.service(model).encode_fim, prefix, suffix)
 
     async def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.service(model).decode(ids, skip_special_tokens)
+        return await _off_loop(len(ids) > LARGE_IDS, self.service(model).decode, ids, skip_special_tokens)
 
     async def render_chat_batch(self, model: str,
-                                calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | ValueError]:
+                                calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | Exception]:
         """Several requests' renders with the model's own template in one round trip (render_chat's keyword
-        arguments but chat_template; rayllm.serve.render_batcher): a client's error is returned in its place."""
+        arguments but chat_template; rayllm.serve.render_batcher). A request's error is returned in its place:
+        the client's as its ValueError, a fault of ours as a RuntimeError; the others render all the same."""
         service = self.service(model)
-        out: list[tuple[str, list[int]] | ValueError] = []
+        out: list[tuple[str, list[int]] | Exception] = []
         for messages, kw in calls:
             try:
                 with remote_span("tokenizer.render", kw.pop("traceparent", None), **{"gen_ai.request.model": model}):
-                    out.append(service.render_chat(messages, **kw))
+                    large = json_size([messages, kw]) > LARGE_INPUT
+                    out.append(await _off_loop(large, service.render_chat, messages, **kw))
             except ValueError as exc:
                 out.append(exc)
+            except Exception as exc:  # a plain RuntimeError in its place: it pickles, whatever the original held
+                log.exception("render_chat_batch: rendering a request for %r failed", model)
+                out.append(RuntimeError(f"render failed: {type(exc).__name__}: {exc}"))
         return out
 
     async def render_chat(self, model: str, messages: list[dict], add_generation_prompt: bool = True,
@@ -247,6 +278,6 @@ class TokenizerDeployment:
                   chat_template_kwargs=chat_template_kwargs, tools=tools)
         with remote_span("tokenizer.render", traceparent, **{"gen_ai.request.model": model}):
             if chat_template is None:
-                return service.render_chat(messages, **kw)
+                return await _off_loop(json_size([messages, kw]) > LARGE_INPUT, service.render_chat, messages, **kw)
             text = await asyncio.to_thread(self.sandboxes[model].render, messages, chat_template=chat_template, **kw)
-            return text, service.encode(text, add_special_tokens=False)
+            return text, await _off_loop(len(text) > LARGE_INPUT, service.encode, text, False)

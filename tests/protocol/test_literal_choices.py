@@ -1,4 +1,5 @@
-"""rayllm.protocol.structured's literal-choice recognition and choice picking (the serve path: tests/serve/test_guided_choice.py)."""
+"""rayllm.protocol.structured's literal-choice recognition, its bound on a regex's nesting, and choice picking (the
+serve path: tests/serve/test_guided_choice.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ from collections import Counter
 
 import pytest
 
-from rayllm.protocol.structured import choice_grammar, literal_choices, pick_choice
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.limits import MAX_REGEX_NESTING
+from rayllm.protocol.protocol import ChatCompletionRequest
+from rayllm.protocol.structured import (
+    choice_grammar,
+    guided_spec,
+    literal_choices,
+    pick_choice,
+    regex_nesting,
+)
 from rayllm.schema.sampling_params import GuidedSpec
 
 
@@ -27,9 +37,34 @@ def test_a_regex_of_literals_gives_exactly_the_strings_it_matches(pattern):
     assert {p for p in probes if re.fullmatch(pattern, p)} == set(found)
 
 
-@pytest.mark.parametrize("pattern", ["a.b", r"\d+|x", "(a)|(b)", "[ab]", "a*", "yes|no?", "(?i:yes)"])
+@pytest.mark.parametrize("pattern", ["a.b", r"\d+|x", "(a)|(b)", "[ab]", "a*", "yes|no?", "(?i:yes)", "((a|b))"])
 def test_other_regexes_are_not_literal_choices(pattern):
     assert literal_choices(GuidedSpec("regex", pattern, "regex")) is None
+
+
+def nest(depth: int) -> str:
+    return "(" * depth + "a" + ")" * depth
+
+
+@pytest.mark.parametrize(("pattern", "depth"), [("a|b", 0), ("(a(b)c)(d)", 2), (r"\((a)\)", 1), ("[(]([^)(]|[]()])", 1),
+                                                (r"[\](]", 0), (nest(3000), 3000)])
+def test_regex_nesting_counts_groups_not_escapes_or_classes(pattern, depth):
+    assert regex_nesting(pattern) == depth
+
+
+def test_a_deeply_nested_regex_is_no_literal_and_a_400_naming_the_field():
+    """3000 groups deep was a RecursionError in the model replica (a 500); now the ingress refuses it."""
+    assert literal_choices(GuidedSpec("regex", nest(3000), "guided_regex")) is None
+    assert literal_choices(GuidedSpec("regex", "(" + nest(0) + "|b)", "regex")) == ["a", "b"]
+    msgs = [{"role": "user", "content": "hi"}]
+    for body, param in (({"guided_regex": nest(3000)}, "guided_regex"), ({"regex": nest(65)}, "regex"),
+                        ({"structured_outputs": {"regex": nest(65)}}, "structured_outputs.regex"),
+                        ({"response_format": {"type": "regex", "regex": nest(65)}}, "response_format")):
+        with pytest.raises(APIError) as e:
+            guided_spec(ChatCompletionRequest(model="m", messages=msgs, **body))
+        assert (e.value.status_code, e.value.param) == (400, param)
+    spec = guided_spec(ChatCompletionRequest(model="m", messages=msgs, guided_regex=nest(MAX_REGEX_NESTING)))
+    assert spec is not None and spec.value == nest(MAX_REGEX_NESTING)
 
 
 def test_other_grammars_are_not_literal_choices():

@@ -204,6 +204,29 @@ def test_chunked_body_over_the_limit_is_413(server, auth, same_replica):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+# ---- nesting: JSON and regexes deeper than the parsers that walk them ----------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+async def test_deeply_nested_json_fails_no_one_else(server, auth, same_replica):
+    """Tool-call arguments 5000 levels deep were a RecursionError in the tokenizer replica's render (a 500 that also
+    closed the render channel under other clients' renders): they render as the client's text now."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    history = [{"role": "user", "content": "Call f."}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "done"}, *QUESTION]
+    async with httpx.AsyncClient(timeout=BOUND_S, headers=auth) as http:
+        # 5000 tokens of brackets: the last 1024 of the prompt fit the context.
+        bodies = [chat(messages=history, truncate_prompt_tokens=1024), chat()]
+        nested, normal = await asyncio.gather(*(http.post(f"{server}/v1/chat/completions", json=b) for b in bodies))
+    assert nested.status_code == 200 and nested.json()["usage"]["prompt_tokens"] == 1024, nested.text
+    assert normal.status_code == 200, normal.text
+    for body, param in (({"guided_json": DEEP}, "guided_json"),
+                        ({"structured_outputs": {"structural_tag": DEEP}}, "structured_outputs.structural_tag"),
+                        ({"guided_regex": "(" * 3000 + "a" + ")" * 3000}, "guided_regex")):
+        refused(post(server, auth, "/v1/chat/completions", chat(**body)), param)
+
+
 # ---- the `abuse` app: request templates on, a 2 s request timeout, small caps ---------------------------------
 
 ABUSE = {"allow_request_chat_template": True, "request_timeout_s": 2, "max_sequences_per_request": 8,

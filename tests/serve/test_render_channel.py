@@ -64,3 +64,38 @@ def test_closed_channel_raises_connection_error(gguf_path):
         assert channel.closed
 
     asyncio.run(main())
+
+
+def test_a_render_that_fails_fails_alone_and_the_channel_serves_on(server):
+    # Not a shape the ingress lets through (its request model checks tool_calls): a stand-in for a fault of ours.
+    broken = [{"role": "assistant", "content": "x", "tool_calls": [5]}]
+
+    async def main() -> tuple:
+        channel = await RenderChannel.connect(server.path)
+        out = await asyncio.gather(channel.render("m", broken, {}), channel.render("m", CONVERSATIONS[0], {}))
+        return *out, await channel.render("m", CONVERSATIONS[0], {}), channel.closed
+
+    bad, good, again, closed = asyncio.run(main())
+    assert isinstance(bad, RuntimeError) and "TypeError" in str(bad)  # a server error, for this request only
+    assert good == again and good[1] and not closed
+
+
+def test_a_large_render_does_not_hold_back_the_renders_behind_it(server, hf_tokenizer):
+    big = [{"role": "user", "content": ("Grüße aus Köln! 東京 🎉 " * 40000)[:600_000]}]
+
+    async def main() -> tuple:
+        channel = await RenderChannel.connect(server.path)
+        done: list[str] = []
+
+        async def render(name: str, messages: list[dict]) -> tuple:
+            result = await channel.render("m", messages, {})
+            done.append(name)
+            return result
+
+        big_result, _ = await asyncio.gather(render("big", big), render("small", CONVERSATIONS[0]))
+        return done, big_result
+
+    done, (text, ids) = asyncio.run(main())
+    assert done == ["small", "big"]  # sent second on the same connection, answered first
+    assert text == hf_tokenizer.apply_chat_template(big, tokenize=False, add_generation_prompt=True)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)

@@ -291,3 +291,81 @@ def test_render_chat_batch_equals_apply_chat_template(gguf_path, hf_tokenizer):
         assert result == asyncio.run(deployment.render_chat("m", messages, **kw))  # one by one: the same
     with pytest.raises(ValueError, match="no tokenizer"):
         asyncio.run(deployment.render_chat_batch("other", calls))
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past json's own recursion limit
+# Not a shape the ingress lets through (its request model checks tool_calls): a stand-in for a fault of ours.
+BROKEN = [{"role": "assistant", "content": "x", "tool_calls": [5]}]
+
+
+def _tool_history(arguments: object) -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "Call f."}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+
+
+def test_deeply_nested_tool_call_arguments_render_as_the_clients_text(svc):
+    text, ids = svc.render_chat(_tool_history(DEEP))
+    assert f'{{"name": "f", "arguments": "{DEEP}"}}' in text  # the client's string, as a malformed one
+    assert ids == svc.encode(text, add_special_tokens=False)
+    assert '"arguments": {"a": 1}' in svc.render_chat(_tool_history('{"a": 1}'))[0]  # a shallow one: a mapping
+    deep: dict = {}
+    for _ in range(5000):  # a mapping nested past what json.dumps walks: the client's error, not a RecursionError
+        deep = {"a": deep}
+    with pytest.raises(ValueError, match="nest too deeply"):
+        svc.render_chat(_tool_history(deep))
+
+
+@pytest.fixture(scope="module")
+def deployment(gguf_path):
+    from rayllm.serve.tokenizer import TokenizerDeployment
+
+    deployment = TokenizerDeployment.func_or_class({"m": gguf_path})  # the replica's class, without Serve
+    yield deployment
+    deployment.channel.close()
+
+
+def test_a_render_that_fails_fails_alone_in_its_batch(deployment, svc):
+    import asyncio
+
+    good = [{"role": "user", "content": "Hi"}]
+    calls = [(good, {}), (BROKEN, {}), (_tool_history(DEEP), {}), (good, {"add_generation_prompt": False})]
+    out = asyncio.run(deployment.render_chat_batch("m", calls))
+    assert isinstance(out[1], RuntimeError) and "TypeError" in str(out[1])  # a server error for this one
+    assert out[0] == svc.render_chat(good) and out[3] == svc.render_chat(good, add_generation_prompt=False)
+    assert out[2] == svc.render_chat(_tool_history(DEEP))
+
+
+def test_large_inputs_leave_the_event_loop_free(deployment, svc):
+    """encode holds the GIL (a megabyte: a second with every other thread stalled): a large input is encoded,
+    decoded or rendered in a thread with the GIL released, and the replica's event loop goes on serving."""
+    import asyncio
+    import time
+
+    big = (LONG * 1000)[:600_000]
+
+    async def main() -> tuple:
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.002)
+                gaps.append(time.perf_counter() - last)
+                last += gaps[-1]
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        ids = await deployment.encode("m", big, add_special_tokens=False)
+        text = await deployment.decode("m", ids)
+        rendered = await deployment.render_chat("m", [{"role": "user", "content": big}])
+        await asyncio.sleep(0.05)  # the ticker's turn: a stall (inline work never yields) shows as one long gap
+        tick.cancel()
+        return ids, text, rendered, max(gaps)
+
+    ids, text, (rendered, rendered_ids), gap = asyncio.run(main())
+    assert gap < 0.2, f"the event loop stalled {gap:.3f} s"
+    assert ids == svc.tokenizer.encode(big, add_special_tokens=False)  # the inline path's ids
+    assert text == svc.tokenizer.decode(ids, skip_special_tokens=True) == big
+    assert rendered == svc.renderer.render([{"role": "user", "content": big}])
+    assert rendered_ids == svc.tokenizer.encode(rendered, add_special_tokens=False)
