@@ -57,7 +57,8 @@ class StructuredOutputs(Strict):
     """vLLM's `structured_outputs` (its spelling since 0.11 of guided_json / guided_regex / guided_choice /
     guided_grammar): one constraint."""
 
-    json: str | dict[str, Any] | None = None
+    # `json` on the wire; `json_` here, as BaseModel's own (deprecated) `json` method would be shadowed.
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[Annotated[str, Field(max_length=L.MAX_GUIDED_CHOICE_CHARS)]] | None = Field(
         None, max_length=L.MAX_GUIDED_CHOICES)

@@ -83,9 +83,9 @@ def _legacy_structural_tag(fmt: dict[str, Any]) -> str:
 def _from_structured_outputs(so: Any) -> list[GuidedSpec]:
     """vLLM's `structured_outputs` object: each constraint it sets (more than one is refused by the caller)."""
     specs = []
-    if so.json is not None:
+    if so.json_ is not None:
         param = "structured_outputs.json"
-        specs.append(GuidedSpec("json_schema", check_json_schema(so.json, param), param))
+        specs.append(GuidedSpec("json_schema", check_json_schema(so.json_, param), param))
     if so.regex is not None:
         specs.append(GuidedSpec("regex", so.regex, "structured_outputs.regex"))
     if so.choice is not None:
