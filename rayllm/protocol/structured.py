@@ -264,7 +264,10 @@ def literal_choices(spec: GuidedSpec | None) -> list[str] | None:
         return choices
     if spec.kind == "regex":
         found = _regex_literals(spec.value)
-        return list(dict.fromkeys(found)) if found is not None else None
+        found = list(dict.fromkeys(found)) if found is not None else None
+        # Each literal is scored by an engine sequence of its own: past guided_choice's bound, the regex
+        # constrains sampling as any other does (one sequence).
+        return found if found is not None and len(found) <= L.MAX_GUIDED_CHOICES else None
     return None
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from rayllm.protocol import limits as L
 from rayllm.protocol.errors import APIError
 from rayllm.protocol.limits import MAX_REGEX_NESTING
 from rayllm.protocol.protocol import ChatCompletionRequest
@@ -40,6 +41,14 @@ def test_a_regex_of_literals_gives_exactly_the_strings_it_matches(pattern):
 @pytest.mark.parametrize("pattern", ["a.b", r"\d+|x", "(a)|(b)", "[ab]", "a*", "yes|no?", "(?i:yes)", "((a|b))"])
 def test_other_regexes_are_not_literal_choices(pattern):
     assert literal_choices(GuidedSpec("regex", pattern, "regex")) is None
+
+
+def test_an_alternation_past_guided_choices_bound_is_sampled_under_the_regex():
+    """Each literal costs an engine sequence: 10,000 of them (a 49 Ki-character regex) are not scored one by one."""
+    wide = "|".join(str(i) for i in range(L.MAX_GUIDED_CHOICES + 1))
+    assert literal_choices(GuidedSpec("regex", wide, "guided_regex")) is None
+    at_bound = "|".join(str(i) for i in range(L.MAX_GUIDED_CHOICES))
+    assert len(literal_choices(GuidedSpec("regex", at_bound, "guided_regex"))) == L.MAX_GUIDED_CHOICES
 
 
 def nest(depth: int) -> str:
