@@ -280,3 +280,21 @@ def test_a_grammar_over_the_bound_fails_only_its_request(process_engine, compile
     assert process_engine.process.grammars_sent == sent
     process_engine.check_health()
 
+
+def test_a_request_cancelled_while_its_grammar_is_sent_is_aborted(process_engine, compiler, chat_prompts):
+    """The add goes out from a thread regardless; the request's task ends only once its abort followed it."""
+    grammar = compiler.compile(GuidedSpec(kind="regex", value=r"([a-z]+ ){100}", param="regex"))
+    sent = process_engine.process.grammars_sent
+
+    async def run():
+        task = asyncio.create_task(collect(process_engine, "cancelled", chat_prompts[0],
+                                           SamplingParams(temperature=0.0, max_tokens=400), grammar))
+        await asyncio.sleep(0)  # the task now waits on the grammar's sender thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await asyncio.to_thread(process_engine.stats)
+
+    stats = asyncio.run(run())
+    assert process_engine.process.grammars_sent == sent + 1  # the add did go out, and its abort after it
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
