@@ -10,19 +10,22 @@ dies fails every open request with `EngineDeadError`.
 
 Commands (add, abort, and the calls behind stats, health and LoRA loads) reach the engine between two
 steps in the order they were made: an adapter unload made after its requests' aborts finds their
-sequences gone. The calls block until the engine answers: make them from a thread, not an event loop.
+sequences gone. (An add whose grammar an engine process lacks goes out from a thread once the grammar is
+serialized, possibly after later requests' adds, but before anything its own request does next.)
+The calls block until the engine answers: make them from a thread, not an event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from rayllm.common.errors import describe
@@ -84,6 +87,11 @@ class EngineClient(ABC):
     def _submit(self, command: tuple) -> None:
         """Queue ("add", request_id, prompt, params, lora_slot, grammar) or ("abort", request_id)."""
 
+    async def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int,
+                   grammar: Any) -> None:
+        """Queue the request (ProcessClient may first have to send its grammar to the engine process)."""
+        self._submit(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
+
     @abstractmethod
     def _call(self, method: str, *args: Any, timeout: float) -> Any:
         """Run `method` (a dotted name on the LLMEngine, e.g. 'executor.load_lora') between two steps."""
@@ -102,8 +110,12 @@ class EngineClient(ABC):
             raise EngineDeadError(f"engine failed: {self.error}")
         self._loop = asyncio.get_running_loop()  # outputs go to the loop of the latest caller
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        self._submit(("add", request_id, prompt_token_ids, params, lora_slot, grammar))
+        self._queues[request_id] = q  # before the add: its outputs may come before _add returns
+        try:
+            await self._add(request_id, prompt_token_ids, params, lora_slot, grammar)
+        except BaseException:  # refused before it was sent (ValueError), or cancelled (then _add aborted it)
+            self._queues.pop(request_id, None)
+            raise
         finished = False
         try:
             while not finished:
@@ -267,19 +279,42 @@ class ProcessClient(EngineClient):
         super().__init__(process.arch, process.max_model_len, process.capacity_tokens)
         self.process = process
         self.startup_phases = process.startup_phases
+        # A grammar the child lacks is serialized (seconds for a large one) and sent from here, off the event
+        # loop; one thread, so health checks and other to_thread work never wait behind it.
+        self._grammar_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-send")
         process.attach(self._deliver, self._on_death)
 
     def _submit(self, command: tuple) -> None:
-        kind, *args = command
+        """Aborts (adds go through _add)."""
+        _, request_id = command
         try:
-            (self.process.add_request if kind == "add" else self.process.abort)(*args)
+            self.process.abort(request_id)
         except EngineDeadError as exc:  # the child died between two sends (its reader reports it too)
-            self._deliver([(args[0], exc)])
+            self._deliver([(request_id, exc)])
+
+    async def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora_slot: int,
+                   grammar: Any) -> None:
+        add = functools.partial(self.process.add_request, request_id, prompt_token_ids, params, lora_slot, grammar)
+        try:
+            if add(serialize=False):  # no grammar, or one the child holds: a small message, sent from the loop
+                return
+            sent = asyncio.get_running_loop().run_in_executor(self._grammar_sender, add)
+            try:
+                await asyncio.shield(sent)
+            except asyncio.CancelledError:
+                # A thread cannot be stopped: the add goes out regardless. Abort it once it has, and end this task
+                # only then, so that what follows the task (an adapter's unload) comes after the abort.
+                sent.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(request_id))
+                await asyncio.wait([sent])
+                raise
+        except EngineDeadError as exc:  # the child died between two sends (its reader reports it too)
+            self._deliver([(request_id, exc)])
 
     def _call(self, method: str, *args: Any, timeout: float) -> Any:
         return self.process.call(method, *args, timeout=timeout)
 
     def shutdown(self) -> None:
+        self._grammar_sender.shutdown(wait=False, cancel_futures=True)
         self.process.shutdown()
 
 

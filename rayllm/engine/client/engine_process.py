@@ -20,6 +20,8 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -33,6 +35,14 @@ from rayllm.schema.outputs import EngineDeadError, SequenceError
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 900  # model load, KV cache allocation
+# A compiled grammar whose JSON is longer is refused (ASCII in practice: characters are bytes). A 12 KB schema
+# (200 string properties with patterns) compiled to 132 MB of JSON: seconds to serialize and to read back, and
+# ~90 MB in the engine process.
+MAX_GRAMMAR_JSON_CHARS = 64 << 20
+# Grammars the child keeps deserialized. The parent picks what it drops (in the add that sends a new one), so
+# it always knows which keys the child holds; a dropped grammar's running sequences keep their matchers.
+GRAMMARS_HELD = 4
+
 
 def child_env(environ: dict[str, str]) -> dict[str, str]:
     """The child's environment: the parent's, with bounded oneDNN caches unless the operator set them."""
@@ -89,6 +99,13 @@ class EngineProcess:
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._tokenizer_info_sent = False
+        self._grammar_lock = threading.Lock()  # one grammar serialized and sent at a time
+        self._keys_lock = threading.Lock()
+        self._grammar_keys: dict[int, int] = {}  # id(CompiledGrammar) -> key, while the object lives
+        self._grammar_ids = itertools.count()
+        self._refused: dict[int, int] = {}  # key -> JSON length, of grammars over MAX_GRAMMAR_JSON_CHARS
+        self._held: OrderedDict[int, None] = OrderedDict()  # the keys the child holds, least recently used first
+        self.grammars_sent = 0  # grammar JSONs that crossed the pipe
         self.on_outputs: Callable[[list[tuple[str, Any]]], None] | None = None
         self.on_death: Callable[[BaseException], None] | None = None
         self.error: BaseException | None = None
@@ -133,23 +150,77 @@ class EngineProcess:
             self.on_death(error)
 
     def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._send_locked(msg)
+
+    def _send_locked(self, msg: tuple) -> None:
         try:
-            with self._send_lock:
-                self._conn.send(msg)
+            self._conn.send(msg)
         except OSError as exc:  # the child died between two sends (the reader reports it too)
             raise EngineProcessError(f"engine process exited (code {self._proc.poll()})") from exc
 
     # ---- commands (engine_client.ProcessClient) ----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params, lora_slot: int = 0,
-                    grammar: Any = None) -> None:
-        grammar_json = None
-        if grammar is not None:  # xgrammar objects do not pickle; their JSON form does
+                    grammar: Any = None, serialize: bool = True) -> bool:
+        """Send the request. Its grammar (an xgrammar CompiledGrammar, which does not pickle) crosses as JSON once
+        per grammar object; later requests with the same object (the n choices of a request, the server's
+        compiled-grammar cache) name it by key. False, with nothing sent, when the child lacks the grammar and
+        serialize is False: serializing a large one takes seconds, which the caller spends off its event loop.
+        Raises ValueError (nothing sent) when the grammar's JSON is over MAX_GRAMMAR_JSON_CHARS."""
+        add = ("add", request_id, prompt_token_ids, params, lora_slot)
+        if grammar is None:
+            self._send((*add, None))
+            return True
+        key = self._grammar_key(grammar)
+        if self._send_if_held(add, key):
+            return True
+        if not serialize:
+            return False
+        with self._grammar_lock:  # concurrent choices of one grammar wait here, then find it held
+            if self._send_if_held(add, key):
+                return True
             if not self._tokenizer_info_sent:
                 self._send(("tokenizer_info", grammar.tokenizer_info.serialize_json()))
                 self._tokenizer_info_sent = True
+            grammar_json = self._serialize(grammar, key)
+            with self._send_lock:  # what the child holds changes with this send only
+                drop = []
+                while len(self._held) >= GRAMMARS_HELD:
+                    drop.append(self._held.popitem(last=False)[0])
+                self._held[key] = None
+                self._send_locked((*add, (key, grammar_json, drop)))
+            self.grammars_sent += 1
+        return True
+
+    def _send_if_held(self, add: tuple, key: int) -> bool:
+        with self._send_lock:
+            if key not in self._held:
+                return False
+            self._held.move_to_end(key)
+            self._send_locked((*add, (key, None, [])))
+        return True
+
+    def _grammar_key(self, grammar: Any) -> int:
+        """A key per grammar object, dropped with the object (so a later object at its address gets its own).
+        By identity: a CompiledGrammar compares by value and does not hash."""
+        with self._keys_lock:
+            key = self._grammar_keys.get(id(grammar))
+            if key is None:
+                key = self._grammar_keys[id(grammar)] = next(self._grammar_ids)
+                weakref.finalize(grammar, _forget_grammar, self._grammar_keys, self._refused, id(grammar), key)
+        return key
+
+    def _serialize(self, grammar: Any, key: int) -> str:
+        size = self._refused.get(key)
+        if size is None:
             grammar_json = grammar.serialize_json()
-        self._send(("add", request_id, prompt_token_ids, params, lora_slot, grammar_json))
+            if len(grammar_json) <= MAX_GRAMMAR_JSON_CHARS:
+                return grammar_json
+            size = self._refused[key] = len(grammar_json)  # the next request with it is refused without serializing
+        raise ValueError(f"the guided decoding constraint compiles to a grammar of {size / 2**20:.0f} MiB, over this "
+                         f"server's limit of {MAX_GRAMMAR_JSON_CHARS / 2**20:g} MiB: simplify it (fewer properties, "
+                         "patterns or alternatives)")
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -175,6 +246,11 @@ class EngineProcess:
             except (OSError, EngineProcessError, subprocess.TimeoutExpired):  # died just before (not reaped yet)
                 self._proc.kill()
         self._conn.close()
+
+
+def _forget_grammar(keys: dict[int, int], refused: dict[int, int], object_id: int, key: int) -> None:
+    keys.pop(object_id, None)
+    refused.pop(key, None)
 
 
 def _child_main(conn: Connection) -> None:
@@ -209,6 +285,7 @@ class _EngineLoop:
         self.conn = conn
         self.engine = engine
         self.tokenizer_info = None  # xgrammar.TokenizerInfo, sent once before the first grammar
+        self.grammars: dict[int, Any] = {}  # deserialized grammars by key; the parent bounds it (GRAMMARS_HELD)
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -231,13 +308,9 @@ class _EngineLoop:
         """One command; False = stop."""
         kind = msg[0]
         if kind == "add":
-            _, rid, prompt, params, lora_slot, grammar_json = msg
+            _, rid, prompt, params, lora_slot, grammar_ref = msg
             try:
-                grammar = None
-                if grammar_json is not None:
-                    import xgrammar
-
-                    grammar = xgrammar.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+                grammar = None if grammar_ref is None else self.grammar(*grammar_ref)
                 self.engine.add_request(rid, prompt, params, lora_slot, grammar)
             except Exception as exc:  # refused (length, capacity) or failed: that request fails, nothing else
                 self.conn.send(("out", [(rid, exc if isinstance(exc, ValueError) else SequenceError(rid, describe(exc)))]))
@@ -261,6 +334,22 @@ class _EngineLoop:
         elif kind == "stop":
             return False
         return True
+
+    def grammar(self, key: int, grammar_json: str | None, drop: list[int]) -> Any:
+        """The grammar an add names: sent with it (JSON) or held since; the add drops what the parent no longer counts."""
+        for old in drop:
+            del self.grammars[old]
+        if grammar_json is not None:
+            import xgrammar
+
+            try:
+                self.grammars[key] = xgrammar.CompiledGrammar.deserialize_json(grammar_json, self.tokenizer_info)
+            except Exception as exc:  # kept: the parent counts it held, and later adds naming it fail alike
+                self.grammars[key] = exc
+        grammar = self.grammars[key]
+        if isinstance(grammar, Exception):
+            raise grammar
+        return grammar
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """The engine in its own process (engine_process.EngineProcess behind engine_client.ProcessClient): refusals,
-aborts, stats and grammars cross the pipe, and a dead child fails its requests and health. That its outputs
-equal the in-process engine's is checked in test_engine_client.py."""
+aborts, stats and grammars cross the pipe (a grammar once, however many requests use it), and a dead child
+fails its requests and health. That its outputs equal the in-process engine's is checked in
+test_engine_client.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 
 import pytest
 
+from rayllm.engine.client import engine_process
 from rayllm.engine.client.engine_client import ProcessClient
 from rayllm.engine.client.engine_process import EngineProcess, child_env
 from rayllm.platforms.cpu.kernels import ONEDNN_CACHE_CAPACITY
@@ -83,8 +87,6 @@ def test_the_child_bounds_onednn_caches_unless_the_operator_set_them(process_eng
 
 def test_grammar_constrained_request_in_the_child(process_engine, hf_tokenizer, chat_prompts):
     """xgrammar objects do not pickle; they cross as JSON and constrain the child's sampling."""
-    import re
-
     compiler = GrammarCompiler(hf_tokenizer, process_engine.vocab_size, [hf_tokenizer.eos_token_id])
     grammar = compiler.compile(GuidedSpec(kind="regex", value=r"(yes|no), [0-9]{3}", param="regex"))
     tokens, last = asyncio.run(collect(process_engine, "g", chat_prompts[0],
@@ -175,3 +177,124 @@ def test_the_replica_side_imports_no_torch(gguf_path):
     out = subprocess.run([sys.executable, "-c", _REPLICA_SIDE, arg], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["RustTokenizer", "True", "True", "False", "False"], out.stdout
+
+
+# A guided request's grammar crosses the pipe once: its n choices, and later requests with the same compiled
+# object (the server's grammar cache hands out one), name it by key. A 12 KB schema compiled to 132 MB of JSON,
+# which took seconds per copy to serialize on the event loop and to read back in the engine loop.
+_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "pattern": "[A-Z][a-z]{1,12}"},
+                                            "capital": {"type": "boolean"}},
+           "required": ["city", "capital"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def compiler(process_engine, hf_tokenizer):
+    return GrammarCompiler(hf_tokenizer, process_engine.vocab_size, [hf_tokenizer.eos_token_id])
+
+
+def schema_spec(city_pattern: str = "[A-Z][a-z]{1,12}") -> GuidedSpec:
+    """A distinct spec per pattern: a grammar object the child has not been sent yet."""
+    schema = _SCHEMA | {"properties": _SCHEMA["properties"] | {"city": {"type": "string", "pattern": city_pattern}}}
+    return GuidedSpec(kind="json_schema", value=json.dumps(schema), param="response_format")
+
+
+def choice_params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=60) for i in range(n)]  # as llm_server seeds choices
+
+
+async def choices(engine: ProcessClient, name: str, prompt: list[int], grammar, n: int) -> list[list[int]]:
+    runs = [collect(engine, f"{name}-{i}", prompt, p, grammar) for i, p in enumerate(choice_params(n))]
+    return [tokens for tokens, _ in await asyncio.gather(*runs)]
+
+
+def assert_valid(hf_tokenizer, outputs: list[list[int]], city_pattern: str = "[A-Z][a-z]{1,12}") -> None:
+    import jsonschema
+
+    for tokens in outputs:
+        value = json.loads(hf_tokenizer.decode(tokens, skip_special_tokens=True))
+        jsonschema.validate(value, json.loads(schema_spec(city_pattern).value))
+        assert re.fullmatch(city_pattern, value["city"]), value
+
+
+def test_n_choices_send_their_grammar_once(process_engine, compiler, hf_tokenizer, gguf_path, eos, chat_prompts):
+    from rayllm.engine.engine import LLMEngine
+
+    process = process_engine.process
+    grammar = compiler.compile(schema_spec())
+    sent = process.grammars_sent
+    outputs = asyncio.run(choices(process_engine, "n4", chat_prompts[0], grammar, 4))
+    assert process.grammars_sent == sent + 1
+    assert_valid(hf_tokenizer, outputs)
+    # The same choices in this process's engine, on the grammar object itself: the child's copy constrains alike.
+    engine = LLMEngine(config(gguf_path), eos_token_ids=eos)
+    try:
+        for i, p in enumerate(choice_params(4)):
+            engine.add_request(f"ref-{i}", chat_prompts[0], p, grammar=grammar)
+        reference: dict[str, list[int]] = {f"ref-{i}": [] for i in range(4)}
+        while engine.has_work():
+            for out in engine.step():
+                reference[out.request_id] += out.new_token_ids
+    finally:
+        engine.shutdown()
+    assert outputs == list(reference.values())
+    # A later request with the same compiled object (the compiler's cache returns it again) sends nothing new.
+    again = asyncio.run(choices(process_engine, "again", chat_prompts[0], compiler.compile(schema_spec()), 4))
+    assert process.grammars_sent == sent + 1 and again == outputs
+
+
+def test_a_grammar_the_child_dropped_is_sent_again(process_engine, compiler, hf_tokenizer, chat_prompts, monkeypatch):
+    """The parent decides what the child drops: with room for one grammar, the second request's grammar replaces
+    the first while the first still runs (its sequences keep their matchers), and the first is sent again."""
+    monkeypatch.setattr(engine_process, "GRAMMARS_HELD", 1)
+    process = process_engine.process
+    first, second = compiler.compile(schema_spec("[A-Z][a-z]{2,9}")), compiler.compile(schema_spec("[A-Z]+"))
+    sent = process.grammars_sent
+
+    async def run():
+        return await asyncio.gather(choices(process_engine, "first", chat_prompts[1], first, 2),
+                                    choices(process_engine, "second", chat_prompts[2], second, 2))
+
+    a, b = asyncio.run(run())
+    assert_valid(hf_tokenizer, a, "[A-Z][a-z]{2,9}")
+    assert_valid(hf_tokenizer, b, "[A-Z]+")
+    assert process.grammars_sent == sent + 2
+    assert asyncio.run(choices(process_engine, "first-again", chat_prompts[1], first, 2)) == a
+    assert process.grammars_sent == sent + 3
+
+
+def test_a_grammar_over_the_bound_fails_only_its_request(process_engine, compiler, chat_prompts, monkeypatch):
+    grammar = compiler.compile(GuidedSpec(kind="regex", value=r"[a-z]{1,5}!", param="regex"))
+    monkeypatch.setattr(engine_process, "MAX_GRAMMAR_JSON_CHARS", len(grammar.serialize_json()) - 1)
+    sent = process_engine.process.grammars_sent
+
+    async def run():
+        other = asyncio.create_task(collect(process_engine, "beside", chat_prompts[3],
+                                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+        for rid in ("big", "big-again"):  # the same object is refused again
+            with pytest.raises(ValueError, match="compiles to a grammar of .* over this server's limit"):
+                await collect(process_engine, rid, chat_prompts[0], SamplingParams(max_tokens=8), grammar)
+        return await other
+
+    tokens, last = asyncio.run(run())
+    assert len(tokens) == 8 and last.finish_reason == "length"
+    assert process_engine.process.grammars_sent == sent
+    process_engine.check_health()
+
+
+def test_a_request_cancelled_while_its_grammar_is_sent_is_aborted(process_engine, compiler, chat_prompts):
+    """The add goes out from a thread regardless; the request's task ends only once its abort followed it."""
+    grammar = compiler.compile(GuidedSpec(kind="regex", value=r"([a-z]+ ){100}", param="regex"))
+    sent = process_engine.process.grammars_sent
+
+    async def run():
+        task = asyncio.create_task(collect(process_engine, "cancelled", chat_prompts[0],
+                                           SamplingParams(temperature=0.0, max_tokens=400), grammar))
+        await asyncio.sleep(0)  # the task now waits on the grammar's sender thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await asyncio.to_thread(process_engine.stats)
+
+    stats = asyncio.run(run())
+    assert process_engine.process.grammars_sent == sent + 1  # the add did go out, and its abort after it
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
