@@ -290,3 +290,22 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model_nam
                                                              "return_token_ids": True}).choices[0]
     assert done.logprobs.tokens == [f"token_id:{t}" for t in done.prompt_token_ids + done.token_ids]
     assert done.logprobs.token_logprobs[0] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_masked_tokens_are_floored_as_vllm_does(client, model_name, hf_tokenizer, stream):
+    """allowed_token_ids of two ids leaves the other top-5 alternatives at -inf: they come back as vLLM's floor,
+    -9999.0 (JSON has no -inf: a body was a 500, a stream carried `-Infinity`), the two allowed ids finite."""
+    allowed = [hf_tokenizer.encode(w, add_special_tokens=False)[0] for w in (" red", " blue")]
+    kw = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True, top_logprobs=5,
+              extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    if stream:
+        entries = [e for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content or []]
+    else:
+        entries = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(entries) == 4
+    for e in entries:
+        assert e.token in (" red", " blue") and -9999.0 < e.logprob <= 0
+        values = sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert len(values) == 5 and all(-9999.0 < v <= 0 for v in values[:2]) and values[2:] == [-9999.0] * 3
