@@ -32,7 +32,10 @@ class LegacyLogprobs:
                 e = {"token": "", "logprob": None, "top_logprobs": []}
             self.tokens.append(e["token"])
             self.token_logprobs.append(e["logprob"])
-            top = {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []}
+            # As OpenAI and vLLM: the chosen token is always among its alternatives (so logprobs=0 gives it alone).
+            top = {e["token"]: e["logprob"]} if e["logprob"] is not None else {}
+            for t in e.get("top_logprobs") or []:
+                top.setdefault(t["token"], t["logprob"])
             self.top_logprobs.append(top or None)
             self.text_offset.append(offset)
             offset += len(e["token"])

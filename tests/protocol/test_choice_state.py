@@ -131,3 +131,16 @@ def test_completion_offsets_and_legacy_logprobs_follow_the_text():
     legacy = choice.legacy.to_dict()
     assert legacy["tokens"] == ["", "echo", " ", "b", "c", "d"]
     assert all(choice.text[o:].startswith(t) for t, o in zip(legacy["tokens"], legacy["text_offset"], strict=True))
+
+
+def test_legacy_top_logprobs_always_hold_the_chosen_token():
+    """OpenAI and vLLM: each position's top_logprobs has the token chosen (so `logprobs: 0` gives it alone); the
+    first echoed prompt token, without a logprob, has none."""
+    def lp(tok: str, value: float | None, *alts: tuple[str, float]) -> dict:
+        return {"token": tok, "logprob": value, "top_logprobs": [{"token": t, "logprob": v} for t, v in alts]}
+
+    state = GenerationState(legacy_logprobs=True)
+    choice, _ = state.add(delta(0, "bc", prompt_text="a", prompt_logprobs=[lp("a", None)],
+                                logprobs=[lp("b", -3.0), lp("c", -2.0, ("x", -0.1), ("c", -2.0))]))
+    legacy = choice.legacy.to_dict()
+    assert legacy["top_logprobs"] == [None, {"b": -3.0}, {"c": -2.0, "x": -0.1}]

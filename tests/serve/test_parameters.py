@@ -54,7 +54,23 @@ def test_completion_echo_with_logprobs_includes_prompt(client, model_name):
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset)
-    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert all(len(t) <= 3 for t in lp.top_logprobs[1:])  # the two most likely, and the chosen token
+
+
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_completion_top_logprobs_always_hold_the_chosen_token(client, model_name, logprobs):
+    """As OpenAI and vLLM: each position's top_logprobs holds the token chosen (echoed prompt tokens too), with
+    its own logprob; `logprobs: 0` gives that token alone."""
+    r = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=4, temperature=0.8,
+                                  seed=5, echo=True, logprobs=logprobs)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None  # the first prompt token has no logprob
+    rest = list(zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    assert len(rest) > 4
+    for token, value, top in rest:
+        assert top[token] == value and len(top) <= logprobs + 1
+        if logprobs == 0:
+            assert top == {token: value}
 
 
 def test_stop_token_ids_and_no_stop_trim(client, model_name, server, auth):
