@@ -130,7 +130,11 @@ class GenerationState:
         if choice is None:
             parser = self.parser_factory() if self.parser_factory is not None else None
             choice = self.choices[d.index] = ChoiceState(d.index, parser, self.legacy_logprobs)
-        self.prompts[d.index // self.n] = (d.prompt_tokens, d.cached_tokens)
+        # One cache figure per prompt whatever order its choices ran in: the least any of them found cached (a
+        # later choice may find the whole prompt, which an earlier one computed).
+        prompt = d.index // self.n
+        seen = self.prompts.get(prompt)
+        self.prompts[prompt] = (d.prompt_tokens, d.cached_tokens if seen is None else min(seen[1], d.cached_tokens))
         if self.first_token_at is None and d.token_ids:
             self.first_token_at = time.monotonic()
         return choice, choice.add(d)

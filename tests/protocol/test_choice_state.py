@@ -133,6 +133,16 @@ def test_completion_offsets_and_legacy_logprobs_follow_the_text():
     assert all(choice.text[o:].startswith(t) for t, o in zip(legacy["tokens"], legacy["text_offset"], strict=True))
 
 
+def test_cached_tokens_are_one_figure_per_prompt_whatever_order_its_choices_end_in():
+    """A later choice finds the prompt its sibling computed (all of it cached): the request reports the least any
+    choice of the prompt found, whichever finished last."""
+    for order in ([0, 1], [1, 0]):
+        state = GenerationState(n=2)
+        for i in order:
+            state.add(delta(i, "a", "stop", cached_tokens=(16, 96)[i], prompt_tokens=100))
+        assert state.usage()["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
 def test_legacy_top_logprobs_always_hold_the_chosen_token():
     """OpenAI and vLLM: each position's top_logprobs has the token chosen (so `logprobs: 0` gives it alone); the
     first echoed prompt token, without a logprob, has none."""

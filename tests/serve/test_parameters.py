@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 
 import httpx
 import pytest
@@ -99,6 +100,20 @@ def test_prefix_cache_reports_cached_tokens(client, model_name):
     client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=2)
     r = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=2)
     assert r.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def test_cached_tokens_are_one_figure_per_prompt_whatever_the_choices(client, model_name):
+    """With n=2 the second choice finds the whole prompt that the first computed: usage reports the prompt's
+    cache hits as a lone request on a fresh prompt of the same shape does (only the shared template prefix)."""
+    def fresh(lead: str) -> list[dict]:  # a distinct first token: only the template's prefix is in the cache
+        return [{"role": "user", "content": f"{lead} {uuid.uuid4().hex} " + "Tell me about the sea. " * 8}]
+
+    kw = dict(model=model_name, temperature=0, max_tokens=2)
+    client.chat.completions.create(messages=fresh("Warm"), **kw)  # the template's prefix, cached for both below
+    alone = client.chat.completions.create(messages=fresh("Alpha"), **kw).usage
+    both = client.chat.completions.create(messages=fresh("Omega"), n=2, **kw).usage
+    assert both.prompt_tokens_details.cached_tokens == alone.prompt_tokens_details.cached_tokens
+    assert both.prompt_tokens_details.cached_tokens < both.prompt_tokens - 32
 
 
 def test_continue_final_message(client, model_name):
