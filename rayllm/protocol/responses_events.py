@@ -15,6 +15,10 @@ from rayllm.protocol.errors import APIError, server_error
 from rayllm.protocol.io_struct import GenerationDelta
 from rayllm.protocol.responses_api import ResponseCreate, new_item_id
 
+# The error of a response whose generation was aborted (one of OpenAI's ResponseError codes).
+ABORTED = {"code": "server_error", "message": "The generation was aborted before it finished (e.g. its LoRA "
+                                              "adapter was unloaded); retry the request."}
+
 
 def skeleton(req: ResponseCreate, response_id: str, model: str, conversation_id: str | None) -> dict[str, Any]:
     """The Response object before any output: what response.created carries, and the final body's frame."""
@@ -142,7 +146,7 @@ class ResponseAssembler:
         if item is None:
             return []
         index = len(self.output) - 1
-        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        item["status"] = "incomplete" if self.finish_reason in ("length", "abort") else "completed"
         events: list[dict[str, Any]] = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -172,8 +176,7 @@ class ResponseAssembler:
 
     def done_event(self) -> dict[str, Any]:
         body = self.final()
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return self.event(kind, response=body)
+        return self.event(f"response.{body['status']}", response=body)  # completed, incomplete or failed
 
     def error_events(self, exc: BaseException) -> list[dict[str, Any]]:
         """A failure after the stream began: an `error` event, then response.failed."""
@@ -197,7 +200,10 @@ class ResponseAssembler:
                 "total_tokens": self.prompt_tokens + self.output_tokens}
 
     def final(self) -> dict[str, Any]:
-        status = {"length": "incomplete", "abort": "cancelled"}.get(self.finish_reason or "", "completed")
+        # An abort (its LoRA adapter unloaded, the engine gave up on it) is a failure in OpenAI's terms: a
+        # `failed` response with its error, which the SDK's stream helper reports (no response.completed).
+        status = {"length": "incomplete", "abort": "failed"}.get(self.finish_reason or "", "completed")
         return dict(self.frame, status=status, output=self.output, usage=self.usage(),
                     completed_at=int(time.time()) if status == "completed" else None,
+                    error=dict(ABORTED) if status == "failed" else None,
                     incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None)

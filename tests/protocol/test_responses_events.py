@@ -152,3 +152,21 @@ def test_error_events_after_the_stream_began():
     for e in events:
         EVENT.validate_python(e)
     assert events[-1]["response"]["status"] == "failed" and "RuntimeError" in events[-2]["message"]
+
+
+def test_an_aborted_generation_is_a_failed_response_with_its_error():
+    """An abort (e.g. the request's LoRA adapter unloaded mid-generation) ends with response.failed, status
+    "failed" and an error, as OpenAI reports a response that did not finish; the SDK's stream helper then has no
+    completed response to give (its get_final_response raises)."""
+    events, final = run(["Hel", "lo"], finish="abort")
+    body = check_with_sdk(events, final)
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"] == final
+    assert body.status == "failed" and body.error.code == "server_error" and "aborted" in body.error.message
+    assert body.incomplete_details is None and body.completed_at is None
+    assert body.output[0].status == "incomplete" and body.output_text == "Hello"
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in events:
+        state.handle_event(EVENT.validate_python(e))
+    assert state._completed_response is None
+    length, _ = run(["a"], finish="length")
+    assert length[-1]["type"] == "response.incomplete"  # a length cut is still incomplete
