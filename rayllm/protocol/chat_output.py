@@ -88,8 +88,8 @@ class ToolExtractor:
                 return []
             try:
                 calls = json.loads(self.buf)
-            except json.JSONDecodeError:
-                return [("content", self.buf)]  # cut by max_tokens: hand back what there is
+            except (json.JSONDecodeError, RecursionError):  # cut by max_tokens (or absurdly deep): hand back the text
+                return [("content", self.buf)]
             return [("call", ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))) for c in calls]
         return self._tagged(text, final)
 
@@ -114,7 +114,10 @@ class ToolExtractor:
             if end < 0 and not final:
                 break
             body = self.buf if end < 0 else self.buf[:end]
-            calls = fmt.parse(body)
+            try:
+                calls = fmt.parse(body)
+            except RecursionError:  # JSON nested past the parser's depth: no call
+                calls = None
             if calls is None:  # not a call after all: keep the text as the model wrote it
                 events.append(("content", fmt.open + body + ("" if end < 0 else fmt.close or "")))
             else:
@@ -134,6 +137,9 @@ class ChatOutputParser:
         self.held_reasoning = ""
         self.tools = ToolExtractor(tools) if tools is not None and tools.mode != "none" else None
         self.legacy = bool(tools and tools.legacy)
+        # parallel_tool_calls: false (and the legacy functions, which name one call): the first call only.
+        self.single = tools is not None and not tools.parallel
+        self.named = tools is not None and tools.mode == "named"
         self.num_calls = 0
         self._call_id: str | None = None
 
@@ -165,7 +171,7 @@ class ChatOutputParser:
                 deltas.append(self._open(value))
             elif kind == "args":
                 deltas.append(self._args(value))
-            else:
+            elif not (self.single and self.called):
                 deltas.append(self._open(value.name))
                 deltas.append(self._args(value.arguments))
         return deltas
@@ -187,7 +193,10 @@ class ChatOutputParser:
         return {"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": text}}]}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        if self.called and reason == "stop":
+        # A call the model chose to make ends with `tool_calls` (`function_call`); one the request forced by
+        # name ends with `stop`, as OpenAI and vLLM answer it.
+        if self.called and reason == "stop" and not self.named:
+
             return "function_call" if self.legacy else "tool_calls"
         return reason
 
