@@ -1,4 +1,4 @@
-"""A chat choice's generated text -> OpenAI message parts: content, reasoning_content and tool calls.
+"""A chat choice's generated text -> OpenAI message parts: content, reasoning (by both its names) and tool calls.
 
 One streaming parser per choice serves both the SSE stream (each `feed` returns delta dicts) and the
 whole response (the same deltas merged), so the two can never disagree. Text that may be the start of
@@ -126,8 +126,14 @@ class ToolExtractor:
         return events
 
 
+def _reasoning(text: str) -> dict[str, str]:
+    # vLLM now names the field `reasoning`; SGLang and older clients read `reasoning_content`: both, the same text.
+    return {"reasoning": text, "reasoning_content": text}
+
+
 class ChatOutputParser:
-    """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning_content} / {tool_calls})."""
+    """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning, reasoning_content} /
+    {tool_calls} / {function_call})."""
 
     def __init__(self, *, reasoning: bool = False, starts_in_reasoning: bool = False, stream_reasoning: bool = True,
                  include_reasoning: bool = True, tools: ToolPlan | None = None) -> None:
@@ -153,11 +159,11 @@ class ChatOutputParser:
             reasoning, text = self.think.feed(text, final)
             if reasoning and self.include_reasoning:
                 if self.stream_reasoning:
-                    deltas.append({"reasoning_content": reasoning})
+                    deltas.append(_reasoning(reasoning))
                 else:
                     self.held_reasoning += reasoning
             if self.held_reasoning and (self.think.state == "after" or final):
-                deltas.append({"reasoning_content": self.held_reasoning})
+                deltas.append(_reasoning(self.held_reasoning))
                 self.held_reasoning = ""
         if self.tools is None:
             if text:

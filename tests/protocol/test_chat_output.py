@@ -135,7 +135,7 @@ def test_no_think_tags_is_all_content_and_unclosed_is_all_reasoning():
 
 def test_reasoning_held_until_done_without_stream_reasoning():
     deltas, _ = run("<think>a b c d</think>e", [1] * 30, reasoning=True, stream_reasoning=False)
-    assert [d for d in deltas if "reasoning_content" in d] == [{"reasoning_content": "a b c d"}]
+    assert [d for d in deltas if "reasoning_content" in d] == [{"reasoning": "a b c d", "reasoning_content": "a b c d"}]
 
 
 def test_mistral_format_calls_run_to_the_end():

@@ -154,3 +154,21 @@ def test_legacy_top_logprobs_always_hold_the_chosen_token():
                                 logprobs=[lp("b", -3.0), lp("c", -2.0, ("x", -0.1), ("c", -2.0))]))
     legacy = choice.legacy.to_dict()
     assert legacy["top_logprobs"] == [None, {"b": -3.0}, {"c": -2.0, "x": -0.1}]
+
+
+def test_reasoning_goes_by_both_names_streamed_and_whole():
+    """vLLM now names the thought `reasoning`, SGLang and older clients read `reasoning_content`: the SDK's stream
+    chunks and whole message carry both, the same text."""
+    state = GenerationState(1, lambda: ChatOutputParser(reasoning=True))
+    fmt = ChatFormat(state, request_id="r", model="m", created=1)
+    wire = ""
+    for d in interleaved({0: "<think>Two and two.</think>\n\nFour."}, random.Random(3)):
+        choice, pieces = state.add(d)
+        wire += fmt.delta(choice, d, pieces)
+    chunks = [SDKChatChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in wire.split("\n\n")[:-1]]
+    thought = [c.choices[0].delta.model_extra for c in chunks if c.choices[0].delta.model_extra]
+    assert thought and all(x["reasoning"] == x["reasoning_content"] for x in thought)
+    assert "".join(x["reasoning"] for x in thought) == "Two and two."
+    message = SDKChatCompletion.model_validate(fmt.body().model_dump()).choices[0].message
+    assert message.model_extra == {"reasoning": "Two and two.", "reasoning_content": "Two and two."}
+    assert message.content == "Four."

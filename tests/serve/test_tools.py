@@ -190,6 +190,22 @@ def test_reasoning_streams(client, model_name, stream_reasoning):
     assert (len(reasoning) > 1) == stream_reasoning  # streamed piece by piece, or sent whole once done
 
 
+def test_reasoning_goes_by_vllms_name_too(client, model_name):
+    """vLLM now calls the thought `reasoning`: answers carry it beside reasoning_content (the same text, whole or
+    streamed), and an assistant turn that brings its thought back under that name is accepted."""
+    kw = dict(model=model_name, temperature=0, max_tokens=60, extra_body={"chat_template": THINK_TEMPLATE})
+    msg = client.chat.completions.create(messages=THINKING, **kw).choices[0].message
+    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] and msg.model_extra["reasoning"]
+    thought = [c.choices[0].delta.model_extra for c in client.chat.completions.create(messages=THINKING, stream=True,
+                                                                                         **kw)
+               if c.choices and c.choices[0].delta.model_extra]
+    assert all(x["reasoning"] == x["reasoning_content"] for x in thought)
+    assert "".join(x["reasoning"] for x in thought) == msg.model_extra["reasoning"]
+    history = [*THINKING, {"role": "assistant", "content": msg.content, "reasoning": msg.model_extra["reasoning"]},
+               {"role": "user", "content": "And 1+1?"}]
+    assert client.chat.completions.create(messages=history, **kw).choices[0].message.content
+
+
 def test_reasoning_switches_reach_the_template(server, auth, model_name):
     template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                 "{% if enable_thinking %} thinking is on{% endif %}{{ ' effort ' + reasoning_effort if reasoning_effort }}")
