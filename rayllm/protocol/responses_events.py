@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any
 
+from rayllm.protocol.choice_state import ParsedPieces
 from rayllm.protocol.errors import APIError, server_error
 from rayllm.protocol.io_struct import GenerationDelta
 from rayllm.protocol.responses_api import ResponseCreate, new_item_id
@@ -68,21 +69,24 @@ class ResponseAssembler:
         return [self.event("response.created", response=self.snapshot()),
                 self.event("response.in_progress", response=self.snapshot())]
 
-    def feed(self, d: GenerationDelta, pieces: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    def feed(self, d: GenerationDelta, pieces: ParsedPieces | None) -> list[dict[str, Any]]:
         """A delta and its parsed pieces (None: the choice is not parsed, its text is the answer)."""
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
         new_tokens = d.completion_tokens - self.output_tokens
         self.output_tokens = d.completion_tokens
-        if d.logprobs:
-            self.pending_logprobs.extend(d.logprobs)
+        parts: list[dict[str, Any]]
         if pieces is None:
-            pieces = [{"content": d.text}] if d.text else []
-        if pieces and all("reasoning_content" in p for p in pieces):
+            self.pending_logprobs.extend(d.logprobs or [])
+            parts = [{"content": d.text}] if d.text else []
+        else:  # only the tokens of the answer's text: not reasoning, think tags or tool calls
+            self.pending_logprobs.extend(pieces.text_logprobs)
+            parts = pieces
+        if parts and all("reasoning_content" in p for p in parts):
             self.reasoning_tokens += new_tokens  # a delta spanning both is counted as answer
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
         events: list[dict[str, Any]] = []
-        for piece in pieces:
+        for piece in parts:
             events += self._piece(piece)
         return events
 
