@@ -1,4 +1,4 @@
-"""A chat choice's generated text -> OpenAI message parts: content, reasoning_content and tool calls.
+"""A chat choice's generated text -> OpenAI message parts: content, reasoning (by both its names) and tool calls.
 
 One streaming parser per choice serves both the SSE stream (each `feed` returns delta dicts) and the
 whole response (the same deltas merged), so the two can never disagree. Text that may be the start of
@@ -62,69 +62,96 @@ class ThinkSplitter:
 
 
 class ToolExtractor:
-    """Turns content text into tool calls as the plan says: ("content", text) / ("call", ParsedCall) events."""
+    """Turns content text into tool calls as the plan says: (kind, value, start) events, kind "content" (text),
+    "call" (ParsedCall), "open" / "args" (a named call's name, then its arguments); `start` is where the event's
+    text begins in the content fed so far (what answer text a token wrote: ChatOutputParser.text_spans)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._hold_open = HeldSuffix((plan.format.open,))
         self.buf = ""
+        self.consumed = 0  # characters fed before buf
         self.inside = False
         self.started = False
 
-    def feed(self, text: str, final: bool = False) -> list[tuple[str, Any]]:
+    def _take(self, n: int) -> None:
+        self.buf, self.consumed = self.buf[n:], self.consumed + n
+
+    def feed(self, text: str, final: bool = False) -> list[tuple[str, Any, int]]:
         mode = self.plan.mode
         if mode == "named":
             assert self.plan.named is not None
-            events: list[tuple[str, Any]] = []
+            events: list[tuple[str, Any, int]] = []
             if not self.started:
                 self.started = True
-                events.append(("open", self.plan.named))
+                events.append(("open", self.plan.named, 0))
             if text:
-                events.append(("args", text))
+                events.append(("args", text, self.consumed))
+                self.consumed += len(text)
             return events
         if mode == "required":
             self.buf += text
             if not final:
                 return []
+            body, start = self.buf, self.consumed
+            self._take(len(body))
             try:
-                calls = json.loads(self.buf)
-            except json.JSONDecodeError:
-                return [("content", self.buf)]  # cut by max_tokens: hand back what there is
-            return [("call", ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False))) for c in calls]
+                calls = json.loads(body)
+            except (json.JSONDecodeError, RecursionError):  # cut by max_tokens (or absurdly deep): hand back the text
+                return [("content", body, start)]
+            return [("call", ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)), start)
+                    for c in calls]
         return self._tagged(text, final)
 
-    def _tagged(self, text: str, final: bool) -> list[tuple[str, Any]]:
+    def _tagged(self, text: str, final: bool) -> list[tuple[str, Any, int]]:
         """The model's own format: text, then calls between the format's open (and close) tags."""
         fmt = self.plan.format
         self.buf += text
-        events: list[tuple[str, Any]] = []
+        events: list[tuple[str, Any, int]] = []
         while self.buf:
             if not self.inside:
                 start = self.buf.find(fmt.open)
                 if start < 0:
                     keep = 0 if final else self._hold_open(self.buf)
                     if len(self.buf) > keep:
-                        events.append(("content", self.buf[: len(self.buf) - keep]))
-                    self.buf = self.buf[len(self.buf) - keep:]
+                        events.append(("content", self.buf[: len(self.buf) - keep], self.consumed))
+                    self._take(len(self.buf) - keep)
                     break
                 if start:
-                    events.append(("content", self.buf[:start]))
-                self.buf, self.inside = self.buf[start + len(fmt.open):], True
+                    events.append(("content", self.buf[:start], self.consumed))
+                self._take(start + len(fmt.open))
+                self.inside = True
             end = self.buf.find(fmt.close) if fmt.close is not None else -1
             if end < 0 and not final:
                 break
             body = self.buf if end < 0 else self.buf[:end]
-            calls = fmt.parse(body)
+            try:
+                calls = fmt.parse(body)
+            except RecursionError:  # JSON nested past the parser's depth: no call
+                calls = None
             if calls is None:  # not a call after all: keep the text as the model wrote it
-                events.append(("content", fmt.open + body + ("" if end < 0 else fmt.close or "")))
+                events.append(("content", fmt.open + body + ("" if end < 0 else fmt.close or ""),
+                               self.consumed - len(fmt.open)))
             else:
-                events.extend(("call", c) for c in calls)
-            self.buf, self.inside = ("" if end < 0 else self.buf[end + len(fmt.close or ""):]), False
+                events.extend(("call", c, self.consumed) for c in calls)
+            self._take(len(self.buf) if end < 0 else end + len(fmt.close or ""))
+            self.inside = False
         return events
 
 
+def _reasoning(text: str) -> dict[str, str]:
+    # vLLM now names the field `reasoning`; SGLang and older clients read `reasoning_content`: both, the same text.
+    return {"reasoning": text, "reasoning_content": text}
+
+
 class ChatOutputParser:
-    """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning_content} / {tool_calls})."""
+    """Per choice: text deltas in, OpenAI delta dicts out ({content} / {reasoning, reasoning_content} /
+    {tool_calls} / {function_call}).
+
+    It also records where in the raw output (the text fed) the answer's content came from, `text_spans`, and up
+    to where it has decided what the output is, `decided`: the Responses API gives output_text the logprobs of
+    those tokens only (rayllm.protocol.choice_state.TextTokens).
+    """
 
     def __init__(self, *, reasoning: bool = False, starts_in_reasoning: bool = False, stream_reasoning: bool = True,
                  include_reasoning: bool = True, tools: ToolPlan | None = None) -> None:
@@ -134,38 +161,62 @@ class ChatOutputParser:
         self.held_reasoning = ""
         self.tools = ToolExtractor(tools) if tools is not None and tools.mode != "none" else None
         self.legacy = bool(tools and tools.legacy)
+        # parallel_tool_calls: false (and the legacy functions, which name one call): the first call only.
+        self.single = tools is not None and not tools.parallel
+        self.named = tools is not None and tools.mode == "named"
         self.num_calls = 0
         self._call_id: str | None = None
+        self.fed = 0  # raw output characters fed
+        self.content_fed = 0  # of which passed on as the answer (after the reasoning)
+        self.text_spans: list[list[int]] = []  # [start, end) in the raw output of the content emitted, merged
 
     @property
     def called(self) -> bool:
         return self.num_calls > 0
 
+    @property
+    def decided(self) -> int:
+        """Raw output characters whose part (content, reasoning, tags, calls) is known: all but those held back."""
+        return self.fed - len(self.think.buf if self.think else "") - len(self.tools.buf if self.tools else "")
+
+    def _content(self, text: str, raw_start: int) -> dict[str, str]:
+        spans = self.text_spans
+        if spans and spans[-1][1] == raw_start:
+            spans[-1][1] += len(text)
+        else:
+            spans.append([raw_start, raw_start + len(text)])
+        return {"content": text}
+
     def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
+        self.fed += len(text)
         if self.think is not None:
             reasoning, text = self.think.feed(text, final)
             if reasoning and self.include_reasoning:
                 if self.stream_reasoning:
-                    deltas.append({"reasoning_content": reasoning})
+                    deltas.append(_reasoning(reasoning))
                 else:
                     self.held_reasoning += reasoning
             if self.held_reasoning and (self.think.state == "after" or final):
-                deltas.append({"reasoning_content": self.held_reasoning})
+                deltas.append(_reasoning(self.held_reasoning))
                 self.held_reasoning = ""
+        self.content_fed += len(text)
+        # Where the answer's first character is in the raw output; fixed once the answer began (all after the
+        # thought is answer), so it places every content offset the extractor reports.
+        shift = self.fed - self.content_fed
         if self.tools is None:
             if text:
-                deltas.append({"content": text})
+                deltas.append(self._content(text, self.fed - len(text)))
             return deltas
-        for kind, value in self.tools.feed(text, final):
+        for kind, value, start in self.tools.feed(text, final):
             if kind == "content":
                 if value.strip() or not self.called:  # whitespace between calls is not content
-                    deltas.append({"content": value})
+                    deltas.append(self._content(value, start + shift))
             elif kind == "open":
                 deltas.append(self._open(value))
             elif kind == "args":
                 deltas.append(self._args(value))
-            else:
+            elif not (self.single and self.called):
                 deltas.append(self._open(value.name))
                 deltas.append(self._args(value.arguments))
         return deltas
@@ -187,7 +238,9 @@ class ChatOutputParser:
         return {"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": text}}]}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        if self.called and reason == "stop":
+        # A call the model chose to make ends with `tool_calls` (`function_call`); one the request forced by
+        # name ends with `stop`, as OpenAI and vLLM answer it.
+        if self.called and reason == "stop" and not self.named:
             return "function_call" if self.legacy else "tool_calls"
         return reason
 

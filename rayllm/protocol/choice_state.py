@@ -7,6 +7,8 @@ all read from this state, so they cannot disagree (and nothing is tracked twice)
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +34,10 @@ class LegacyLogprobs:
                 e = {"token": "", "logprob": None, "top_logprobs": []}
             self.tokens.append(e["token"])
             self.token_logprobs.append(e["logprob"])
-            top = {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []}
+            # As OpenAI and vLLM: the chosen token is always among its alternatives (so logprobs=0 gives it alone).
+            top = {e["token"]: e["logprob"]} if e["logprob"] is not None else {}
+            for t in e.get("top_logprobs") or []:
+                top.setdefault(t["token"], t["logprob"])
             self.top_logprobs.append(top or None)
             self.text_offset.append(offset)
             offset += len(e["token"])
@@ -43,6 +48,53 @@ class LegacyLogprobs:
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
                 "text_offset": self.text_offset}
+
+
+class ParsedPieces(list[dict[str, Any]]):
+    """A delta's pieces from its choice's output parser (delta dicts, sent as they are), and `text_logprobs`: the
+    logprob entries of the tokens just found to be answer text (the Responses API's output_text logprobs)."""
+
+    def __init__(self, pieces: list[dict[str, Any]], text_logprobs: list[dict]) -> None:
+        super().__init__(pieces)
+        self.text_logprobs = text_logprobs
+
+
+class TextTokens:
+    """Which generated tokens wrote the answer's text, not its reasoning, think tags or tool calls.
+
+    Each token is placed in the raw output: a delta's text split by its tokens' own strings (tokens whose text
+    the detokenizer held back go with the next delta that has text). Once the parser has decided those
+    characters, a token is the answer's when they overlap the content it emitted (ChatOutputParser.text_spans);
+    a token without text (an end-of-sequence token) goes with the character before it.
+    """
+
+    def __init__(self) -> None:
+        self.carry: list[dict] = []
+        self.placed: deque[tuple[int, int, dict]] = deque()  # (start, end, entry), not yet decided
+
+    def add(self, start: int, text: str, entries: list[dict], final: bool) -> None:
+        """A delta's tokens, its text starting at `start` in the raw output."""
+        tokens = self.carry + entries
+        if not text and not final:
+            self.carry = tokens
+            return
+        self.carry = []
+        end = start + len(text)
+        for i, e in enumerate(tokens):  # (the last token takes what the others' strings left)
+            stop = end if i == len(tokens) - 1 else min(start + len(e["token"]), end)
+            self.placed.append((start, stop, e))
+            start = stop
+
+    def take(self, spans: list[list[int]], decided: int) -> list[dict]:
+        """The answer's tokens among those placed up to `decided`, in order."""
+        out = []
+        while self.placed and self.placed[0][1] <= decided:
+            start, end, e = self.placed.popleft()
+            first = min(start, end - 1)  # a token without text: the character before it
+            i = bisect_right(spans, end - 1, key=lambda s: s[0]) - 1  # the last span starting before its end
+            if i >= 0 and spans[i][1] > first:
+                out.append(e)
+        return out
 
 
 class ChoiceState:
@@ -66,9 +118,10 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.matched_stop: str | int | None = None
         self.pieces: list[dict[str, Any]] = []  # every parser piece so far (the message, merged)
+        self.text_tokens = TextTokens()
         self.deltas = 0  # deltas added (a chat stream opens each choice with its role)
 
-    def add(self, d: GenerationDelta) -> list[dict[str, Any]] | None:
+    def add(self, d: GenerationDelta) -> ParsedPieces | None:
         self.deltas += 1
         if d.prompt_text is not None:  # completions' echo: the prompt is the start of the choice's text
             self.texts.append(d.prompt_text)
@@ -90,11 +143,13 @@ class ChoiceState:
             self.finish_reason, self.matched_stop = d.finish_reason, d.matched_stop
         if self.parser is None:
             return None
+        start = self.parser.fed
         pieces = self.parser.feed(d.text) if d.text else []
         if d.finish_reason is not None:
             pieces += self.parser.finish()
         self.pieces += pieces
-        return pieces
+        self.text_tokens.add(start, d.text, d.logprobs or [], d.finish_reason is not None)
+        return ParsedPieces(pieces, self.text_tokens.take(self.parser.text_spans, self.parser.decided))
 
     @property
     def text(self) -> str:
@@ -121,13 +176,17 @@ class GenerationState:
         self.prompts: dict[int, tuple[int, int]] = {}  # prompt index -> (prompt tokens, cached tokens)
         self.first_token_at: float | None = None  # time.monotonic() of the first generated token
 
-    def add(self, d: GenerationDelta) -> tuple[ChoiceState, list[dict[str, Any]] | None]:
+    def add(self, d: GenerationDelta) -> tuple[ChoiceState, ParsedPieces | None]:
         """Feeds one delta to its choice; returns the choice and the delta's parsed pieces (see ChoiceState)."""
         choice = self.choices.get(d.index)
         if choice is None:
             parser = self.parser_factory() if self.parser_factory is not None else None
             choice = self.choices[d.index] = ChoiceState(d.index, parser, self.legacy_logprobs)
-        self.prompts[d.index // self.n] = (d.prompt_tokens, d.cached_tokens)
+        # One cache figure per prompt whatever order its choices ran in: the least any of them found cached (a
+        # later choice may find the whole prompt, which an earlier one computed).
+        prompt = d.index // self.n
+        seen = self.prompts.get(prompt)
+        self.prompts[prompt] = (d.prompt_tokens, d.cached_tokens if seen is None else min(seen[1], d.cached_tokens))
         if self.first_token_at is None and d.token_ids:
             self.first_token_at = time.monotonic()
         return choice, choice.add(d)

@@ -102,6 +102,7 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None  # tool
     function_call: FunctionCall | None = None  # assistant, deprecated
     reasoning_content: str | None = None  # assistant, reasoning models (SGLang / vLLM)
+    reasoning: str | None = None  # the same, by vLLM's current name: each fills the other for the chat template
     # Echoed back by clients that append a previous response message as-is; accepted and ignored.
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -120,6 +121,10 @@ class ChatMessage(Strict):
             raise ValueError("a function message needs name")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages may carry tool_calls")
+        if self.reasoning_content is None:
+            self.reasoning_content = self.reasoning
+        elif self.reasoning is None:
+            self.reasoning = self.reasoning_content
         return self
 
 

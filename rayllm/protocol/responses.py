@@ -1,7 +1,7 @@
 """OpenAI response bodies: chat / completions (whole and streamed), models, vLLM's tokenize routes.
 
 `model_dump()` gives OpenAI's look: keys OpenAI always sends stay (as null when unset: logprobs,
-finish_reason, system_fingerprint), while optional extras (reasoning_content, tool_calls, usage on a
+finish_reason, system_fingerprint), while optional extras (reasoning, tool_calls, usage on a
 chunk, ...) are left out when None. `model_dump(exclude_none=True)` is also fine for the SDKs.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from rayllm.protocol.messages import FunctionCall, ToolCall
 
@@ -78,12 +78,19 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls", "function_call",
 
 
 class ChatResponseMessage(OpenAIObject):
-    _omit_none = frozenset({"reasoning_content", "tool_calls", "function_call"})
+    _omit_none = frozenset({"reasoning", "reasoning_content", "tool_calls", "function_call"})
     role: Literal["assistant"] = "assistant"
     content: str | None = ""
+    reasoning: str | None = None  # vLLM's name now; reasoning_content (SGLang, older vLLM) carries the same text
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     function_call: FunctionCall | None = None  # the deprecated functions API
+
+    @model_validator(mode="after")
+    def _both_reasoning_names(self) -> ChatResponseMessage:
+        if self.reasoning is None:  # the message is built with reasoning_content (ChoiceState.message)
+            self.reasoning = self.reasoning_content
+        return self
 
 
 class ChatChoice(OpenAIObject):
@@ -110,9 +117,10 @@ class ChatCompletionResponse(OpenAIObject):
 
 
 class DeltaMessage(OpenAIObject):
-    _omit_none = frozenset({"role", "content", "reasoning_content", "tool_calls", "function_call"})
+    _omit_none = frozenset({"role", "content", "reasoning", "reasoning_content", "tool_calls", "function_call"})
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None

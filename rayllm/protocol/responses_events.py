@@ -11,9 +11,14 @@ import json
 import time
 from typing import Any
 
+from rayllm.protocol.choice_state import ParsedPieces
 from rayllm.protocol.errors import APIError, server_error
 from rayllm.protocol.io_struct import GenerationDelta
 from rayllm.protocol.responses_api import ResponseCreate, new_item_id
+
+# The error of a response whose generation was aborted (one of OpenAI's ResponseError codes).
+ABORTED = {"code": "server_error", "message": "The generation was aborted before it finished (e.g. its LoRA "
+                                              "adapter was unloaded); retry the request."}
 
 
 def skeleton(req: ResponseCreate, response_id: str, model: str, conversation_id: str | None) -> dict[str, Any]:
@@ -64,21 +69,24 @@ class ResponseAssembler:
         return [self.event("response.created", response=self.snapshot()),
                 self.event("response.in_progress", response=self.snapshot())]
 
-    def feed(self, d: GenerationDelta, pieces: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    def feed(self, d: GenerationDelta, pieces: ParsedPieces | None) -> list[dict[str, Any]]:
         """A delta and its parsed pieces (None: the choice is not parsed, its text is the answer)."""
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
         new_tokens = d.completion_tokens - self.output_tokens
         self.output_tokens = d.completion_tokens
-        if d.logprobs:
-            self.pending_logprobs.extend(d.logprobs)
+        parts: list[dict[str, Any]]
         if pieces is None:
-            pieces = [{"content": d.text}] if d.text else []
-        if pieces and all("reasoning_content" in p for p in pieces):
+            self.pending_logprobs.extend(d.logprobs or [])
+            parts = [{"content": d.text}] if d.text else []
+        else:  # only the tokens of the answer's text: not reasoning, think tags or tool calls
+            self.pending_logprobs.extend(pieces.text_logprobs)
+            parts = pieces
+        if parts and all("reasoning_content" in p for p in parts):
             self.reasoning_tokens += new_tokens  # a delta spanning both is counted as answer
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
         events: list[dict[str, Any]] = []
-        for piece in pieces:
+        for piece in parts:
             events += self._piece(piece)
         return events
 
@@ -142,7 +150,7 @@ class ResponseAssembler:
         if item is None:
             return []
         index = len(self.output) - 1
-        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        item["status"] = "incomplete" if self.finish_reason in ("length", "abort") else "completed"
         events: list[dict[str, Any]] = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -172,8 +180,7 @@ class ResponseAssembler:
 
     def done_event(self) -> dict[str, Any]:
         body = self.final()
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        return self.event(kind, response=body)
+        return self.event(f"response.{body['status']}", response=body)  # completed, incomplete or failed
 
     def error_events(self, exc: BaseException) -> list[dict[str, Any]]:
         """A failure after the stream began: an `error` event, then response.failed."""
@@ -197,7 +204,10 @@ class ResponseAssembler:
                 "total_tokens": self.prompt_tokens + self.output_tokens}
 
     def final(self) -> dict[str, Any]:
-        status = {"length": "incomplete", "abort": "cancelled"}.get(self.finish_reason or "", "completed")
+        # An abort (its LoRA adapter unloaded, the engine gave up on it) is a failure in OpenAI's terms: a
+        # `failed` response with its error, which the SDK's stream helper reports (no response.completed).
+        status = {"length": "incomplete", "abort": "failed"}.get(self.finish_reason or "", "completed")
         return dict(self.frame, status=status, output=self.output, usage=self.usage(),
                     completed_at=int(time.time()) if status == "completed" else None,
+                    error=dict(ABORTED) if status == "failed" else None,
                     incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None)

@@ -42,6 +42,8 @@ log = logging.getLogger("ray.serve")
 
 # The compiled-grammar cache holds this much (a compile's time bound: ServerConfig.grammar_compile_timeout_s).
 GRAMMAR_CACHE_BYTES = 256 << 20
+# vLLM's floor for reported logprobs: tokens a grammar or allowed_token_ids masks out are -inf, which JSON cannot carry.
+MIN_LOGPROB = -9999.0
 
 
 def replica_id() -> str | None:
@@ -67,8 +69,9 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob], as_ids: bool
     else:
         strings = dict(zip(ids, tok.token_strings(ids), strict=True))
         raw = dict(zip(ids, tok.token_bytes(ids), strict=True))
-    return [{"token": strings[lp.token_id], "logprob": lp.logprob, "bytes": raw[lp.token_id],
-             "top_logprobs": [{"token": strings[t], "logprob": v, "bytes": raw[t]} for t, v in lp.top]}
+    return [{"token": strings[lp.token_id], "logprob": max(lp.logprob, MIN_LOGPROB), "bytes": raw[lp.token_id],
+             "top_logprobs": [{"token": strings[t], "logprob": max(v, MIN_LOGPROB), "bytes": raw[t]}
+                              for t, v in lp.top]}
             for lp in lps]
 
 

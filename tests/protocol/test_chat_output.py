@@ -71,14 +71,51 @@ def test_named_streams_arguments_and_required_parses_the_list():
     assert merge_deltas(deltas)["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
+def legacy_plan(**kw):
+    return plan_tools(ChatCompletionRequest.model_validate({"messages": MSG, "functions": [TOOLS[0]["function"]]} | kw),
+                      other_constraint=False)
+
+
 def test_legacy_functions_use_function_call():
-    p = plan_tools(ChatCompletionRequest.model_validate(
-        {"messages": MSG, "functions": [TOOLS[0]["function"]], "function_call": {"name": "get_weather"}}),
-        other_constraint=False)
-    deltas, parser = run('{"city": "Oslo"}', [4, 4], tools=p)
+    deltas, parser = run('{"city": "Oslo"}', [4, 4], tools=legacy_plan(function_call={"name": "get_weather"}))
     assert merge_deltas(deltas) == {"content": None, "function_call": {"name": "get_weather",
                                                                        "arguments": '{"city": "Oslo"}'}}
+    assert parser.finish_reason("stop") == "stop"  # forced by name, as OpenAI answers it
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_call_without_parallel_tool_calls_or_with_legacy_functions(seed):
+    """The model's own output with two Hermes calls: parallel_tool_calls false keeps the first call only, and so
+    do the legacy functions (whose function_call holds one call; the two used to merge into one)."""
+    deltas, parser = run(HERMES, random_chunks(seed, 40), tools=plan(parallel_tool_calls=False))
+    msg = merge_deltas(deltas)
+    assert msg["content"] == "Let me check. " and parser.finish_reason("stop") == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"})]
+    deltas, parser = run(HERMES, random_chunks(seed, 40), tools=legacy_plan())
+    assert merge_deltas(deltas) == {"content": "Let me check. ", "function_call": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
     assert parser.finish_reason("stop") == "function_call"
+
+
+def test_a_named_tool_choice_finishes_with_stop():
+    """vLLM (serving_chat: "the same is not true for named function calls") and OpenAI answer a call forced by
+    name with finish_reason "stop"; a call the model chose ends with "tool_calls"."""
+    _, named = run('{"city": "Oslo"}', [5], tools=plan(tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}}))
+    _, required = run('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', [9],
+                      tools=plan(tool_choice="required"))
+    assert named.called and named.finish_reason("stop") == "stop" and named.finish_reason("length") == "length"
+    assert required.finish_reason("stop") == "tool_calls"
+
+
+def test_json_nested_past_the_parsers_depth_is_text_not_a_crash():
+    deep = "[" * 100_000
+    deltas, parser = run(deep, [50_000], tools=plan(tool_choice="required"))
+    assert merge_deltas(deltas) == {"content": deep} and not parser.called
+    text = f"<tool_call>{deep}</tool_call>"
+    deltas, parser = run(text, [50_000], tools=plan())
+    assert merge_deltas(deltas) == {"content": text} and not parser.called
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -98,7 +135,7 @@ def test_no_think_tags_is_all_content_and_unclosed_is_all_reasoning():
 
 def test_reasoning_held_until_done_without_stream_reasoning():
     deltas, _ = run("<think>a b c d</think>e", [1] * 30, reasoning=True, stream_reasoning=False)
-    assert [d for d in deltas if "reasoning_content" in d] == [{"reasoning_content": "a b c d"}]
+    assert [d for d in deltas if "reasoning_content" in d] == [{"reasoning": "a b c d", "reasoning_content": "a b c d"}]
 
 
 def test_mistral_format_calls_run_to_the_end():

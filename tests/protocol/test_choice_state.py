@@ -131,3 +131,44 @@ def test_completion_offsets_and_legacy_logprobs_follow_the_text():
     legacy = choice.legacy.to_dict()
     assert legacy["tokens"] == ["", "echo", " ", "b", "c", "d"]
     assert all(choice.text[o:].startswith(t) for t, o in zip(legacy["tokens"], legacy["text_offset"], strict=True))
+
+
+def test_cached_tokens_are_one_figure_per_prompt_whatever_order_its_choices_end_in():
+    """A later choice finds the prompt its sibling computed (all of it cached): the request reports the least any
+    choice of the prompt found, whichever finished last."""
+    for order in ([0, 1], [1, 0]):
+        state = GenerationState(n=2)
+        for i in order:
+            state.add(delta(i, "a", "stop", cached_tokens=(16, 96)[i], prompt_tokens=100))
+        assert state.usage()["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def test_legacy_top_logprobs_always_hold_the_chosen_token():
+    """OpenAI and vLLM: each position's top_logprobs has the token chosen (so `logprobs: 0` gives it alone); the
+    first echoed prompt token, without a logprob, has none."""
+    def lp(tok: str, value: float | None, *alts: tuple[str, float]) -> dict:
+        return {"token": tok, "logprob": value, "top_logprobs": [{"token": t, "logprob": v} for t, v in alts]}
+
+    state = GenerationState(legacy_logprobs=True)
+    choice, _ = state.add(delta(0, "bc", prompt_text="a", prompt_logprobs=[lp("a", None)],
+                                logprobs=[lp("b", -3.0), lp("c", -2.0, ("x", -0.1), ("c", -2.0))]))
+    legacy = choice.legacy.to_dict()
+    assert legacy["top_logprobs"] == [None, {"b": -3.0}, {"c": -2.0, "x": -0.1}]
+
+
+def test_reasoning_goes_by_both_names_streamed_and_whole():
+    """vLLM now names the thought `reasoning`, SGLang and older clients read `reasoning_content`: the SDK's stream
+    chunks and whole message carry both, the same text."""
+    state = GenerationState(1, lambda: ChatOutputParser(reasoning=True))
+    fmt = ChatFormat(state, request_id="r", model="m", created=1)
+    wire = ""
+    for d in interleaved({0: "<think>Two and two.</think>\n\nFour."}, random.Random(3)):
+        choice, pieces = state.add(d)
+        wire += fmt.delta(choice, d, pieces)
+    chunks = [SDKChatChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in wire.split("\n\n")[:-1]]
+    thought = [c.choices[0].delta.model_extra for c in chunks if c.choices[0].delta.model_extra]
+    assert thought and all(x["reasoning"] == x["reasoning_content"] for x in thought)
+    assert "".join(x["reasoning"] for x in thought) == "Two and two."
+    message = SDKChatCompletion.model_validate(fmt.body().model_dump()).choices[0].message
+    assert message.model_extra == {"reasoning": "Two and two.", "reasoning_content": "Two and two."}
+    assert message.content == "Four."

@@ -124,6 +124,14 @@ def test_unknown_fields_are_400():
     assert completion_error(messages=MSG).param == "messages"  # a chat field on the completions route
 
 
+def test_assistant_reasoning_by_either_name_reaches_the_template_by_both():
+    """vLLM now names an assistant turn's thought `reasoning` (formerly reasoning_content): either is accepted."""
+    for key in ("reasoning", "reasoning_content"):
+        req = chat(messages=[*MSG, {"role": "assistant", "content": "4", key: "2 and 2"}, *MSG])
+        turn = req.messages[1].model_dump(exclude_none=True)
+        assert turn["reasoning"] == turn["reasoning_content"] == "2 and 2"
+
+
 def test_from_validation_error_accepts_fastapi_error_lists():
     errors = [{"type": "less_than_equal", "loc": ("body", "temperature"), "msg": "Input should be <= 2"}]
     err = from_validation_error(errors)

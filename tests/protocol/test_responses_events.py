@@ -8,6 +8,7 @@ must rebuild from the events exactly the Response that ResponseAssembler.final()
 from __future__ import annotations
 
 import json
+import random
 
 import pydantic
 import pytest
@@ -152,3 +153,75 @@ def test_error_events_after_the_stream_began():
     for e in events:
         EVENT.validate_python(e)
     assert events[-1]["response"]["status"] == "failed" and "RuntimeError" in events[-2]["message"]
+
+
+def test_an_aborted_generation_is_a_failed_response_with_its_error():
+    """An abort (e.g. the request's LoRA adapter unloaded mid-generation) ends with response.failed, status
+    "failed" and an error, as OpenAI reports a response that did not finish; the SDK's stream helper then has no
+    completed response to give (its get_final_response raises)."""
+    events, final = run(["Hel", "lo"], finish="abort")
+    body = check_with_sdk(events, final)
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"] == final
+    assert body.status == "failed" and body.error.code == "server_error" and "aborted" in body.error.message
+    assert body.incomplete_details is None and body.completed_at is None
+    assert body.output[0].status == "incomplete" and body.output_text == "Hello"
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in events:
+        state.handle_event(EVENT.validate_python(e))
+    assert state._completed_response is None
+    length, _ = run(["a"], finish="length")
+    assert length[-1]["type"] == "response.incomplete"  # a length cut is still incomplete
+
+
+EOS = "<|im_end|>"
+# (token, part of the answer's text): a thought, the answer, a tool call, then the end-of-sequence token.
+TOKENS = [("<think>", False), ("Let", False), (" me", False), (" see", False), (".", False), ("</think>", False),
+          ("\n\n", False), ("The", True), (" answer", True), (" is", True), (" 4", True), (".", True),
+          ("<tool_call>", False), ('\n{"name": "get_weather", ', False), ('"arguments": {"city": "Oslo"}}', False),
+          ("\n</tool_call>", False), (EOS, False)]
+
+
+def coalesced(tokens: list[tuple[str, bool]], rng: random.Random) -> list[GenerationDelta]:
+    """The tokens in deltas of one to three (as the engine client merges them), some with their text held back
+    to the next delta (as the detokenizer holds an unfinished character); the EOS token has no text."""
+    out, i, held = [], 0, ""
+    while i < len(tokens):
+        group = tokens[i:i + rng.randint(1, 3)]
+        i += len(group)
+        text = held + "".join(t for t, _ in group if t != EOS)
+        last = i == len(tokens)
+        held, text = (text, "") if rng.random() < 0.3 and not last else ("", text)
+        out.append(GenerationDelta(index=0, text=text, token_ids=list(range(len(group))), logprobs=[
+            {"token": t, "logprob": -0.1 * k, "bytes": list(t.encode()), "top_logprobs": []}
+            for k, (t, _) in enumerate(group)],
+            finish_reason="stop" if last else None, matched_stop=None, prompt_tokens=3, cached_tokens=0,
+            completion_tokens=i))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("with_call", [True, False])
+def test_output_text_logprobs_are_the_answer_tokens_only(seed, with_call):
+    """Reasoning tokens (think tags too) and a tool call's tokens are not the text's: output_text.logprobs hold the
+    answer's own tokens, however the tokens were batched into deltas; an EOS right after the answer goes with it."""
+    tokens = TOKENS if with_call else [t for t in TOKENS if not t[0].startswith(("<tool", "\n{", '"arg', "\n</"))]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    parser = ChatOutputParser(reasoning=True, tools=plan_tools(chat, other_constraint=False))
+    req = ResponseCreate.model_validate({"input": "x"})
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None))
+    state = GenerationState(1, lambda: parser)
+    events = asm.start()
+    for d in coalesced(tokens, random.Random(seed)):
+        _, parsed = state.add(d)
+        events += asm.feed(d, parsed)
+    events += asm.finish() + [asm.done_event()]
+    body = check_with_sdk(events, asm.final())
+    kinds = [o.type for o in body.output]
+    assert kinds == (["reasoning", "message", "function_call"] if with_call else ["reasoning", "message"])
+    text = body.output[1].content[0]
+    assert text.text == "The answer is 4."
+    want = [t for t, answer in tokens if answer] + ([] if with_call else [EOS])
+    assert [lp.token for lp in text.logprobs] == want
+    done = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [lp["token"] for lp in done[0]["logprobs"]] == want

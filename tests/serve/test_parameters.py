@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 
 import httpx
 import pytest
@@ -54,7 +55,23 @@ def test_completion_echo_with_logprobs_includes_prompt(client, model_name):
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == sorted(lp.text_offset)
-    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert all(len(t) <= 3 for t in lp.top_logprobs[1:])  # the two most likely, and the chosen token
+
+
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_completion_top_logprobs_always_hold_the_chosen_token(client, model_name, logprobs):
+    """As OpenAI and vLLM: each position's top_logprobs holds the token chosen (echoed prompt tokens too), with
+    its own logprob; `logprobs: 0` gives that token alone."""
+    r = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=4, temperature=0.8,
+                                  seed=5, echo=True, logprobs=logprobs)
+    lp = r.choices[0].logprobs
+    assert lp.top_logprobs[0] is None  # the first prompt token has no logprob
+    rest = list(zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    assert len(rest) > 4
+    for token, value, top in rest:
+        assert top[token] == value and len(top) <= logprobs + 1
+        if logprobs == 0:
+            assert top == {token: value}
 
 
 def test_stop_token_ids_and_no_stop_trim(client, model_name, server, auth):
@@ -83,6 +100,20 @@ def test_prefix_cache_reports_cached_tokens(client, model_name):
     client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=2)
     r = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=2)
     assert r.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def test_cached_tokens_are_one_figure_per_prompt_whatever_the_choices(client, model_name):
+    """With n=2 the second choice finds the whole prompt that the first computed: usage reports the prompt's
+    cache hits as a lone request on a fresh prompt of the same shape does (only the shared template prefix)."""
+    def fresh(lead: str) -> list[dict]:  # a distinct first token: only the template's prefix is in the cache
+        return [{"role": "user", "content": f"{lead} {uuid.uuid4().hex} " + "Tell me about the sea. " * 8}]
+
+    kw = dict(model=model_name, temperature=0, max_tokens=2)
+    client.chat.completions.create(messages=fresh("Warm"), **kw)  # the template's prefix, cached for both below
+    alone = client.chat.completions.create(messages=fresh("Alpha"), **kw).usage
+    both = client.chat.completions.create(messages=fresh("Omega"), n=2, **kw).usage
+    assert both.prompt_tokens_details.cached_tokens == alone.prompt_tokens_details.cached_tokens
+    assert both.prompt_tokens_details.cached_tokens < both.prompt_tokens - 32
 
 
 def test_continue_final_message(client, model_name):
@@ -290,3 +321,22 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model_nam
                                                              "return_token_ids": True}).choices[0]
     assert done.logprobs.tokens == [f"token_id:{t}" for t in done.prompt_token_ids + done.token_ids]
     assert done.logprobs.token_logprobs[0] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_masked_tokens_are_floored_as_vllm_does(client, model_name, hf_tokenizer, stream):
+    """allowed_token_ids of two ids leaves the other top-5 alternatives at -inf: they come back as vLLM's floor,
+    -9999.0 (JSON has no -inf: a body was a 500, a stream carried `-Infinity`), the two allowed ids finite."""
+    allowed = [hf_tokenizer.encode(w, add_special_tokens=False)[0] for w in (" red", " blue")]
+    kw = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True, top_logprobs=5,
+              extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    if stream:
+        entries = [e for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content or []]
+    else:
+        entries = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(entries) == 4
+    for e in entries:
+        assert e.token in (" red", " blue") and -9999.0 < e.logprob <= 0
+        values = sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert len(values) == 5 and all(-9999.0 < v <= 0 for v in values[:2]) and values[2:] == [-9999.0] * 3

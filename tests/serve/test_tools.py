@@ -56,7 +56,7 @@ def test_required_and_named_tool_choice(client, model_name, temperature):
     r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, temperature=temperature,
                                        tool_choice={"type": "function", "function": {"name": "get_time"}},
                                        seed=1, max_tokens=100)
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].finish_reason == "stop"  # a call forced by name: OpenAI's and vLLM's answer
     assert len(r.choices[0].message.tool_calls) == 1
     _check_calls(r.choices[0].message.tool_calls, "get_time")
 
@@ -102,7 +102,8 @@ def test_tool_calls_stream_in_openai_shape(client, model_name, kwargs):
             else:
                 assert tc.id is None and not tc.function.name
                 calls[tc.index]["arguments"] += tc.function.arguments or ""
-    assert finish == "tool_calls"
+    assert finish == whole.choices[0].finish_reason == ("stop" if isinstance(kwargs["tool_choice"], dict)
+                                                        else "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
 
@@ -112,7 +113,7 @@ def test_legacy_functions_answer_with_function_call(server, auth, model_name):
             "functions": [t["function"] for t in TOOLS], "function_call": {"name": "get_weather"}}
     r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=auth, timeout=60).json()
     choice = r["choices"][0]
-    assert choice["finish_reason"] == "function_call" and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]  # forced by name
     assert choice["message"]["function_call"]["name"] == "get_weather"
     jsonschema.validate(json.loads(choice["message"]["function_call"]["arguments"]), WEATHER_PARAMS)
 
@@ -187,6 +188,22 @@ def test_reasoning_streams(client, model_name, stream_reasoning):
     assert "".join(reasoning) == whole.choices[0].message.reasoning_content
     assert content == whole.choices[0].message.content
     assert (len(reasoning) > 1) == stream_reasoning  # streamed piece by piece, or sent whole once done
+
+
+def test_reasoning_goes_by_vllms_name_too(client, model_name):
+    """vLLM now calls the thought `reasoning`: answers carry it beside reasoning_content (the same text, whole or
+    streamed), and an assistant turn that brings its thought back under that name is accepted."""
+    kw = dict(model=model_name, temperature=0, max_tokens=60, extra_body={"chat_template": THINK_TEMPLATE})
+    msg = client.chat.completions.create(messages=THINKING, **kw).choices[0].message
+    assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] and msg.model_extra["reasoning"]
+    thought = [c.choices[0].delta.model_extra for c in client.chat.completions.create(messages=THINKING, stream=True,
+                                                                                         **kw)
+               if c.choices and c.choices[0].delta.model_extra]
+    assert all(x["reasoning"] == x["reasoning_content"] for x in thought)
+    assert "".join(x["reasoning"] for x in thought) == msg.model_extra["reasoning"]
+    history = [*THINKING, {"role": "assistant", "content": msg.content, "reasoning": msg.model_extra["reasoning"]},
+               {"role": "user", "content": "And 1+1?"}]
+    assert client.chat.completions.create(messages=history, **kw).choices[0].message.content
 
 
 def test_reasoning_switches_reach_the_template(server, auth, model_name):

@@ -123,7 +123,7 @@ class ResponsesRoutes:
         async def keep(_: GenerationState) -> None:
             """Stores the response (and the turn in its conversation) before the client sees it end."""
             body = fmt.asm.final()
-            if body["status"] == "cancelled" or (req.store is False and cid is None):
+            if body["status"] == "failed" or (req.store is False and cid is None):  # an aborted generation
                 return
             try:
                 await asyncio.to_thread(self.response_store().save, owner, body if req.store is not False else None,
