@@ -28,6 +28,7 @@ from rayllm.models.registry import model_class
 from rayllm.platforms.select import platform_for
 from rayllm.runner import kv_cache
 from rayllm.runner.model_runner import ModelRunner
+from rayllm.sample.logprobs import profile_one_slice
 from rayllm.schema.config import EngineConfig, LlamaArch, for_device
 from rayllm.schema.outputs import StepOutOfMemory
 from rayllm.schema.step import SeqStep, StepInput, StepOutput
@@ -163,7 +164,8 @@ class Worker:
     @torch.inference_mode()
     def profile_activation_bytes(self) -> int:
         """CUDA: peak bytes that a forward of the largest step (max_num_batched_tokens tokens over
-        max_num_seqs sequences, logits for each) adds on top of what is resident, measured by running it.
+        max_num_seqs sequences, logits for each, then a slice of prompt logprobs) adds on top of what is
+        resident, measured by running it.
         Every rank runs it at once (the executor asks them together), so the collectives match."""
         sched, bs = self.config.scheduler, self.config.cache.block_size
         step, num_blocks = kv_cache.profile_step(sched.max_num_batched_tokens, sched.max_num_seqs, bs)
@@ -175,6 +177,7 @@ class Worker:
         resident = torch.cuda.memory_allocated(self.device)
         hidden = runner.forward(step)
         self.model.compute_logits(hidden[: len(step.seqs)])
+        profile_one_slice(hidden, self.arch.vocab_size, self.model.compute_logits)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - resident
         del caches, runner, hidden

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from rayllm.attention.base import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
-from rayllm.common.errors import describe
 from rayllm.platforms.cpu.onednn import OneDNNWeight
 from rayllm.platforms.cpu.split_step import HalfThread, VocabHalves, split_point
 from rayllm.runner.input_buffers import InputBuffers
-from rayllm.sample.sampling_inputs import SamplingInputs, prompt_logprobs
+from rayllm.sample.logprobs import PromptRows, sliced_prompt_logprobs
+from rayllm.sample.sampling_inputs import SamplingInputs
 from rayllm.schema.step import StepInput, StepOutput
 
 
@@ -35,6 +35,9 @@ class ModelRunner:
         self.argmax = kernels.argmax if kernels is not None else None  # greedy straight from bf16 logits
         self.halves: HalfThread | None = None  # see enable_halves
         self.half_step_tokens = 0
+        # The most rows one LM-head call of a step took since start: sampled rows (at most max_num_seqs) or
+        # a slice of prompt rows (logprobs.slice_rows), never a whole prompt chunk.
+        self.largest_logits_rows = 0
 
     def enable_halves(self, min_tokens: int) -> None:
         """Steps of `min_tokens`+ tokens run in two halves on two threads, and other steps' LM head in two halves
@@ -127,6 +130,10 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return hidden, self.model.compute_logits(hidden[rows]) if rows else None
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.largest_logits_rows = max(self.largest_logits_rows, hidden.shape[0])
+        return self.model.compute_logits(hidden)
+
     @staticmethod
     def _pool(step: StepInput, hidden: torch.Tensor) -> dict[str, list[float]]:
         """Pooling sequences' share of the final-norm hidden states (see SeqStep.pool), in fp32."""
@@ -148,19 +155,16 @@ class ModelRunner:
         step = self._known_adapters(step, errors)
         if not step.seqs:
             return StepOutput({}, {}, {}, errors=errors) if self.is_driver else None
-        # Rows whose logits we need: the last token of sampling sequences, and all prompt rows asked for.
+        # Rows whose logits come in one piece: the last token of each sampling sequence. Prompt rows asked
+        # for come after the forward, in slices of bounded size (sample/logprobs.py).
         rows: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: dict[str, tuple[int, int]] = {}
+        prompt: list[PromptRows] = []
         offset = 0
         for s in step.seqs:
             n = len(s.token_ids)
             if s.prompt_logprob_targets:
-                count = len(s.prompt_logprob_targets)
-                prompt_rows[s.request_id] = (len(rows), count)
-                rows.extend(range(offset, offset + count))
+                prompt.append(PromptRows(s, offset))
             if s.sample:
-                sample_rows.append(len(rows))
                 rows.append(offset + n - 1)
             offset += n
         cut = 0
@@ -168,33 +172,29 @@ class ModelRunner:
             cut = split_point(step.seqs, self.block_size, self.half_step_tokens)
         if cut:
             hidden, logits = self._forward_halves(step, cut, rows)
+            self.largest_logits_rows = max(self.largest_logits_rows, len(rows))
         else:
             hidden = self.forward(step)
             # Logits stay in the model dtype (the LM head's output precision); the sampler upcasts the
             # rows that need more than an argmax. Copying [B, vocab] fp32 tensors costs ms per step.
             # Every rank joins the LM head's collective in lockstep, or none does (no rows).
-            logits = self.model.compute_logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden) if rows else None
-        pooled = self._pool(step, hidden) if self.is_driver else {}
-        if logits is None:
-            return StepOutput({}, {}, {}, errors=errors, pooled=pooled) if self.is_driver else None
+            logits = self._logits(hidden[rows] if len(rows) < hidden.shape[0] else hidden) if rows else None
         if not self.is_driver:
+            if prompt:  # the same LM-head calls as the driver's (a collective under tensor parallelism)
+                sliced_prompt_logprobs(hidden, prompt, self.vocab_size, self._logits, gather=False)
             return None
+        out = StepOutput({}, {}, {}, errors=errors, pooled=self._pool(step, hidden))
         sampling = [s for s in step.seqs if s.sample]
-        out = StepOutput({}, {}, {}, errors=errors, pooled=pooled)
-        if sampling:
-            rows_needed = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            result = self.sampling.sample(sampling, rows_needed, self.argmax)
+        if logits is not None:
+            result = self.sampling.sample(sampling, logits, self.argmax)
             out.sampled, out.logprobs = result.sampled, result.logprobs
             errors.update(result.errors)
             for i, s in enumerate(sampling):
                 if s.request_id in out.sampled and s.params and s.params.return_hidden_states:
-                    out.hidden_states[s.request_id] = hidden[rows[sample_rows[i]]].float().tolist()
-        for s in step.seqs:
-            if s.request_id in prompt_rows and s.params is not None and s.request_id not in errors:
-                first, count = prompt_rows[s.request_id]
-                try:
-                    out.prompt_logprobs[s.request_id] = prompt_logprobs(
-                        logits[first : first + count], s.prompt_logprob_targets, s.params.prompt_logprobs or 0)
-                except Exception as exc:  # this sequence's own rows: it fails alone
-                    errors[s.request_id] = describe(exc)
+                    out.hidden_states[s.request_id] = hidden[rows[i]].float().tolist()
+            del logits  # before the prompt slices' logits
+        if prompt:
+            got = sliced_prompt_logprobs(hidden, prompt, self.vocab_size, self._logits, gather=True, skip=errors)
+            out.prompt_logprobs = got.logprobs
+            errors.update(got.errors)
         return out
