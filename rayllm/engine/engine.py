@@ -30,6 +30,7 @@ from rayllm.schema.outputs import (
     EngineStats,
     EngineTimings,
     RequestOutput,
+    RequestRefused,
     SequenceError,
     StepOutOfMemory,
     TokenLogprob,
@@ -94,15 +95,16 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
-            raise ValueError("empty prompt")
+            raise RequestRefused("empty prompt", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+            raise RequestRefused(f"prompt token ids must be in [0, {self.arch.vocab_size})", param="prompt")
         total = len(prompt_token_ids) + (0 if params.embed else params.max_tokens)  # pooling: prefill only
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({0 if params.embed else params.max_tokens}) "
-                             f"exceeds max_model_len {self.max_model_len}")
+            raise RequestRefused(f"prompt ({len(prompt_token_ids)}) + max_tokens ({0 if params.embed else params.max_tokens}) "
+                                 f"exceeds max_model_len {self.max_model_len}", param="max_tokens")
         if self.block_manager.max_blocks_held(total, self.config.scheduler.max_num_batched_tokens) > self.executor.num_blocks:
-            raise ValueError(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}")
+            raise RequestRefused(f"request needs {total} tokens of KV cache; the cache holds {self.capacity_tokens}",
+                                 param="max_tokens")
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), params, lora_slot,
                        arrival_ns=time.time_ns())
         if params.embed:

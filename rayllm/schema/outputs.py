@@ -63,6 +63,18 @@ class SequenceError(ValueError):
         return SequenceError, (self.request_id, str(self))
 
 
+class RequestRefused(ValueError):
+    """The engine will not take a request as sent (too long for the context or the cache, a constraint too
+    large): a 400 naming `param`, the request field to change (None: the caller knows it better)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple:  # crosses the engine process's pipe with its field
+        return RequestRefused, (str(self), self.param)
+
+
 class StepOutOfMemory(RuntimeError):
     """The device ran out of memory inside a step (torch.OutOfMemoryError in a worker, its cached blocks
     given back): the engine fails that step's requests and serves on."""

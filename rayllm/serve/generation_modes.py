@@ -51,6 +51,15 @@ async def best_of(server: Generator, req: GenerateRequest) -> list[GenerationDel
     return out
 
 
+# Scoring prefills each prompt once a literal (prompt logprobs skip the prefix cache): past this many prompt
+# tokens in all, the constraint is sampled under its grammar instead (one sequence a choice, cache shared).
+MAX_SCORING_TOKENS = 1 << 16
+
+
+def scoring_fits(req: GenerateRequest, choices: list[str]) -> bool:
+    return len(choices) * sum(len(p) for p in req.prompts) <= MAX_SCORING_TOKENS
+
+
 async def choose(server: Generator, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
     """Literals: each scored by the raw model's logprob of its canonical tokens after the prompt (one prefill
     each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization."""

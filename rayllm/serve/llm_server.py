@@ -19,18 +19,18 @@ from dataclasses import replace
 
 from ray import serve
 
-from rayllm.common.errors import first_line
 from rayllm.common.startup_phases import cold_start_record
 from rayllm.loader.model_files import resolve_model_path
-from rayllm.protocol.errors import APIError, replica_failed
+from rayllm.protocol.errors import APIError
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta
 from rayllm.protocol.structured import literal_choices
 from rayllm.sample.guided import CompilerBusyError, GrammarCompiler
 from rayllm.schema.config import EngineConfig
-from rayllm.schema.outputs import EngineDeadError, RequestOutput, SequenceError, TokenLogprob
+from rayllm.schema.outputs import RequestOutput, SequenceError, TokenLogprob
 from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 from rayllm.serve.detokenizer import IncrementalDetokenizer
-from rayllm.serve.generation_modes import best_of, choose
+from rayllm.serve.engine_errors import engine_failure, refusal, step_failure
+from rayllm.serve.generation_modes import best_of, choose, scoring_fits
 from rayllm.serve.lora.lora_registry import AdapterEntry, LoRARegistry
 from rayllm.serve.metrics import publish_engine_stats
 from rayllm.serve.serving_priority import ServingPriority
@@ -73,23 +73,6 @@ def _token_logprobs(tok: TokenizerService, lps: list[TokenLogprob], as_ids: bool
              "top_logprobs": [{"token": strings[t], "logprob": max(v, MIN_LOGPROB), "bytes": raw[t]}
                               for t, v in lp.top]}
             for lp in lps]
-
-
-def step_failure(exc: SequenceError) -> APIError:
-    """A request that failed inside a step, the engine serving on: a 503 to retry when the device ran out of
-    memory in the step (engine.LLMEngine._fail_step), else a 500."""
-    if str(exc).startswith("OutOfMemoryError:"):
-        return APIError(503, f"The request failed inside the model step: {exc}", type="server_error",
-                        code="out_of_memory")
-    return APIError(500, f"The request failed inside the model step: {exc}", type="server_error",
-                    code="sequence_failed")
-
-
-def engine_failure(exc: Exception) -> Exception:
-    """A dead engine (a TP actor died, a step raised) is a clear, retryable 503; anything else passes as is."""
-    if isinstance(exc, EngineDeadError):
-        return replica_failed(first_line(exc))  # Ray's actor errors run to many lines
-    return exc
 
 
 class LLMServer:
@@ -235,8 +218,8 @@ class LLMServer:
             raise
         except SequenceError as exc:  # this sequence's own fault inside a step; the others went on
             out.put_nowait(step_failure(exc))
-        except ValueError as exc:  # the engine refused the request (length, capacity)
-            out.put_nowait(APIError(400, str(exc), param="max_tokens"))
+        except ValueError as exc:  # the engine refused the request (length, capacity, constraint size)
+            out.put_nowait(refusal(exc, req.guided.param if req.guided is not None else None))
         except Exception as exc:
             out.put_nowait(engine_failure(exc))
 
@@ -261,7 +244,7 @@ class LLMServer:
             yield await best_of(self, req)
             return
         choices = literal_choices(req.guided)
-        if choices is not None:
+        if choices is not None and scoring_fits(req, choices):
             yield await choose(self, req, choices)
             return
         grammar = await self.compile_grammar(req.guided) if req.guided is not None else None
@@ -320,7 +303,7 @@ class LLMServer:
         except SequenceError as exc:
             raise step_failure(exc) from exc
         except ValueError as exc:  # the engine refused an input (length, capacity)
-            raise APIError(400, str(exc), param="input") from exc
+            raise APIError(400, str(exc), param="input") from exc  # an embedding's one field
         except APIError:
             raise
         except Exception as exc:

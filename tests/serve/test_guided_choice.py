@@ -125,3 +125,20 @@ def test_an_empty_prompt_is_a_400_naming_prompt(client, model_name, hf_tokenizer
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_name, prompt="", max_tokens=2, extra_body=guided)
     assert e.value.body["param"] == "prompt"
+
+
+def test_choices_past_the_scoring_budget_are_sampled_under_the_grammar(client, model_name, hf_tokenizer, llm_stats):
+    """Scoring prefills the prompt once a literal (prompt logprobs skip the prefix cache): 70 choices after a
+    ~1,000-token prompt (~70,000 tokens, past generation_modes.MAX_SCORING_TOKENS) are sampled under the
+    choice grammar instead, in a handful of steps, and the answer is still one of the choices."""
+    from rayllm.serve.generation_modes import MAX_SCORING_TOKENS
+
+    prompt = "The list goes on. " * 200 + "Pick one option:"
+    choices = [f" option {i}" for i in range(70)]
+    assert len(choices) * len(hf_tokenizer.encode(prompt)) > MAX_SCORING_TOKENS
+    steps = llm_stats()["num_steps"]
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": choices})
+    assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
+    # Scoring would take >= 70,000 / 512 prefill steps (the app's step budget); the grammar path a few.
+    assert llm_stats()["num_steps"] - steps < 40

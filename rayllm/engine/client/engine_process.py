@@ -30,7 +30,7 @@ from typing import Any
 from rayllm.common.errors import describe
 from rayllm.platforms.cpu.onednn_env import onednn_cache_env
 from rayllm.schema.config import EngineConfig
-from rayllm.schema.outputs import EngineDeadError, SequenceError
+from rayllm.schema.outputs import EngineDeadError, RequestRefused, SequenceError
 
 log = logging.getLogger(__name__)
 
@@ -218,9 +218,9 @@ class EngineProcess:
             if len(grammar_json) <= MAX_GRAMMAR_JSON_CHARS:
                 return grammar_json
             size = self._refused[key] = len(grammar_json)  # the next request with it is refused without serializing
-        raise ValueError(f"the guided decoding constraint compiles to a grammar of {size / 2**20:.0f} MiB, over this "
-                         f"server's limit of {MAX_GRAMMAR_JSON_CHARS / 2**20:g} MiB: simplify it (fewer properties, "
-                         "patterns or alternatives)")
+        raise RequestRefused(f"the guided decoding constraint compiles to a grammar of {size / 2**20:.0f} MiB, over this "
+                             f"server's limit of {MAX_GRAMMAR_JSON_CHARS / 2**20:g} MiB: simplify it (fewer "
+                             "properties, patterns or alternatives)")  # param: the caller's constraint field
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

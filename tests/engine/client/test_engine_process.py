@@ -25,7 +25,7 @@ from rayllm.schema.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.schema.outputs import EngineDeadError
+from rayllm.schema.outputs import EngineDeadError, RequestRefused
 from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -58,8 +58,9 @@ async def collect(engine: ProcessClient, rid: str, prompt: list[int], params: Sa
 
 def test_refusal_abort_and_stats_cross_the_pipe(process_engine, chat_prompts):
     async def run():
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(RequestRefused, match="max_model_len") as refused:
             await collect(process_engine, "too-long", chat_prompts[0], SamplingParams(max_tokens=4000))
+        assert refused.value.param == "max_tokens"  # the field to change crossed the pipe with it
         # A consumer that leaves early aborts its request in the child: its blocks come back.
         gen = process_engine.generate("left", chat_prompts[1], SamplingParams(temperature=0.0, max_tokens=200))
         await anext(gen)
@@ -271,8 +272,9 @@ def test_a_grammar_over_the_bound_fails_only_its_request(process_engine, compile
         other = asyncio.create_task(collect(process_engine, "beside", chat_prompts[3],
                                             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
         for rid in ("big", "big-again"):  # the same object is refused again
-            with pytest.raises(ValueError, match="compiles to a grammar of .* over this server's limit"):
+            with pytest.raises(RequestRefused, match="compiles to a grammar of .* over this server's limit") as refused:
                 await collect(process_engine, rid, chat_prompts[0], SamplingParams(max_tokens=8), grammar)
+            assert refused.value.param is None  # the model replica names the request's constraint field
         return await other
 
     tokens, last = asyncio.run(run())
