@@ -19,6 +19,9 @@ import torch
 
 from rayllm.schema.outputs import TokenLogprob
 
+# The id a row whose masks exclude every token samples (sample_on_device); its request fails alone.
+NO_TOKEN = -1
+
 
 @dataclass
 class Penalties:
@@ -102,8 +105,11 @@ def sample_on_device(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
     """logits: [B, V]. Returns the chosen ids [B] and, when logprobs are asked, the log-softmax [B, V] of
     the distribution they are reported from; both on the logits' device."""
     logits = processed_logits(logits, t)
+    # Masks can leave a row no token (allowed_token_ids less the stop tokens min_tokens holds back, or less
+    # bad_words): it picks NO_TOKEN, which the caller fails alone, rather than token 0 from NaNs (no sync here).
+    dead = torch.isneginf(logits).all(-1) if t.additive is not None else None
     if t.all_greedy and t.max_logprobs is None:
-        return logits.argmax(-1), None
+        return _or_no_token(logits.argmax(-1), dead), None
     scaled = scaled_logits(logits, t)
     if t.all_greedy:
         chosen = logits.argmax(-1)
@@ -116,7 +122,11 @@ def sample_on_device(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
                 noise.select(0, i).exponential_(generator=g)
         chosen = (probs / noise).argmax(-1)
         chosen = torch.where(t.temperatures == 0, logits.argmax(-1), chosen)
-    return chosen, (scaled.log_softmax(-1) if t.max_logprobs is not None else None)
+    return _or_no_token(chosen, dead), (scaled.log_softmax(-1) if t.max_logprobs is not None else None)
+
+
+def _or_no_token(chosen: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+    return chosen if dead is None else chosen.masked_fill(dead, NO_TOKEN)
 
 
 def greedy(logits: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
@@ -137,7 +147,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors,
     chosen, logprobs = sample_on_device(logits, t)
     if logprobs is None or t.max_logprobs is None:
         return chosen.tolist(), None
-    return chosen.tolist(), gather_logprobs(logprobs, chosen, t.max_logprobs)
+    return chosen.tolist(), gather_logprobs(logprobs, chosen.clamp_min(0), t.max_logprobs)  # NO_TOKEN rows fail
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,

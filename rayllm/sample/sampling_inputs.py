@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from rayllm.common.errors import describe
-from rayllm.sample.sampler import Penalties, SamplingTensors, gather_logprobs, greedy, sample
-from rayllm.schema.outputs import TokenLogprob
+from rayllm.sample.sampler import NO_TOKEN, Penalties, SamplingTensors, gather_logprobs, greedy, sample
+from rayllm.schema.outputs import NO_TOKEN_LEFT, TokenLogprob
 from rayllm.schema.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class SamplingInputs:
             if bitmask is not None:
                 bitmask = bitmask & allowed
                 if not bool(bitmask.any()):  # this request's own fault: it alone fails, with the reason
-                    raise ValueError("allowed_token_ids and the output constraint leave no token to sample")
+                    raise ValueError(NO_TOKEN_LEFT)
             else:
                 bitmask = allowed
         return SamplingRow(s.request_id, p, g, bias, bitmask, s.history, s.num_prompt_tokens)
@@ -238,6 +238,9 @@ class SamplingInputs:
     @staticmethod
     def _collect(out: SampleResult, rows: list[SamplingRow], ids: list[int], lps: list[TokenLogprob] | None) -> None:
         for j, r in enumerate(rows):
+            if ids[j] == NO_TOKEN:
+                out.errors[r.request_id] = f"ValueError: {NO_TOKEN_LEFT}"
+                continue
             out.sampled[r.request_id] = ids[j]
             if lps is not None and r.params.logprobs is not None:
                 lp = lps[j]

@@ -51,6 +51,11 @@ class EngineDeadError(RuntimeError):
     """The engine cannot go on (a step failed in the model or a collective): every request fails."""
 
 
+# A request whose own parameters mask every token of a step fails with this (a 400 to its client).
+NO_TOKEN_LEFT = ("no token is left to sample: allowed_token_ids, bad_words, the stop tokens min_tokens holds back "
+                 "and the output constraint exclude every token")
+
+
 class SequenceError(ValueError):
     """One request failed inside the engine (its sampling inputs, grammar, adapter or parameters) and
     was aborted; the engine goes on serving the others. A ValueError: the request's own inputs led there."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from rayllm.common.errors import first_line
 from rayllm.protocol.errors import APIError, replica_failed
-from rayllm.schema.outputs import EngineDeadError, SequenceError
+from rayllm.schema.outputs import NO_TOKEN_LEFT, EngineDeadError, SequenceError
 
 
 def step_failure(exc: SequenceError) -> APIError:
     """A request that failed inside a step, the engine serving on: a 503 to retry when the device ran out of
-    memory in the step (engine.LLMEngine._fail_step), else a 500."""
+    memory in the step (engine.LLMEngine._fail_step), a 400 when its own parameters left no token to
+    sample, else a 500."""
+    if NO_TOKEN_LEFT in str(exc):
+        return APIError(400, NO_TOKEN_LEFT[0].upper() + NO_TOKEN_LEFT[1:] + ".", code="no_token_to_sample")
     if str(exc).startswith("OutOfMemoryError:"):
         return APIError(503, f"The request failed inside the model step: {exc}", type="server_error",
                         code="out_of_memory")

@@ -188,7 +188,12 @@ def test_allowed_token_ids_restrict_sampling_and_meet_a_grammar():
     assert both.sampled["b"] == 32  # the one token in both sets
     none = inputs.sample([seq_step("n", SamplingParams(temperature=0.0, allowed_token_ids=allowed),
                                    allowed_bitmask=bitmask([40, 50]))], logits[:1])
-    assert none.sampled == {} and "leave no token" in none.errors["n"]
+    assert none.sampled == {} and "no token is left" in none.errors["n"]
+    # min_tokens holds the one allowed token back (it is EOS): that row fails alone, its neighbour samples.
+    held = [seq_step("held", SamplingParams(temperature=0.0, allowed_token_ids=(7,)), mask_token_ids=(7,)),
+            seq_step("free", SamplingParams(temperature=0.0, logprobs=1))]
+    out = inputs.sample(held, logits[:2])
+    assert "no token is left" in out.errors["held"] and out.sampled == {"free": int(logits[1].argmax())}
     assert {"g", "b"} <= set(inputs.allowed)
-    inputs.forget(["g", "b", "n", *(f"s{i}" for i in range(200))])
+    inputs.forget(["g", "b", "n", "held", *(f"s{i}" for i in range(200))])
     assert inputs.allowed == {}

@@ -241,6 +241,20 @@ def test_allowed_token_ids_keep_every_sampled_token_in_the_set(client, model_nam
         assert r.usage.completion_tokens == 8 and re.fullmatch(r"( red| blue| green){8}", text), text
 
 
+def test_allowed_token_ids_that_min_tokens_holds_back_fail_that_request_alone(client, model_name, hf_tokenizer):
+    """allowed_token_ids = [<|im_end|>] with min_tokens 4: the one allowed token is the stop token held back, so
+    no token is left (it sampled token 0 from NaNs before): a 400 naming the cause, and the next request is served."""
+    import openai
+
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=8,
+                                       extra_body={"allowed_token_ids": [eos], "min_tokens": 4})
+    assert e.value.body["code"] == "no_token_to_sample" and "allowed_token_ids" in e.value.body["message"]
+    ok = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
 def test_return_token_ids_are_the_prompt_and_the_tokens_generated(client, model_name, hf_tokenizer):
     """vLLM's return_token_ids: the prompt's ids (transformers' tokenizer and chat template on the same GGUF) and
     the generated ids, which decode to the text returned; a stream's chunks carry the same ids in order."""
