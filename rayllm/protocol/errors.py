@@ -22,7 +22,8 @@ class APIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.type = type or _TYPES.get(status_code, "server_error")
+        # Any other 4xx (405, 409, 422...) is the client's too; 5xx the server's.
+        self.type = type or _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
         self.param = param
         self.code = code
 

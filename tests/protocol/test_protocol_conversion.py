@@ -148,3 +148,10 @@ def test_app_imports_neither_torch_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
+
+
+def test_error_types_follow_the_status_class():
+    """OpenAI's error `type`: the client's for any 4xx the table does not name (405, 409, 422), the server's for 5xx."""
+    assert [APIError(s, "m").type for s in (400, 401, 404, 405, 409, 422, 429, 500, 503)] == [
+        "invalid_request_error", "authentication_error", "not_found_error", "invalid_request_error",
+        "invalid_request_error", "invalid_request_error", "rate_limit_error", "server_error", "server_error"]
