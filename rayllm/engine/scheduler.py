@@ -11,8 +11,9 @@ its prompt's budget before them.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 
 from rayllm.engine.block_manager import BlockManager
@@ -48,8 +49,8 @@ class Scheduler:
         self.tenant_cap = max(1, math.floor(config.max_running_share * config.max_num_seqs))
         self.tenant_running: Counter[str] = Counter()
         # A tenant's sequences that reached the head while it held its share: out of the queue (so they
-        # cost nothing per step), back in at their own rank as its running sequences leave.
-        self.parked: dict[str, deque[Sequence]] = {}
+        # cost nothing per step), back in, best rank first and at their own rank, as its running ones leave.
+        self.parked: dict[str, list[tuple[tuple[int, int], Sequence]]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq, self.num_steps)
@@ -74,14 +75,34 @@ class Scheduler:
         if tenant is None:
             return
         self.tenant_running[tenant] -= 1
+        self._release(tenant)
+
+    def _release(self, tenant: str) -> None:
+        """The tenant's best-ranked parked sequence goes back into the queue (aborted ones are dropped)."""
         parked = self.parked.get(tenant)
         while parked:
-            s = parked.popleft()
+            s = heapq.heappop(parked)[1]
             if not s.is_finished:  # an aborted one is dropped here (num_waiting already counts it out)
                 self.waiting.requeue(s)
                 break
         if not parked:
             self.parked.pop(tenant, None)
+
+    def _settle_head(self) -> Sequence | None:
+        """The queue's head once aborted heads are dropped and heads whose tenant holds its share are parked
+        (None: the queue is empty). A dropped head may be a parked sequence released for a slot: its tenant's
+        next one is released in its place, or it would be stranded (one released spare is parked again)."""
+        while self.waiting:
+            head = self.waiting[0]
+            if head.is_finished:
+                self.waiting.popleft()
+                if head.params.tenant in self.parked:
+                    self._release(head.params.tenant)
+            elif self._capped(head):
+                heapq.heappush(self.parked.setdefault(head.params.tenant, []), (rank(head), self.waiting.popleft()))
+            else:
+                return head
+        return None
 
     def _capped(self, seq: Sequence) -> bool:
         return seq.params.tenant is not None and self.tenant_running[seq.params.tenant] >= self.tenant_cap
@@ -98,9 +119,9 @@ class Scheduler:
         """Priority policy: make room (a slot, the head's blocks) for the head of the queue by preempting
         running sequences of strictly lower priority that also rank after it, worst first; the victims
         queue behind the head, so they cannot take the room back."""
-        while self.waiting and self.running:
-            head = self.waiting[0]
-            if head.is_finished or self._capped(head):
+        while self.running:
+            head = self._settle_head()  # a capped head must not stop others' preemption for a better head
+            if head is None:
                 return
             need = -(-head.num_uncomputed_tokens // self.block_manager.block_size)
             if len(self.running) < self.config.max_num_seqs and self.block_manager.num_free_blocks >= need:
@@ -115,10 +136,15 @@ class Scheduler:
         """Priority policy: the rank and prompt size of a queue head that has a slot this step and outranks
         a running sequence. Running prefill chunks ranked after it leave it that much of the token budget,
         so a batch's long prompts cannot hold an urgent request's prefill back a step at a time."""
-        if not self.waiting or not self.running or len(self.running) >= self.config.max_num_seqs:
+        if not self.running or len(self.running) >= self.config.max_num_seqs:
             return None
-        head = self.waiting[0]
-        if head.is_finished or self._capped(head) or rank(head) > rank(self.running[-1]):
+        head = self._settle_head()
+        if head is None or rank(head) > rank(self.running[-1]):
+            return None
+        # Its first chunk must fit the free blocks now: else the reserve would hold the running prefills
+        # back while the head cannot start either (nothing would move: same priorities preempt nothing).
+        chunk = min(head.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+        if self.block_manager.num_free_blocks < -(-chunk // self.block_manager.block_size):
             return None
         return rank(head), head.num_uncomputed_tokens
 
@@ -174,14 +200,10 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting new work while we had to preempt would only thrash.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.is_finished:  # aborted while waiting
-                self.waiting.popleft()
-                continue
-            if self._capped(seq):
-                self.parked.setdefault(seq.params.tenant, deque()).append(self.waiting.popleft())
-                continue
+        while budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self._settle_head()
+            if seq is None:
+                break
             if self._sits_out(seq, urgent):
                 break
             if not seq.block_table:

@@ -223,6 +223,75 @@ def test_one_tenant_alone_gets_its_share_and_the_queue_drains():
     assert admission_order(s) == [f"a{i}" for i in range(1, 6)]
 
 
+def run_until(s: Scheduler, rid: str, steps: int = 50) -> int:
+    """Steps (each computing what it schedules; a sequence ends after 4 new tokens) until `rid` is scheduled."""
+    for k in range(1, steps + 1):
+        step = s.schedule()
+        assert step or not s.has_work(), "work waits but nothing is scheduled (the engine would spin)"
+        got = computed(step)
+        if rid in got:
+            return k
+        for x in list(s.running):
+            if x.num_output_tokens >= 4:
+                s.finish(x, "length")
+    raise AssertionError(f"{rid} not scheduled in {steps} steps")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_released_sequence_aborted_in_the_queue_passes_its_slot_on(policy):
+    """Tenant A at its share (1): s1 and s2 park. r leaves, so s1 goes back into the queue; its client leaves
+    before it runs. s2 must get the slot (it was stranded: nothing ran, the engine spun on `has_work`)."""
+    s = sched(policy=policy, max_num_seqs=4, max_running_share=0.25)
+    r, s1, s2 = seq("r", tenant="A"), seq("s1", tenant="A"), seq("s2", tenant="A")
+    for x in (r, s1, s2):
+        s.add(x)
+    computed(s.schedule())
+    assert [x.request_id for x in s.running] == ["r"] and len(s.parked["A"]) == 2
+    s.finish(r, "stop")
+    s.finish(s1, "abort")
+    assert run_until(s, "s2") == 1
+
+
+def test_parked_sequences_come_back_in_rank_order():
+    """A tenant's urgent request parked behind its own flex ones comes back first: at its own rank."""
+    s = sched(policy="priority", max_num_seqs=4, max_running_share=0.25)
+    s.add(first := seq("first", tenant="A", priority=1))
+    computed(s.schedule())
+    for i in range(3):
+        s.add(seq(f"flex{i}", tenant="A", priority=1))
+    s.add(seq("urgent", tenant="A", priority=-5))
+    computed(s.schedule())  # all four park: A holds its one slot
+    s.finish(first, "stop")
+    assert admission_order(s) == ["urgent", "flex0", "flex1", "flex2"]
+
+
+def test_a_capped_head_does_not_stop_preemption_for_the_next_urgent_request():
+    """Four slots, share 0.5: A runs two urgent requests, B two flex ones. A's third reaches the head (capped);
+    C's urgent request behind it still preempts a flex one at once, not after a flex one ends."""
+    s = sched(policy="priority", max_num_seqs=4, max_running_share=0.5)
+    for rid, tenant, p in [("a0", "A", -1), ("a1", "A", -1), ("b0", "B", 1), ("b1", "B", 1)]:
+        s.add(seq(rid, n=4, tenant=tenant, priority=p))
+    computed(s.schedule())
+    s.add(seq("a2", n=4, tenant="A", priority=-1))
+    s.add(seq("u", n=4, tenant="C", priority=-1))
+    assert "u" in computed(s.schedule()) and s.num_preemptions == 1
+
+
+def test_a_head_whose_prompt_cannot_be_placed_leaves_the_running_prefill_its_budget():
+    """A's h (64 tokens, the whole step budget) was parked behind A's x, so it ranks before B's running
+    prefill p, of the same priority: nothing preempts p, and h's 16 blocks are not free. The budget reserved
+    for h held p's chunks back while h could not start either: no step ever ran. Now p finishes its prompt
+    and decodes, its blocks come back, and h runs."""
+    s = sched(policy="priority", max_num_seqs=4, max_running_share=0.25, num_blocks=24)
+    s.add(x := seq("x", n=3, tenant="A"))
+    s.add(seq("h", n=64, tenant="A"))
+    computed(s.schedule())  # x runs, h parks
+    s.add(seq("p", n=80, tenant="B"))
+    computed(s.schedule())  # p's first chunk: 63 tokens, 16 blocks of 24
+    s.finish(x, "stop")  # h is back in the queue, ahead of p
+    assert run_until(s, "h") > 1
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="policy"):
         SchedulerConfig(policy="lifo")
