@@ -28,6 +28,8 @@ MAX_TEXT_CHARS = 1 << 20  # one text: instructions, a content part, a function o
 MAX_PARTS = 64  # content parts of one message
 MAX_TOOLS = 128
 MAX_ID_CHARS = 128  # ids, call ids and function names sent back by clients
+# The id prefix of each stored item type (OpenAI's); ids are always the server's own.
+ITEM_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Hosted tools of OpenAI's platform that this server does not run (refused by name).
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
