@@ -91,6 +91,7 @@ class ResponsesRoutes:
                 raise response_not_found(req.previous_response_id, "previous_response_id")
         elif cid is not None:
             history = await self.conversation_history(owner, cid, len(items) + 1)
+        items = await self.resolved(owner, items, history)
         if len(history) + len(items) > R.MAX_CONTEXT_ITEMS:
             raise bad_request(f"the context would hold {len(history) + len(items)} items; at most "
                               f"{R.MAX_CONTEXT_ITEMS} are allowed", param="input")
@@ -104,6 +105,17 @@ class ResponsesRoutes:
                                                 items, cid)
         except APIError as exc:
             raise R.renamed(exc) from None
+
+    async def resolved(self, owner: str, items: list[dict], history: list[dict]) -> list[dict]:
+        """The input with its item references resolved: against the context this request loaded (its chain
+        or conversation), else by id among the owner's stored items."""
+        wanted = R.reference_ids(items)
+        if not wanted:
+            return items
+        known = {it["id"]: it for it in history if it.get("id") in wanted}
+        if missing := sorted(wanted - known.keys()):
+            known |= await asyncio.to_thread(self.response_store().find_items, owner, missing)
+        return R.resolve_references(items, known)
 
     async def generate_response(self, request: Request, owner: str, req: R.ResponseCreate,
                                 chat: P.ChatCompletionRequest, history: list[dict], items: list[dict],
@@ -126,8 +138,8 @@ class ResponsesRoutes:
             if body["status"] == "failed" or (req.store is False and cid is None):  # an aborted generation
                 return
             try:
-                await asyncio.to_thread(self.response_store().save, owner, body if req.store is not False else None,
-                                        history + items, cid, items + body["output"])
+                await asyncio.to_thread(self.response_store().save, owner, body, history, items, cid,
+                                        req.store is not False)
             except KeyError:
                 raise conversation_not_found(cid or "") from None
             except StorageUnavailable:  # the 503 carries the response (a stream has sent its deltas already)

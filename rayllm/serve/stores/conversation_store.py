@@ -290,6 +290,15 @@ class ConversationStore:
         count, chars = cur.fetchone()
         return int(count), int(chars)
 
+    @staticmethod
+    def _owned_items(cur: _Cursor, owner: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Those of `item_ids` that are items of this owner's conversations (by the items' unique id index)."""
+        if not item_ids:
+            return {}
+        cur.execute("SELECT i.id, i.item FROM conversation_items i JOIN conversations c ON c.id = i.conversation_id "
+                    f"WHERE c.owner = ? AND i.id IN ({', '.join('?' * len(item_ids))})", (owner, *item_ids))
+        return {row[0]: json.loads(row[1]) for row in cur.fetchall()}
+
     @classmethod
     def _add_items(cls, cur: _Cursor, conversation_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Stores items with the ids they carry (the server's: responses_api replaces any a client sent, so a
