@@ -31,6 +31,9 @@ MAX_ID_CHARS = 128  # ids, call ids and function names sent back by clients
 # What one request's item references may bring in (stored items, as JSON): a request body is bounded by
 # max_request_bytes, and references must not multiply that past what a whole conversation holds.
 MAX_REFERENCED_CHARS = 16 << 20
+# Output items a response stored into a conversation may make: room for them is reserved before it runs
+# (a turn that would not fit is refused before generating), and a response making more fails.
+MAX_TURN_OUTPUT_ITEMS = 16
 # The id prefix of each stored item type (OpenAI's); ids are always the server's own.
 ITEM_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -260,6 +263,13 @@ def resolve_references(items: list[dict[str, Any]], known: dict[str, dict[str, A
                               param="input")
         out.append(copy)
     return out
+
+
+def turn_output_items(req: ResponseCreate) -> int:
+    """Output items one response may make: a reasoning item and a message when no tool can be called (the
+    output parser gives the thought, then the answer); MAX_TURN_OUTPUT_ITEMS (enforced) when tools can be:
+    parallel calls, and text between them, have no other bound."""
+    return 2 if not req.tools or req.tool_choice == "none" else MAX_TURN_OUTPUT_ITEMS
 
 
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ import pytest
 
 from rayllm.protocol import conversations as C
 from rayllm.protocol import responses_api as R
+from rayllm.protocol.errors import APIError
 from rayllm.serve.stores.conversation_store import ConversationStore
 from rayllm.serve.stores.response_store import ResponseStore
 
@@ -105,3 +106,25 @@ def test_find_items_by_id_for_their_owner_only(stores):
     store.delete(ALICE, "resp_1")
     assert store.find_items(ALICE, wanted) == {conv_item["id"]: conv_item}
 
+
+def test_a_turn_that_might_not_fit_is_refused_before_it_runs(stores, monkeypatch):
+    """Room is reserved for every output item a response may make: a tool-calling turn (a thought, a
+    message and a call: 4 items with its input) into a conversation with room for 3 is refused up front,
+    where reserving input + 1 let it generate and then fail to be stored."""
+    monkeypatch.setattr(C, "MAX_CONVERSATION_ITEMS", 6)
+    conv_store, store = stores
+    cid = conv_store.create(ALICE, None, [C.message_item("user", f"m{i}") for i in range(3)])["id"]
+    tools = R.ResponseCreate.model_validate({"input": "q", "tools": [{"type": "function", "name": "f"}]})
+    turn_in = R.input_items(tools)
+    with pytest.raises(APIError) as err:
+        conv_store.history(ALICE, cid, room_for=len(turn_in) + R.turn_output_items(tools))
+    assert err.value.code == "conversation_full"
+    made = body("resp_1", "Let me look.", call=True)
+    made["output"].insert(0, C.reasoning_item("thinking") | {"id": "rs_resp_1"})
+    with pytest.raises(APIError):  # what reserving len(input) + 1 let through: refused only once generated
+        store.save(ALICE, made, [], turn_in, cid)
+    plain = R.ResponseCreate.model_validate({"input": "q"})  # no tool: a thought and a message at most
+    assert R.turn_output_items(plain) == 2
+    conv_store.history(ALICE, cid, room_for=len(R.input_items(plain)) + R.turn_output_items(plain))
+    store.save(ALICE, body("resp_2", "ok") | {"output": made["output"][:2]}, [], R.input_items(plain), cid)
+    assert len(conv_store.history(ALICE, cid)) == 6
