@@ -89,25 +89,6 @@ def reasoning_item(text: str) -> dict[str, Any]:
     return {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def client_item(item: dict[str, Any], index: int) -> dict[str, Any]:
-    """An item sent to POST /v1/conversations(/items): a message with string or text-part content."""
-    param = f"items.{index}"
-    if item.get("type", "message") != "message":
-        raise bad_request(f"{param}: only message items can be added", param=param)
-    role = item.get("role")
-    if role not in _ROLES:
-        raise bad_request(f"{param}.role must be one of {', '.join(_ROLES)}", param=f"{param}.role")
-    content = item.get("content")
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise bad_request(f"{param}.content.{j}: only text parts are supported", param=f"{param}.content")
-    elif not isinstance(content, str):
-        raise bad_request(f"{param}.content must be a string or a list of text parts", param=f"{param}.content")
-    return message_item(role, content)
-
-
 def history_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Stored items as chat messages (reasoning items are kept, not replayed: templates drop them anyway)."""
     return [{"role": it["role"], "content": text_of(it.get("content"))}

@@ -28,6 +28,14 @@ MAX_TEXT_CHARS = 1 << 20  # one text: instructions, a content part, a function o
 MAX_PARTS = 64  # content parts of one message
 MAX_TOOLS = 128
 MAX_ID_CHARS = 128  # ids, call ids and function names sent back by clients
+# What one request's item references may bring in (stored items, as JSON): a request body is bounded by
+# max_request_bytes, and references must not multiply that past what a whole conversation holds.
+MAX_REFERENCED_CHARS = 16 << 20
+# Output items a response stored into a conversation may make: room for them is reserved before it runs
+# (a turn that would not fit is refused before generating), and a response making more fails.
+MAX_TURN_OUTPUT_ITEMS = 16
+# The id prefix of each stored item type (OpenAI's); ids are always the server's own.
+ITEM_ID_PREFIXES = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Hosted tools of OpenAI's platform that this server does not run (refused by name).
 HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "computer",
@@ -189,11 +197,14 @@ def message_item(role: str, text: str, item_id: str | None = None) -> dict[str, 
             "content": [part]}
 
 
-def canonical_item(item: Any, param: str) -> dict[str, Any]:
-    """One input item, checked and bounded, in the shape it is stored and listed in (ids are ours)."""
+def canonical_item(item: Any, param: str, references: bool = False) -> dict[str, Any]:
+    """One input item, checked and bounded, in the shape it is stored and listed in (ids are ours: a client's
+    `id` is dropped). With `references`, an item_reference stays {"type": "item_reference", "id"} for
+    resolve_references; without, it is refused."""
     if not isinstance(item, dict):
         raise bad_request(f"{param} must be an object", param=param)
-    kind = item.get("type", "message")
+    # OpenAI's ItemReference may omit its type: an object with only an id is one.
+    kind = item.get("type") or ("item_reference" if "id" in item and set(item) <= {"id", "type"} else "message")
     if kind == "message":
         role = item.get("role")
         if role not in _INPUT_ROLES:
@@ -214,15 +225,51 @@ def canonical_item(item: Any, param: str) -> dict[str, Any]:
         return {"id": new_item_id("rs"), "type": "reasoning", "summary": [],
                 "content": [{"type": "reasoning_text", "text": _parts_text(content, f"{param}.content")}]}
     if kind == "item_reference":
-        raise unsupported(f"{param}", "item references are not resolved; send the item itself")
+        if not references:
+            raise unsupported(f"{param}", "item references are resolved in /v1/responses input only; send the item")
+        return {"type": "item_reference", "id": _ident(item.get("id"), f"{param}.id")}
     raise bad_request(f"{param}.type {kind!r} is not supported (message, function_call, function_call_output "
                       "and reasoning items are)", param=f"{param}.type")
 
 
 def input_items(req: ResponseCreate) -> list[dict[str, Any]]:
+    """The request's input as stored items; item references stay unresolved (resolve_references)."""
     if isinstance(req.input, str):
         return [message_item("user", req.input)]
-    return [canonical_item(it, f"input.{i}") for i, it in enumerate(req.input)]
+    return [canonical_item(it, f"input.{i}", references=True) for i, it in enumerate(req.input)]
+
+
+def reference_ids(items: list[dict[str, Any]]) -> set[str]:
+    return {it["id"] for it in items if it["type"] == "item_reference"}
+
+
+def resolve_references(items: list[dict[str, Any]], known: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each item_reference replaced by a copy of the stored item it names (`known`: id -> item of this
+    owner's). The copy gets an id of its own: ids stay unique, so a turn holding it can be stored, and
+    listed, like any other. An id not in `known` (missing, or another key's) is a 400 naming input.N.id."""
+    out: list[dict[str, Any]] = []
+    chars = 0
+    for i, it in enumerate(items):
+        if it["type"] != "item_reference":
+            out.append(it)
+            continue
+        found = known.get(it["id"])
+        if found is None:
+            raise bad_request(f"input.{i}.id: no item with id '{it['id']}' found", param=f"input.{i}.id")
+        copy = dict(found) | {"id": new_item_id(ITEM_ID_PREFIXES.get(found.get("type", "message"), "msg"))}
+        chars += len(json.dumps(copy))
+        if chars > MAX_REFERENCED_CHARS:
+            raise bad_request(f"the referenced items hold more than {MAX_REFERENCED_CHARS} characters",
+                              param="input")
+        out.append(copy)
+    return out
+
+
+def turn_output_items(req: ResponseCreate) -> int:
+    """Output items one response may make: a reasoning item and a message when no tool can be called (the
+    output parser gives the thought, then the answer); MAX_TURN_OUTPUT_ITEMS (enforced) when tools can be:
+    parallel calls, and text between them, have no other bound."""
+    return 2 if not req.tools or req.tool_choice == "none" else MAX_TURN_OUTPUT_ITEMS
 
 
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

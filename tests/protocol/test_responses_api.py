@@ -166,3 +166,25 @@ def test_truncation_keeps_the_instructions_and_drops_whole_turns():
             {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
     assert R.turn_starts(msgs) == (1, [1, 5])  # a cut only where a user turn starts: tool calls keep outputs
     assert R.turn_starts([{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]) == (0, [1])
+
+
+def test_item_references_become_copies_with_ids_of_their_own(monkeypatch):
+    items = R.input_items(create(input=[{"type": "item_reference", "id": "fc_1"}, {"id": "msg_2"},  # type optional
+                                        {"role": "user", "content": "x"}]))
+    assert R.reference_ids(items) == {"fc_1", "msg_2"}
+    known = {"fc_1": {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "c", "name": "f",
+                      "arguments": "{}"}, "msg_2": R.message_item("assistant", "a", "msg_2")}
+    out = R.resolve_references(items, known)
+    assert [o | {"id": None} for o in out[:2]] == [known["fc_1"] | {"id": None}, known["msg_2"] | {"id": None}]
+    assert out[0]["id"].startswith("fc_") and out[1]["id"].startswith("msg_") and out[2] == items[2]
+    assert not {o["id"] for o in out} & {"fc_1", "msg_2"}  # ids stay unique: the copy can be stored too
+    with pytest.raises(APIError) as exc:  # missing, or another key's: not among the owner's items
+        R.resolve_references(items, {"fc_1": known["fc_1"]})
+    assert exc.value.status_code == 400 and exc.value.param == "input.1.id"
+    monkeypatch.setattr(R, "MAX_REFERENCED_CHARS", 150)  # references may not multiply a request's size
+    with pytest.raises(APIError) as exc:
+        R.resolve_references(items, known)
+    assert exc.value.param == "input"
+    with pytest.raises(APIError) as exc:
+        R.input_items(create(input=[{"type": "item_reference", "id": 7}]))
+    assert exc.value.param == "input.0.id"

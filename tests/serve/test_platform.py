@@ -174,7 +174,7 @@ def test_conversation_request_errors(client, model_name, server, auth):
     assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
     r = httpx.post(f"{server}/v1/conversations", headers=auth,
                    json={"items": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "items.0.content"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "items.0.content.0.type"
     r = httpx.post(f"{server}/v1/chat/completions", headers=auth, json={
         "model": model_name, "messages": [{"role": "user", "content": "x"}], "conversation": {"name": "x"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "conversation"
@@ -185,6 +185,37 @@ def test_conversation_request_errors(client, model_name, server, auth):
     page = client.conversations.items.list(conv.id, limit=2, order="asc")
     assert page.has_more and [i.content[0].text for i in page.data] == ["m0", "m1"]
     assert [i.content[0].text for i in page.get_next_page().data] == ["m2"]
+
+
+def test_items_of_any_input_type_are_added_read_and_deleted_one_by_one(client, client2):
+    """Any Responses input item goes into a conversation, with the server's ids (a client's is replaced);
+    one item is read, and deleted (the answer: the Conversation), by id; a missing or deleted item is a 404
+    `item_not_found`, another key's conversation a 404 `conversation_not_found`."""
+    from openai.types.conversations import Conversation
+    from openai.types.responses import ResponseFunctionToolCallItem
+
+    conv = client.conversations.create()
+    added = client.conversations.items.create(conv.id, items=[
+        {"type": "message", "role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+         "id": "fc_chosen_by_the_client"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Mild."}]}]).data
+    assert [i.type for i in added] == ["message", "function_call", "function_call_output", "reasoning"]
+    assert [i.id.split("_")[0] for i in added] == ["msg", "fc", "fco", "rs"]
+    call = client.conversations.items.retrieve(added[1].id, conversation_id=conv.id)
+    assert isinstance(call, ResponseFunctionToolCallItem) and call == added[1]
+    assert call.id != "fc_chosen_by_the_client" and call.arguments == '{"city": "Paris"}'
+    after = client.conversations.items.delete(added[1].id, conversation_id=conv.id)
+    assert isinstance(after, Conversation) and after.id == conv.id
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc").data] == [
+        added[0].id, added[2].id, added[3].id]
+    for who, item_id, code in ((client, added[1].id, "item_not_found"), (client2, added[0].id, "conversation_not_found")):
+        for method in (who.conversations.items.retrieve, who.conversations.items.delete):
+            with pytest.raises(openai.NotFoundError) as e:
+                method(item_id, conversation_id=conv.id)
+            assert e.value.code == code
+    assert len(client.conversations.items.list(conv.id).data) == 3  # the other key's delete changed nothing
 
 
 def test_postgresql_storage_through_serve(server, postgres_url, auth, model_name):

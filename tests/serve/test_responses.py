@@ -168,6 +168,35 @@ def test_conversation_and_store(client, server, auth, model_name):
         client.responses.retrieve(r2.id)
 
 
+def test_turn_ids_match_the_conversation_and_item_references_resolve(client, client2, server, auth, model_name):
+    """A turn's items keep their ids in its conversation (response.output, /input_items and the conversation
+    list agree); item_reference input items name the key's stored items and are replaced by copies of them
+    (the prompt is exactly theirs); an unknown or another key's id is a 400 naming it."""
+    conv = client.conversations.create()
+    r1 = client.responses.create(model=model_name, conversation=conv.id, input="Name a colour.", temperature=0,
+                                 max_output_tokens=5)
+    sent = client.responses.input_items.list(r1.id, order="asc").data
+    stored = client.conversations.items.list(conv.id, order="asc").data
+    assert [i.id for i in stored] == [i.id for i in sent] + [o.id for o in r1.output]
+    answer = next(o for o in r1.output if o.type == "message")
+    assert client.conversations.items.retrieve(answer.id, conversation_id=conv.id) == stored[-1]
+    ask = "Repeat it."
+    r2 = client.responses.create(model=model_name, temperature=0, max_output_tokens=3, input=[
+        {"type": "item_reference", "id": sent[0].id}, {"type": "item_reference", "id": answer.id},
+        {"role": "user", "content": ask}])
+    assert r2.usage.input_tokens == _tokens(server, auth, model_name, [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": ask}])
+    copies = client.responses.input_items.list(r2.id, order="asc").data
+    assert [c.content[0].text for c in copies[:2]] == ["Name a colour.", r1.output_text]
+    assert {c.id for c in copies}.isdisjoint({sent[0].id, answer.id})  # copies, each with an id of its own
+    for who, ref in ((client, "msg_does_not_exist"), (client2, answer.id)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            who.responses.create(model=model_name, max_output_tokens=3, input=[
+                {"role": "user", "content": "x"}, {"type": "item_reference", "id": ref}])
+        assert exc.value.body["param"] == "input.1.id"
+
+
 def test_per_key_isolation(client, client2, model_name):
     r = client.responses.create(model=model_name, input="Secret of tenant one.", max_output_tokens=3)
     with pytest.raises(openai.NotFoundError):

@@ -11,12 +11,22 @@ from fastapi.responses import JSONResponse
 from ray import cloudpickle
 
 from rayllm.protocol import conversations as C
-from rayllm.protocol.errors import not_found
+from rayllm.protocol import responses_api as R
+from rayllm.protocol.errors import APIError, not_found
 from rayllm.serve.request_guards import conversation_not_found
 from rayllm.serve.routes.http_app import app, parse, parse_query, read_body
 
 # Shipped by value with the ingress class, as responses_routes (the replica needs Serve's rewritten signatures).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def item_not_found(item_id: str) -> APIError:
+    return not_found(f"Item with id '{item_id}' not found.", param="item_id", code="item_not_found")
+
+
+def client_items(items: list[dict] | None) -> list[dict]:
+    """Items a client adds: any input item the Responses API takes, checked by its rules, with our own ids."""
+    return [R.canonical_item(it, f"items.{i}") for i, it in enumerate(items or [])]
 
 
 class ConversationRoutes:
@@ -34,8 +44,7 @@ class ConversationRoutes:
         owner = self.check_auth(request)
         body = await read_body(request)
         req = await parse(request, C.ConversationCreate) if body.strip() else C.ConversationCreate()
-        items = [C.client_item(it, i) for i, it in enumerate(req.items or [])]
-        return JSONResponse(await asyncio.to_thread(self.store.create, owner, req.metadata, items))
+        return JSONResponse(await asyncio.to_thread(self.store.create, owner, req.metadata, client_items(req.items)))
 
     @app.get("/v1/conversations/{cid}")
     async def get_conversation(self, cid: str, request: Request) -> JSONResponse:
@@ -74,11 +83,31 @@ class ConversationRoutes:
     async def add_items(self, cid: str, request: Request) -> JSONResponse:
         owner = self.check_auth(request)
         req = await parse(request, C.ItemsCreate)
-        items = [C.client_item(it, i) for i, it in enumerate(req.items)]
-        added = await asyncio.to_thread(self.store.add_items, owner, cid, items)
+        added = await asyncio.to_thread(self.store.add_items, owner, cid, client_items(req.items))
         if added is None:
             raise conversation_not_found(cid)
         return JSONResponse(C.items_page(added, False))
+
+    @app.get("/v1/conversations/{cid}/items/{item_id}")
+    async def get_item(self, cid: str, item_id: str, request: Request) -> JSONResponse:
+        owner = self.check_auth(request)
+        conv, item = await asyncio.to_thread(self.store.item, owner, cid, item_id)
+        if conv is None:
+            raise conversation_not_found(cid)
+        if item is None:
+            raise item_not_found(item_id)
+        return JSONResponse(item)
+
+    @app.delete("/v1/conversations/{cid}/items/{item_id}")
+    async def delete_item(self, cid: str, item_id: str, request: Request) -> JSONResponse:
+        """Answers the conversation, as OpenAI does."""
+        owner = self.check_auth(request)
+        conv, deleted = await asyncio.to_thread(self.store.delete_item, owner, cid, item_id)
+        if conv is None:
+            raise conversation_not_found(cid)
+        if not deleted:
+            raise item_not_found(item_id)
+        return JSONResponse(conv)
 
     @app.get("/v1/chat/completions/{completion_id}")
     async def get_stored_completion(self, completion_id: str, request: Request) -> JSONResponse:

@@ -39,19 +39,29 @@ def response_not_found(rid: str, param: str = "response_id") -> APIError:
 class ResponsesFormat(WireFormat):
     """A Response and its semantic events (rayllm.protocol.responses_events), written as the stream loop feeds it."""
 
-    def __init__(self, state: GenerationState, frame: dict[str, Any], rid: str) -> None:
+    def __init__(self, state: GenerationState, frame: dict[str, Any], rid: str, max_items: int | None = None) -> None:
         super().__init__(state)
         self.asm = ResponseAssembler(frame)
         self.rid = rid
+        self.max_items = max_items  # a conversation turn's: the room reserved for its output (turn_output_items)
+
+    def _fed(self, d: GenerationDelta, pieces: Pieces) -> list[dict[str, Any]]:
+        events = self.asm.feed(d, pieces)
+        if self.max_items is not None and len(self.asm.output) > self.max_items:
+            # Past the reserved room the turn could not be stored: fail now rather than after generating it all.
+            raise APIError(400, f"the response made more than {self.max_items} output items, more than a "
+                           "conversation turn keeps; set parallel_tool_calls to false or leave out conversation",
+                           param="parallel_tool_calls", code="too_many_output_items")
+        return events
 
     def head(self) -> str:
         return "".join(sse(ev) for ev in self.asm.start())
 
     def feed(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> None:
-        self.asm.feed(d, pieces)
+        self._fed(d, pieces)
 
     def delta(self, c: ChoiceState, d: GenerationDelta, pieces: Pieces) -> str:
-        return "".join(sse(ev) for ev in self.asm.feed(d, pieces))
+        return "".join(sse(ev) for ev in self._fed(d, pieces))
 
     def finish(self) -> str:
         return "".join(sse(ev) for ev in self.asm.finish())
@@ -89,8 +99,9 @@ class ResponsesRoutes:
             history = await asyncio.to_thread(store.context, owner, req.previous_response_id)
             if history is None:  # missing, or another key's: the same answer
                 raise response_not_found(req.previous_response_id, "previous_response_id")
-        elif cid is not None:
-            history = await self.conversation_history(owner, cid, len(items) + 1)
+        elif cid is not None:  # room for the input and the most output items a response may make
+            history = await self.conversation_history(owner, cid, len(items) + R.turn_output_items(req))
+        items = await self.resolved(owner, items, history)
         if len(history) + len(items) > R.MAX_CONTEXT_ITEMS:
             raise bad_request(f"the context would hold {len(history) + len(items)} items; at most "
                               f"{R.MAX_CONTEXT_ITEMS} are allowed", param="input")
@@ -105,6 +116,17 @@ class ResponsesRoutes:
         except APIError as exc:
             raise R.renamed(exc) from None
 
+    async def resolved(self, owner: str, items: list[dict], history: list[dict]) -> list[dict]:
+        """The input with its item references resolved: against the context this request loaded (its chain
+        or conversation), else by id among the owner's stored items."""
+        wanted = R.reference_ids(items)
+        if not wanted:
+            return items
+        known = {it["id"]: it for it in history if it.get("id") in wanted}
+        if missing := sorted(wanted - known.keys()):
+            known |= await asyncio.to_thread(self.response_store().find_items, owner, missing)
+        return R.resolve_references(items, known)
+
     async def generate_response(self, request: Request, owner: str, req: R.ResponseCreate,
                                 chat: P.ChatCompletionRequest, history: list[dict], items: list[dict],
                                 cid: str | None):
@@ -118,7 +140,7 @@ class ResponsesRoutes:
                 raise
             greq, factory = await self.truncated(request, owner, chat, messages, rid, exc)
         fmt = ResponsesFormat(GenerationState(greq.n, factory), skeleton(req, rid, req.model or self.model_name, cid),
-                              rid)
+                              rid, R.turn_output_items(req) if cid is not None else None)
 
         async def keep(_: GenerationState) -> None:
             """Stores the response (and the turn in its conversation) before the client sees it end."""
@@ -126,8 +148,8 @@ class ResponsesRoutes:
             if body["status"] == "failed" or (req.store is False and cid is None):  # an aborted generation
                 return
             try:
-                await asyncio.to_thread(self.response_store().save, owner, body if req.store is not False else None,
-                                        history + items, cid, items + body["output"])
+                await asyncio.to_thread(self.response_store().save, owner, body, history, items, cid,
+                                        req.store is not False)
             except KeyError:
                 raise conversation_not_found(cid or "") from None
             except StorageUnavailable:  # the 503 carries the response (a stream has sent its deltas already)

@@ -30,6 +30,7 @@ from typing import Any
 from rayllm.common.errors import first_line
 from rayllm.protocol.conversations import check_room
 from rayllm.protocol.errors import APIError
+from rayllm.protocol.responses_api import ITEM_ID_PREFIXES
 
 log = logging.getLogger("ray.serve")
 
@@ -210,6 +211,31 @@ class ConversationStore:
             rows = [json.loads(r[0]) for r in cur.fetchall()]
         return rows[:limit], len(rows) > limit
 
+    def item(self, owner: str, conversation_id: str, item_id: str) -> tuple[dict | None, dict | None]:
+        """The conversation and its item `item_id`: (None, None) when there is no such conversation for this
+        owner, (conversation, None) when it holds no such item."""
+        with self._tx(write=False) as cur:
+            conv = self._get(cur, owner, conversation_id)
+            if conv is None:
+                return None, None
+            cur.execute("SELECT item FROM conversation_items WHERE id = ? AND conversation_id = ?",
+                        (item_id, conversation_id))
+            row = cur.fetchone()
+        return conv, None if row is None else json.loads(row[0])
+
+    def delete_item(self, owner: str, conversation_id: str, item_id: str) -> tuple[dict | None, bool]:
+        """Deletes one item: the conversation (None: no such conversation for this owner) and whether it held it."""
+        with self._tx() as cur:
+            conv = self._get(cur, owner, conversation_id)
+            if conv is None:
+                return None, False
+            cur.execute("SELECT seq FROM conversation_items WHERE id = ? AND conversation_id = ?",
+                        (item_id, conversation_id))
+            if cur.fetchone() is None:
+                return conv, False
+            cur.execute("DELETE FROM conversation_items WHERE id = ?", (item_id,))
+            return conv, True
+
     def history(self, owner: str, conversation_id: str, room_for: int = 0) -> list[dict[str, Any]] | None:
         """Every item, oldest first (None: no such conversation for this owner); a 400 when the
         conversation cannot take `room_for` more items (a turn that would not be stored is refused first)."""
@@ -264,11 +290,22 @@ class ConversationStore:
         count, chars = cur.fetchone()
         return int(count), int(chars)
 
+    @staticmethod
+    def _owned_items(cur: _Cursor, owner: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Those of `item_ids` that are items of this owner's conversations (by the items' unique id index)."""
+        if not item_ids:
+            return {}
+        cur.execute("SELECT i.id, i.item FROM conversation_items i JOIN conversations c ON c.id = i.conversation_id "
+                    f"WHERE c.owner = ? AND i.id IN ({', '.join('?' * len(item_ids))})", (owner, *item_ids))
+        return {row[0]: json.loads(row[1]) for row in cur.fetchall()}
+
     @classmethod
     def _add_items(cls, cur: _Cursor, conversation_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Stores items with the ids they carry (the server's: responses_api replaces any a client sent, so a
+        Response's items keep theirs here), giving one to those without, by type."""
         now = int(time.time())
-        # Ids are always ours: a client-chosen id could collide with another owner's item.
-        out = [dict(item) | {"id": new_id("msg" if item.get("type", "message") == "message" else "rs")}
+        out = [item if item.get("id") else
+               dict(item) | {"id": new_id(ITEM_ID_PREFIXES.get(item.get("type", "message"), "msg"))}
                for item in items]
         rows = [json.dumps(item) for item in out]
         if rows:  # bounded at write time, so a history load is bounded too

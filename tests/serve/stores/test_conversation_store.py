@@ -11,9 +11,11 @@ import sys
 import pytest
 
 from rayllm.protocol import conversations as C
+from rayllm.protocol import responses_api as R
 from rayllm.protocol.errors import APIError
 from rayllm.serve.auth import KeyRing
 from rayllm.serve.config import ServerConfig
+from rayllm.serve.routes.conversation_routes import client_items
 from rayllm.serve.stores.conversation_store import ConversationStore
 
 ALICE, BOB = "a" * 64, "b" * 64
@@ -40,7 +42,7 @@ def completion(cid: str, text: str) -> dict:
 
 def test_create_get_update_delete_and_isolation(url):
     store = ConversationStore(url)
-    conv = store.create(ALICE, {"topic": "x"}, [C.client_item({"role": "user", "content": "hi"}, 0)])
+    conv = store.create(ALICE, {"topic": "x"}, client_items([{"role": "user", "content": "hi"}]))
     assert conv["id"].startswith("conv_") and conv["object"] == "conversation" and conv["metadata"] == {"topic": "x"}
     assert store.get(ALICE, conv["id"]) == conv
     # Bob sees nothing of Alice's: every read and write answers as for a missing conversation.
@@ -73,6 +75,37 @@ def test_items_paging_and_order(url):
     page, more = store.items(ALICE, cid, limit=3)  # newest first by default, as OpenAI
     assert texts(page) == ["m4", "m3", "m2"] and more
     assert len({i["id"] for i in store.history(ALICE, cid)}) == 5
+
+
+def test_items_keep_the_servers_ids_and_others_get_one_by_type(url):
+    """A Response's items (ids made by responses_api) keep their ids in the conversation; items without one
+    (a chat turn's) get one with their type's prefix."""
+    store = ConversationStore(url)
+    cid = store.create(ALICE)["id"]
+    made = R.input_items(R.ResponseCreate.model_validate({"input": [
+        {"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "18C"}]}))
+    assert [i["id"] for i in store.add_items(ALICE, cid, made)] == [i["id"] for i in made]
+    bare = [{k: v for k, v in it.items() if k != "id"} for it in made] + [C.reasoning_item("hm")]
+    added = store.add_items(ALICE, cid, bare)
+    assert [i["id"].rsplit("_", 1)[0] for i in added] == ["msg", "fc", "fco", "rs"]
+    assert [i["id"] for i in store.history(ALICE, cid)] == [i["id"] for i in made + added]
+
+
+def test_one_item_is_read_and_deleted_by_id(url):
+    store = ConversationStore(url)
+    conv = store.create(ALICE, None, [C.message_item("user", "a"), C.message_item("user", "b")])
+    first, second = store.history(ALICE, conv["id"])
+    assert store.item(ALICE, conv["id"], second["id"]) == (conv, second)
+    assert store.item(ALICE, conv["id"], "msg_nope") == (conv, None)
+    other = store.create(ALICE)["id"]
+    assert store.item(ALICE, other, first["id"]) == (store.get(ALICE, other), None)  # another conversation's
+    assert store.item(BOB, conv["id"], first["id"]) == (None, None)  # another owner's: as a missing one
+    assert store.delete_item(BOB, conv["id"], first["id"]) == (None, False)
+    assert store.delete_item(ALICE, other, first["id"]) == (store.get(ALICE, other), False)
+    assert store.delete_item(ALICE, conv["id"], first["id"]) == (conv, True)
+    assert store.history(ALICE, conv["id"]) == [second]
+    assert store.delete_item(ALICE, conv["id"], first["id"]) == (conv, False)
 
 
 def test_a_conversation_is_bounded_at_write_and_a_full_one_refuses_a_stored_turn(url, monkeypatch):
@@ -199,15 +232,26 @@ def test_conversation_param_and_history_placement():
     assert [m["content"] for m in C.with_history(history, msgs)] == ["s", "q1", "a1", "q2"]
 
 
-def test_client_items_are_text_messages():
-    item = C.client_item({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}, 0)
-    assert item == {"type": "message", "role": "user", "status": "completed",
-                    "content": [{"type": "input_text", "text": "hi"}]}
+def test_client_items_are_any_input_item_checked_with_our_ids():
+    """POST /v1/conversations(/items) takes what the Responses input takes, by its rules; a client's id is
+    replaced (it could name another owner's item)."""
+    items = client_items([
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}], "id": "msg_mine"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "id": "fc_mine"},
+        {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}])
+    assert [i["id"].rsplit("_", 1)[0] for i in items] == ["msg", "fc", "fco", "rs"]
+    assert not {"msg_mine", "fc_mine"} & {i["id"] for i in items}
+    assert items[0] | {"id": None} == {"id": None, "type": "message", "role": "user", "status": "completed",
+                                       "content": [{"type": "input_text", "text": "hi"}]}
     for bad, param in (({"role": "robot", "content": "x"}, "items.0.role"),
-                       ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "items.0.content"),
-                       ({"type": "function_call", "role": "user", "content": "x"}, "items.0")):
+                       ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
+                        "items.0.content.0.type"),
+                       ({"type": "function_call", "call_id": "", "name": "f"}, "items.0.call_id"),
+                       ({"type": "item_reference", "id": "msg_1"}, "items.0"),
+                       ({"type": "web_search_call", "id": "ws_1"}, "items.0.type")):
         with pytest.raises(APIError) as e:
-            C.client_item(bad, 0)
+            client_items([bad])
         assert e.value.status_code == 400 and e.value.param == param
 
 
