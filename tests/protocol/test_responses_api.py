@@ -166,3 +166,20 @@ def test_truncation_keeps_the_instructions_and_drops_whole_turns():
             {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
     assert R.turn_starts(msgs) == (1, [1, 5])  # a cut only where a user turn starts: tool calls keep outputs
     assert R.turn_starts([{"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]) == (0, [1])
+
+
+def test_reasoning_options_the_sdk_types():
+    """OpenAI's SDK types reasoning.effort "max", reasoning.context and reasoning.mode: what this server does
+    is accepted (effort passed on; past reasoning items are not replayed, so context auto / current_turn;
+    the standard mode); the rest is a 400 naming the field and saying why."""
+    req = create(reasoning={"effort": "max", "context": "current_turn", "mode": "standard"})
+    R.check_supported(req)
+    assert R.chat_request(req, [{"role": "user", "content": "hi"}]).reasoning_effort == "max"
+    assert P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                   "reasoning_effort": "max"}).reasoning_effort == "max"
+    R.check_supported(create(reasoning={"context": "auto"}))
+    for reasoning, param, words in (({"context": "all_turns"}, "reasoning.context", "not replayed"),
+                                    ({"mode": "pro"}, "reasoning.mode", "'standard' mode only")):
+        with pytest.raises(APIError) as exc:
+            R.check_supported(create(reasoning=reasoning))
+        assert (exc.value.status_code, exc.value.param) == (400, param) and words in exc.value.message
