@@ -208,7 +208,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM: documents for retrieval-augmented templates (transformers' apply_chat_template(documents=...))
     documents: list[dict[str, str]] | None = Field(None, max_length=L.MAX_DOCUMENTS)
     # reasoning
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     enable_thinking: bool | None = None
     separate_reasoning: bool | None = None  # SGLang; default: on when the model or template thinks
     include_reasoning: bool | None = True  # vLLM: False drops the reasoning (neither reasoning_content nor content)

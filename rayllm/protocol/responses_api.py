@@ -62,9 +62,13 @@ class TextConfig(Strict):
 
 
 class ReasoningConfig(Strict):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # Which turns' reasoning the model sees, and OpenAI's reasoning mode: typed by the SDK, checked in
+    # check_supported (only what this server does is accepted).
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = Field(None, max_length=64)
 
 
 class ResponsesStreamOptions(Strict):
@@ -144,6 +148,14 @@ def check_supported(req: ResponseCreate) -> None:
         raise unsupported("max_tool_calls", "built-in tools are not run here, so there is nothing to cap")
     if req.previous_response_id is not None and req.conversation is not None:
         raise bad_request("use either previous_response_id or conversation, not both", param="previous_response_id")
+    reasoning = req.reasoning or ReasoningConfig()
+    if reasoning.context == "all_turns":
+        raise bad_request("reasoning.context 'all_turns' is not supported: past reasoning items are kept but not "
+                          "replayed to the model (chat templates drop earlier turns' thoughts); use 'auto' or "
+                          "'current_turn'", param="reasoning.context", code="unsupported_value")
+    if reasoning.mode not in (None, "standard"):
+        raise bad_request(f"reasoning.mode {reasoning.mode!r} is not supported: this server reasons in the "
+                          "'standard' mode only", param="reasoning.mode", code="unsupported_value")
 
 
 # ---- input items -> canonical stored items -----------------------------------------------------------

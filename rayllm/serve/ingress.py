@@ -123,7 +123,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         after the last delta, before the response ends."""
         t0 = time.monotonic()
         greq.traceparent = dispatch(greq, self.model_name)  # None unless this request is traced
-        call = self.llm_for(greq.lora).options(stream=True).generate.remote(greq)
+        call = self.routes.current.llm_for(greq.lora).options(stream=True).generate.remote(greq)
         gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
                          self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
                          retry_after_s=self.config.retry_after_s, on_complete=traced_storage(on_complete))
@@ -166,18 +166,13 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
 
-    def llm_for(self, adapter: str | None) -> DeploymentHandle:
-        """Adapter requests carry Serve's multiplexed model id, so they go to replicas holding the
-        adapter; base-model requests carry none and spread over every replica."""
-        return self.llm if adapter is None else self.llm.options(multiplexed_model_id=adapter)
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        return await ops.load_adapter(request, self.keys, self.adapters, self.llm_for)
+        return await ops.load_adapter(request, self.keys, self.routes)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
-        return await ops.unload_adapter(request, self.keys, self.adapters, self.llm_for)
+        return await ops.unload_adapter(request, self.keys, self.routes)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):

@@ -188,3 +188,20 @@ def test_item_references_become_copies_with_ids_of_their_own(monkeypatch):
     with pytest.raises(APIError) as exc:
         R.input_items(create(input=[{"type": "item_reference", "id": 7}]))
     assert exc.value.param == "input.0.id"
+
+
+def test_reasoning_options_the_sdk_types():
+    """OpenAI's SDK types reasoning.effort "max", reasoning.context and reasoning.mode: what this server does
+    is accepted (effort passed on; past reasoning items are not replayed, so context auto / current_turn;
+    the standard mode); the rest is a 400 naming the field and saying why."""
+    req = create(reasoning={"effort": "max", "context": "current_turn", "mode": "standard"})
+    R.check_supported(req)
+    assert R.chat_request(req, [{"role": "user", "content": "hi"}]).reasoning_effort == "max"
+    assert P.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                   "reasoning_effort": "max"}).reasoning_effort == "max"
+    R.check_supported(create(reasoning={"context": "auto"}))
+    for reasoning, param, words in (({"context": "all_turns"}, "reasoning.context", "not replayed"),
+                                    ({"mode": "pro"}, "reasoning.mode", "'standard' mode only")):
+        with pytest.raises(APIError) as exc:
+            R.check_supported(create(reasoning=reasoning))
+        assert (exc.value.status_code, exc.value.param) == (400, param) and words in exc.value.message

@@ -165,17 +165,20 @@ def tiny_checkpoints(root: Path, tok) -> dict[str, str]:
 
 def multi_args(paths: dict[str, str]) -> dict:
     """One app of several base models (a `models` list: each its own model deployment behind one ingress
-    and tokenizer): SmolLM2 ("smol"), the tiny Llama on two replicas ("tiny"), and each added family's tiny
-    model; test_multi_model.py and test_model_families.py share it."""
-    from tests.serve.conftest import API_KEY
+    and tokenizer): SmolLM2 ("smol"), the tiny Llama on two replicas ("tiny", with a LoRA slot: adapters
+    loaded at runtime for a model other than the first), and each added family's tiny model;
+    test_multi_model.py and test_model_families.py share it."""
+    from tests.serve.conftest import ADMIN_KEY, API_KEY
 
     def engine(name: str) -> dict:
         return {"model": {"model": paths[name], "dtype": "float32", "max_model_len": 256}} | TINY_ENGINE
 
-    return {"api_keys": [API_KEY], "models": [
+    # Adapters for the tiny Llama may come from beside the tiny models (test_multi_model.py writes one there).
+    lora = {"max_loras": 1, "max_lora_rank": 4, "allowed_roots": [str(Path(paths["tiny-llama"]).parent)]}
+    return {"api_keys": [API_KEY], "admin_api_keys": [ADMIN_KEY], "models": [
         {"engine": SMALL_ENGINE, "aliases": ["smol"]},
         {"served_model_name": "tiny-llama", "aliases": ["tiny"], "deployment": {"num_replicas": 2},
-         "engine": engine("tiny-llama")},
+         "engine": engine("tiny-llama") | {"lora": lora}},
         *({"served_model_name": f"tiny-{family}", "engine": engine(family)} for family in FAMILIES)]}
 
 

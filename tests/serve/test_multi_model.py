@@ -8,11 +8,12 @@ is the session server's answer (a single-model app) to the same request."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import API_KEY
+from conftest import ADMIN_KEY, API_KEY
 from ops_apps import FAMILIES, MODEL, multi_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -98,3 +99,46 @@ def test_each_model_has_its_own_replicas(multi):
     assert set(deployments) == {"ingress", "tokenizer", "llm", "llm-tiny-llama"} | families
     assert deployments["llm"].replica_states == {"RUNNING": 1}
     assert deployments["llm-tiny-llama"].replica_states == {"RUNNING": 2}
+
+
+def admin(base: str, route: str, body: dict) -> httpx.Response:
+    """The LoRA admin routes (admin key)."""
+    return httpx.post(f"{base}/v1/{route}", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                      timeout=120)
+
+
+def test_an_adapter_loads_and_unloads_at_runtime_on_the_second_model(multi, tiny_path):
+    """The load body's `model` (a base model's name or alias; default the first) picks the model whose
+    replicas load the adapter; the adapter then answers on that model, and an unload without `model` finds it."""
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
+
+    def ask(model: str) -> httpx.Response:
+        return httpx.post(f"{multi}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": model, "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0},
+                          timeout=120)
+
+    path = random_peft_adapter(str(Path(tiny_path).parent / "tiny-poet"), read_arch(tiny_path), rank=4, seed=5)
+    r = admin(multi, "load_lora_adapter", {"lora_name": "tiny-poet", "lora_path": path, "model": "tiny"})
+    assert r.status_code == 200, r.text
+    base, poet = ask(TINY).json(), ask("tiny-poet").json()
+    assert poet["model"] == "tiny-poet", poet
+    assert poet["choices"][0]["message"]["content"] != base["choices"][0]["message"]["content"]
+    for body, status, code, param in (
+        ({"lora_name": "tiny-poet", "lora_path": path}, 400, "lora_adapter_exists", "lora_name"),  # another model's
+        ({"lora_name": "x", "lora_path": path, "model": "nope"}, 404, "model_not_found", "model"),
+    ):
+        r = admin(multi, "load_lora_adapter", body)
+        assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (status, code, param), r.text
+    assert admin(multi, "unload_lora_adapter", {"lora_name": "tiny-poet"}).status_code == 200
+    assert ask("tiny-poet").status_code == 404
+
+
+def test_an_adapter_may_not_take_a_models_name_or_alias(multi, tiny_path):
+    """Requests address an adapter by its bare name, so a model's name or alias is refused as one (it would
+    reach the model, and /v1/models would list the name twice); nothing is loaded."""
+    for name, model, owner in (("smol", "tiny", MODEL), ("tiny", None, TINY)):
+        body = {"lora_name": name, "lora_path": str(Path(tiny_path).parent / "any")}
+        r = admin(multi, "load_lora_adapter", body | ({"model": model} if model else {}))
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "lora_name" and f"of model {owner!r}" in error["message"]

@@ -53,6 +53,17 @@ def invalid_adapter(message: str) -> APIError:
     return APIError(400, message, param="lora_path", code="invalid_lora_adapter")
 
 
+def adapter_unavailable(name: str) -> APIError:
+    """An adapter the server registered (cluster.yaml, the load route) that this replica cannot read: the
+    request sent no path, so this is the server's problem, and another replica (or a retry) may serve it."""
+    return APIError(503, f"LoRA adapter {name!r} is unavailable: the model replica serving this request cannot "
+                    "read its files; retry later", type="server_error", code="lora_adapter_unavailable")
+
+
+# The errors about an adapter's files (adapter_paths.refused, invalid_adapter, a remote source not found).
+_FILE_ERRORS = frozenset({"invalid_lora_adapter", "lora_adapter_not_found"})
+
+
 def unloaded(name: str) -> APIError:
     return APIError(409, f"The lora adapter '{name}' was unloaded while this request ran.", type="conflict_error",
                     param="model", code="lora_adapter_unloaded")
@@ -132,6 +143,7 @@ class LoRARegistry:
 
     def load_now(self, name: str, path: str) -> AdapterEntry:
         """Synchronous load at replica start (adapters named in cluster.yaml); errors fail the replica."""
+        path = self.check_path(path)  # canonical, as requests' paths are checked against it (_resident)
         rank = self._validate(name, path)
         slot = self._take_slot()
         if slot is None:
@@ -147,12 +159,24 @@ class LoRARegistry:
             return entry
         return None
 
-    async def load(self, name: str, path: str) -> AdapterEntry:
-        """Make `name` resident (from `path`); a no-op when it already is, from the same path."""
-        path = self.check_path(path)
-        entry = self._resident(name, path)
+    async def load(self, name: str, path: str, client_path: bool = True) -> AdapterEntry:
+        """Make `name` resident (from `path`); a no-op when it already is, from the same path (whatever
+        the files are now: its weights are in memory). `client_path`: the request itself named `path` (the
+        load route, a request's lora_path), so a file problem is its 400 on lora_path; else the server
+        registered the adapter and cannot read it here: a 503 naming the adapter (details in the log)."""
+        entry = self._resident(name, path if remote_source(path) else os.path.realpath(path))
         if entry is not None:
             return entry
+        try:
+            return await self._load(name, self.check_path(path))
+        except APIError as exc:
+            if client_path or exc.code not in _FILE_ERRORS:
+                raise
+            log.warning("registered LoRA adapter %r (%s) cannot be loaded on this replica: %s", name, path,
+                        exc.message)
+            raise adapter_unavailable(name) from None
+
+    async def _load(self, name: str, path: str) -> AdapterEntry:
         async with self._lock:
             entry = self._resident(name, path)
             if entry is not None:
@@ -181,7 +205,9 @@ class LoRARegistry:
     async def acquire(self, name: str, path: str, queue: asyncio.Queue | None = None) -> AdapterEntry:
         """Load if needed and count one request in flight; pair with release(). An unload pushes an
         error into `queue` (the request's output queue), which ends the request."""
-        entry = await self.load(name, path)
+        # A request names a directory itself only in lora_path's on-demand form, which names the adapter
+        # by its path (AdapterTable.resolve); any other adapter is one the server registered.
+        entry = await self.load(name, path, client_path=name == path)
         entry.active += 1
         if queue is not None:
             entry.holders.add(queue)

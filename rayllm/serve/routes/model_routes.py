@@ -73,6 +73,11 @@ class ModelRoute:
         self._info: ModelInfo | None = None
         self._tok_info: dict | None = None
 
+    def llm_for(self, adapter: str | None) -> DeploymentHandle:
+        """Adapter calls carry Serve's multiplexed model id, so they go to replicas holding the adapter;
+        base-model calls carry none and spread over every replica."""
+        return self.llm if adapter is None else self.llm.options(multiplexed_model_id=adapter)
+
     async def info(self) -> ModelInfo:
         if self._info is None:
             self._info = await self.llm.model_info.remote()
@@ -102,6 +107,11 @@ class ModelRoutes:
                  tokenizer: DeploymentHandle, created: int):
         self.routes = [ModelRoute(m, llms[m.name], tokenizer, created) for m in models]
         self.by_name = {n: r for r in self.routes for n in (r.name, *r.aliases)}
+        for route in self.routes:  # cluster.yaml's adapters: a clash is the operator's to fix before serving
+            for name in route.adapters:
+                clash = self.clash(name, route)
+                if clash is not None:
+                    raise ValueError(f"model {route.name!r}: lora.adapters name {name!r} cannot be used: {clash}")
 
     def __iter__(self) -> Iterator[ModelRoute]:
         return iter(self.routes)
@@ -122,6 +132,40 @@ class ModelRoutes:
         if route is None:
             raise self.unknown(model)
         return route
+
+    def base(self, model: str | None) -> ModelRoute:
+        """The base model a LoRA admin body's `model` names (its name or an alias; None: the first), or a 404."""
+        if model is None:
+            return self.routes[0]
+        route = self.by_name.get(model)
+        if route is None:
+            raise self.unknown(model)
+        return route
+
+    def holding(self, adapter: str) -> ModelRoute:
+        """The model whose table holds `adapter` (names are unique across models); the first if none does."""
+        return next((r for r in self.routes if adapter in r.adapters), self.routes[0])
+
+    def clash(self, adapter: str, route: ModelRoute) -> str | None:
+        """Why `adapter` cannot be `route`'s adapter, if it cannot: requests address adapters by their bare
+        name, which must therefore reach nothing else (find() would pick a model, or the other model's adapter)."""
+        owner = self.by_name.get(adapter)
+        if owner is not None:
+            return f"it is {'the name' if adapter == owner.name else 'an alias'} of model {owner.name!r}"
+        other = next((r for r in self.routes if r is not route and adapter in r.adapters), None)
+        if other is not None:
+            return f"model {other.name!r} has an adapter of that name (adapter names are unique across models)"
+        return None
+
+    def check_new_adapter(self, route: ModelRoute, name: str) -> str:
+        """A name the load route may register for `route` (400 naming lora_name otherwise)."""
+        name = route.adapters.check_new(name)
+        clash = self.clash(name, route)
+        if clash is not None:
+            taken = name not in self.by_name  # another model's adapter: vLLM's code for a name already loaded
+            raise APIError(400, f"invalid adapter name {name!r}: {clash}", param="lora_name",
+                           code="lora_adapter_exists" if taken else None)
+        return name
 
     def unknown(self, model: str) -> APIError:
         return model_not_found(model, sorted(self.by_name))

@@ -110,6 +110,44 @@ async def test_unload_in_use_aborts_its_requests_and_the_engine_serves_on(gguf_p
         server.engine.shutdown()
 
 
+async def test_a_registered_adapter_the_replica_cannot_read_is_the_servers_503(gguf_path, tmp_path):
+    """A request that named an adapter (not a path) is not told its `lora_path` is bad when the replica
+    cannot read the server's own copy (removed, missing on its node, corrupt): a 503 naming the adapter.
+    A resident adapter serves on from memory; a path the request itself sent is still its 400 on lora_path."""
+    import shutil
+
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
+
+    gone = random_peft_adapter(str(tmp_path / "gone"), read_arch(gguf_path), rank=4, seed=3, targets=("q_proj",))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text("{not json")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"")
+    config = EngineConfig(model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=256),
+                          cache=CacheConfig(kv_cache_bytes=8 << 20),
+                          parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1)),
+                          lora=LoRAConfig(max_loras=1, max_lora_rank=4, allowed_roots=(str(tmp_path),)))
+    server = LLMServer(config, gguf_path, engine_process=False)
+    try:
+        await server.load_lora_adapter("gone", gone)  # the load route: registered, resident here
+        shutil.rmtree(gone)
+        assert len(await run(server, request("resident", [1, 2, 3], 2, "gone", gone))) == 2
+        assert await server.unload_lora_adapter("gone")  # now this replica must read the files again
+        for name, path in (("gone", gone), ("corrupt", str(corrupt))):
+            with pytest.raises(APIError) as err:
+                await run(server, request(f"r-{name}", [1, 2, 3], 2, name, path))
+            assert (err.value.status_code, err.value.code, err.value.param) == (503, "lora_adapter_unavailable", None)
+            assert repr(name) in err.value.message and str(tmp_path) not in err.value.message
+        for sent in (lambda: run(server, request("on-demand", [1, 2, 3], 2, gone, gone)),  # a request's lora_path
+                     lambda: server.load_lora_adapter("again", gone)):  # the load route's lora_path
+            with pytest.raises(APIError) as err:
+                await sent()
+            assert (err.value.status_code, err.value.param) == (400, "lora_path")
+    finally:
+        server.engine.shutdown()
+
+
 def test_a_step_naming_an_unloaded_adapter_is_that_sequences_error(gguf_path, peft_dir):
     """The LoRA manager names the adapter ids it does not hold, and leaves the batch state untouched,
     so the engine can fail just the sequences carrying them."""

@@ -54,3 +54,43 @@ def test_select_is_per_request_context(routes):
 
     assert asyncio.run(both()) == ["tiny", "base", "tiny"]
     assert routes.current.name == "base"  # outside any request: the first model
+
+
+def test_adapter_admin_bodies_name_a_base_model(routes):
+    """The load / unload bodies' `model`: a name or alias (default the first model); unload without it
+    finds the model holding the adapter."""
+    names = [routes.base(m).name for m in (None, "base", "b", "tiny", "small")]
+    assert names == ["base", "base", "base", "tiny", "tiny"]
+    for model in ("nope", "tiny:poem", "poem"):  # not a base model's name or alias
+        with pytest.raises(APIError) as err:
+            routes.base(model)
+        assert err.value.status_code == 404 and err.value.code == "model_not_found" and err.value.param == "model"
+        assert f"`{model}`" in err.value.message
+    assert routes.holding("poem").name == "tiny" and routes.holding("sql").name == "base"
+    assert routes.holding("never-loaded").name == "base"  # whose table then answers the 404
+
+
+def test_adapter_names_that_clash_with_models_or_other_adapters_are_refused(routes):
+    """An adapter is addressed by its bare name: a model's name or alias, or another model's adapter, would
+    make it unreachable (and listed twice), so the load route refuses them, and start-up refuses such
+    cluster.yaml adapters."""
+    tiny = routes.base("tiny")
+    for name, words in (("b", "alias of model 'base'"), ("base", "name of model 'base'"),
+                        ("t", "alias of model 'tiny'"), ("sql", "model 'base' has an adapter")):
+        with pytest.raises(APIError) as err:
+            routes.check_new_adapter(tiny, name)
+        assert err.value.status_code == 400 and err.value.param == "lora_name" and words in err.value.message
+    assert routes.check_new_adapter(tiny, "fresh") == "fresh"
+
+    def start(base_adapters: dict, tiny_adapters: dict) -> ModelRoutes:
+        config = ServerConfig.from_args({"models": [
+            {"served_model_name": "base", "engine": {"lora": {"max_loras": 1, "adapters": base_adapters}}},
+            {"served_model_name": "tiny", "aliases": ["small"],
+             "engine": {"lora": {"max_loras": 1, "adapters": tiny_adapters}}}]})
+        return ModelRoutes(config.models, {"base": None, "tiny": None}, None, created=0)
+
+    for base_adapters, tiny_adapters, words in (({"small": "/a/s"}, {}, "'small' cannot be used: it is an alias"),
+                                                ({}, {"tiny": "/a/t"}, "'tiny' cannot be used: it is the name"),
+                                                ({"sql": "/a/1"}, {"sql": "/a/2"}, "has an adapter of that name")):
+        with pytest.raises(ValueError, match=words):
+            start(base_adapters, tiny_adapters)
