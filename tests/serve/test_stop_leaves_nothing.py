@@ -12,6 +12,7 @@ processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -113,10 +114,20 @@ def _port_free(port: int) -> bool:
 
 
 def _tree(pid: int) -> list[psutil.Process]:
+    """The launcher's descendants still there, each name read at once (psutil keeps it): a short-lived helper
+    that exits between the listing and the read is not part of what must stop (CI saw one go, 2026-11-29)."""
     try:
-        return psutil.Process(pid).children(recursive=True)
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+    live = []
+    for p in children:
+        try:
+            p.name()
+        except psutil.NoSuchProcess:
+            continue
+        live.append(p)
+    return live
 
 
 class Stream(threading.Thread):
@@ -160,7 +171,8 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     if how == "force":
         for p in [psutil.Process(proc.pid), *tree]:
             if p.name() != "haproxy":
-                p.send_signal(signal.SIGKILL)
+                with contextlib.suppress(psutil.NoSuchProcess):  # gone on its own meanwhile
+                    p.send_signal(signal.SIGKILL)
     else:
         # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end.
         stream = Stream(run.port, max_tokens=64)
