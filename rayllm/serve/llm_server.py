@@ -170,49 +170,49 @@ class LLMServer:
             skip_special_tokens=stop.skip_special_tokens,
             spaces_between_special_tokens=stop.spaces_between_special_tokens,
         )
-        completion_tokens = 0
+        completion_tokens, matched = 0, None
         first = True
         rid = f"{req.trace_id}:{req.request_id}-{index}" if req.trace_id else f"{req.request_id}-{index}"
+        # Traced: the engine phases come with its last output, also the abort's after a stop string (read then).
+        on_end = trace.choice(index, lambda: (completion_tokens, matched)) if trace is not None else None
         try:
-            async for o in self.engine.generate(rid, prompt, params, lora_id, grammar=grammar):
-                completion_tokens += len(o.new_token_ids)
-                text, matched = "", None
-                if o.new_token_ids and stop.stop_regex:
-                    text, matched = await asyncio.get_running_loop().run_in_executor(
-                        self._regex_pool, detok.add, o.new_token_ids)
-                elif o.new_token_ids:
-                    text, matched = detok.add(o.new_token_ids)
-                finish, matched_stop = o.finish_reason, None
-                if matched is not None:
-                    finish, matched_stop = "stop", matched
-                elif o.finished:
-                    if trace is not None:
-                        trace.engine_phases(index, o, completion_tokens)
-                    text += detok.flush()
-                    if o.finish_reason == "stop" and o.stop_token_id is not None:
-                        matched_stop = o.stop_token_id
-                delta = GenerationDelta(
-                    index=index,
-                    text=text,
-                    token_ids=o.new_token_ids,
-                    logprobs=_token_logprobs(self.tokenizer, o.logprobs, stop.tokens_as_ids) if o.logprobs else None,
-                    finish_reason=finish if (o.finished or matched is not None) else None,
-                    matched_stop=matched_stop,
-                    prompt_tokens=o.num_prompt_tokens,
-                    cached_tokens=o.num_cached_tokens,
-                    completion_tokens=completion_tokens,
-                    hidden_states=o.hidden_states,
-                )
-                if first:
-                    first = False
-                    if req.echo_texts is not None:
-                        delta.prompt_text = req.echo_texts[index // req.n]
-                    if o.prompt_logprobs is not None:
-                        delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0], stop.tokens_as_ids)
-                out.put_nowait(delta)
-                if matched is not None:  # abort now, not when the generator is collected: an adapter's
-                    self.engine.abort(rid)  # slot may be reused once this task has ended
-                    break
+            async with aclosing(self.engine.generate(rid, prompt, params, lora_id, grammar, on_end)) as outputs:
+                async for o in outputs:
+                    completion_tokens += len(o.new_token_ids)
+                    text, matched = "", None
+                    if o.new_token_ids and stop.stop_regex:
+                        text, matched = await asyncio.get_running_loop().run_in_executor(
+                            self._regex_pool, detok.add, o.new_token_ids)
+                    elif o.new_token_ids:
+                        text, matched = detok.add(o.new_token_ids)
+                    finish, matched_stop = o.finish_reason, None
+                    if matched is not None:
+                        finish, matched_stop = "stop", matched
+                    elif o.finished:
+                        text += detok.flush()
+                        if o.finish_reason == "stop" and o.stop_token_id is not None:
+                            matched_stop = o.stop_token_id
+                    delta = GenerationDelta(
+                        index=index,
+                        text=text,
+                        token_ids=o.new_token_ids,
+                        logprobs=_token_logprobs(self.tokenizer, o.logprobs, stop.tokens_as_ids) if o.logprobs else None,
+                        finish_reason=finish if (o.finished or matched is not None) else None,
+                        matched_stop=matched_stop,
+                        prompt_tokens=o.num_prompt_tokens,
+                        cached_tokens=o.num_cached_tokens,
+                        completion_tokens=completion_tokens,
+                        hidden_states=o.hidden_states,
+                    )
+                    if first:
+                        first = False
+                        if req.echo_texts is not None:
+                            delta.prompt_text = req.echo_texts[index // req.n]
+                        if o.prompt_logprobs is not None:
+                            delta.prompt_logprobs = self._prompt_logprobs(o, prompt[0], stop.tokens_as_ids)
+                    out.put_nowait(delta)
+                    if matched is not None:  # leaving aborts it now (aclosing), not when the generator is
+                        break  # collected: an adapter's slot may be reused once this task has ended
         except asyncio.CancelledError:  # client gone: leaving the generator aborted it in the engine
             log.info("aborted %s", rid)  # rid starts with the HTTP request's X-Request-Id
             raise

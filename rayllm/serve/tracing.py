@@ -8,9 +8,10 @@ and the model replica skip theirs too (they trace only requests that arrive with
 Context crosses processes as a W3C `traceparent` string: the client's header into the ingress
 (`TracingMiddleware`), the ingress's span into the render call's keyword arguments and into
 `GenerateRequest.traceparent`. The engine process does not export spans: it stamps each request's arrival,
-first scheduling, first token and end on its last `RequestOutput` (`EngineTimings`), and the model replica
-turns those into the queue / prefill / decode spans (rayllm.serve.tracing_spans), so the engine loop never
-pays for spans or an exporter thread.
+first scheduling, first token and end on its last `RequestOutput` (`EngineTimings`; an aborted request's
+last is the abort's acknowledgement, which the engine client hands on after the replica stopped reading,
+e.g. on a stop string), and the model replica turns those into the queue / prefill / decode spans
+(rayllm.serve.tracing_spans), so the engine loop never pays for spans or an exporter thread.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@
     │   ├── engine.queue               engine: arrival -> first scheduled (one set per choice)
     │   ├── engine.prefill             engine: first scheduled -> first token (chunks and preemptions included)
     │   └── engine.decode              engine: first token -> finished
+    │                                  (aborted: the phases reached, the last ending at the abort, `rayllm.aborted`)
     └── storage.write                  ingress: `store` / `conversation` (after the last token)
 
 Everything here is called only where tracing is on (`tracing.enabled()`) or returns at once when it is off.
@@ -129,6 +130,8 @@ class ModelTrace:
         self.parent = trace.set_span_in_context(self.span)
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.reasons: list[str] = []
+        self.open = 0  # choices whose last engine output (their timings) is still to come
+        self.ended = False  # the generation is over; with choices open, the span ends with the last of them
 
     def __enter__(self) -> ModelTrace:
         return self
@@ -145,7 +148,9 @@ class ModelTrace:
             self.span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
         elif exc is not None:
             self.span.set_attribute("rayllm.outcome", "abort")  # the client went away
-        self.span.end()
+        self.ended = True
+        if not self.open:  # else an aborted choice's acknowledgement is on its way: its phases end inside this
+            self.span.end()
 
     def observe(self, batch: list) -> None:
         """Counts from each choice's last delta (a prompt counts once, however many choices share it)."""
@@ -157,9 +162,28 @@ class ModelTrace:
                     self.prompt_tokens += d.prompt_tokens
                     self.cached_tokens += d.cached_tokens
 
-    def engine_phases(self, choice: int, out: RequestOutput, completion_tokens: int) -> None:
+    def choice(self, index: int, progress: Callable[[], tuple[int, str | None]]) -> Callable[[Any], None]:
+        """The engine client's `on_end` for one choice (its last engine output, which an aborted choice gets
+        after it stopped reading). `progress()`, read then: the choice's output tokens so far and the stop
+        string, if the serving layer matched one and aborted the sequence."""
+        self.open += 1
+
+        def on_end(out: RequestOutput | None) -> None:
+            self.open -= 1
+            try:
+                if out is not None:
+                    tokens, stop = progress()
+                    self.engine_phases(index, out, tokens + len(out.new_token_ids), stop is not None)
+            finally:
+                if self.ended and not self.open:
+                    self.span.end()
+
+        return on_end
+
+    def engine_phases(self, choice: int, out: RequestOutput, completion_tokens: int, stop_string: bool = False) -> None:
         """queue / prefill / decode spans of one choice, from the engine's clock (the same wall clock as this
-        process's: the engine runs on this node)."""
+        process's: the engine runs on this node). An aborted choice has the phases it reached, the last one
+        ending at the abort and saying why (`rayllm.aborted`)."""
         t = out.timings
         if t is None:
             return
@@ -167,12 +191,15 @@ class ModelTrace:
         phases = (("engine.queue", t.arrival_ns, t.scheduled_ns, {}),
                   ("engine.prefill", t.scheduled_ns, t.first_token_ns,
                    {"gen_ai.usage.input_tokens": out.num_prompt_tokens, "rayllm.cached_tokens": out.num_cached_tokens}),
-                  ("engine.decode", t.first_token_ns, t.finished_ns, {"gen_ai.usage.output_tokens": completion_tokens}))
+                  ("engine.decode", t.first_token_ns, 0, {"gen_ai.usage.output_tokens": completion_tokens}))
         for name, start, end, attributes in phases:
-            if start and end >= start:  # a phase the request reached (an early abort has fewer)
-                span = tracer.start_span(name, context=self.parent, start_time=start,
-                                         attributes={"rayllm.choice": choice} | attributes)
-                span.end(end_time=end)
+            if not start:  # a phase it never reached
+                break
+            attributes = {"rayllm.choice": choice} | attributes
+            if not end and out.finish_reason == "abort":  # the last phase it reached, cut short
+                attributes["rayllm.aborted"] = "stop_string" if stop_string else "error" if out.error else "cancelled"
+            span = tracer.start_span(name, context=self.parent, start_time=start, attributes=attributes)
+            span.end(end_time=max(end or t.finished_ns, start))
 
 
 def model_trace(req: GenerateRequest, model: str) -> Any:

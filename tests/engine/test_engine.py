@@ -302,3 +302,35 @@ def test_timings_mark_the_queue_prefill_and_decode_steps(engine, chat_prompts):
     assert steps[0][0] <= t.scheduled_ns <= steps[0][1]
     assert steps[first_token_step][0] <= t.first_token_ns <= steps[first_token_step][1]
     assert steps[-1][0] <= t.finished_ns <= steps[-1][1] and len(steps) == first_token_step + 3
+
+
+def test_an_abort_acknowledges_with_the_timings_of_the_phases_reached(engine, chat_prompts):
+    """The abort's output (what the replica traces after a stop string or a client gone) carries the
+    sequence's timestamps up to the abort, 0 for the phases it never reached: one aborted while queued, one
+    in its prefill (its prompt is chunked), one while decoding."""
+    import time
+
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    long_prompt = [t for p in chat_prompts for t in p][::-1][:150]  # > 64 tokens: three prefill chunks
+    engine.add_request("queued", chat_prompts[0], params)
+    queued = engine.abort("queued")
+    engine.add_request("decode", chat_prompts[1], params)  # first: its prompt fits the first step's budget
+    engine.add_request("prefill", long_prompt, params)
+    while True:
+        outs = {o.request_id: o for o in engine.step()}
+        if "decode" in outs:
+            break
+    engine.step()  # a decode step for it
+    before = time.time_ns()
+    prefill, decode = engine.abort("prefill"), engine.abort("decode")
+    after = time.time_ns()
+    assert not engine.has_work()
+
+    t = queued.timings
+    assert queued.finish_reason == "abort" and t.arrival_ns <= t.finished_ns and t.scheduled_ns == t.first_token_ns == 0
+    t = prefill.timings
+    assert prefill.finish_reason == "abort" and t.first_token_ns == 0
+    assert 0 < t.arrival_ns <= t.scheduled_ns < before <= t.finished_ns <= after
+    t = decode.timings
+    assert decode.finish_reason == "abort" and 0 < t.arrival_ns <= t.scheduled_ns <= t.first_token_ns < before
+    assert before <= t.finished_ns <= after

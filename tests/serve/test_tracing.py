@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -158,8 +159,11 @@ def test_model_replica_spans_from_engine_timestamps(spans):
     assert (got["engine.decode", 0].start_time, got["engine.decode", 0].end_time) == (base + 40, base + 90)
     assert got["engine.prefill", 0].attributes["rayllm.cached_tokens"] == 1
     assert got["engine.decode", 0].attributes["gen_ai.usage.output_tokens"] == 4
-    # choice 1 was aborted after its scheduling, before a token: it has a queue span only
-    assert ("engine.queue", 1) in got and ("engine.prefill", 1) not in got and ("engine.decode", 1) not in got
+    # choice 1 was aborted after its scheduling, before a token: its prefill ends at the abort and says so
+    assert (got["engine.queue", 1].start_time, got["engine.queue", 1].end_time) == (base + 10, base + 30)
+    assert (got["engine.prefill", 1].start_time, got["engine.prefill", 1].end_time) == (base + 30, base + 35)
+    assert got["engine.prefill", 1].attributes["rayllm.aborted"] == "cancelled" and ("engine.decode", 1) not in got
+    assert "rayllm.aborted" not in {**got["engine.queue", 1].attributes, **got["engine.decode", 0].attributes}
     for name in ("engine.queue", "engine.prefill", "engine.decode"):
         assert got[name, 0].parent.span_id == llm.context.span_id
 
@@ -172,3 +176,33 @@ async def test_model_span_ends_on_a_failure_with_its_error(spans):
     (llm,) = spans.get_finished_spans()
     assert not llm.status.is_ok and "boom" in llm.status.description
     assert llm.context.trace_id == int(CLIENT_TRACE, 16)
+
+
+def test_the_model_span_waits_for_a_stopped_choices_engine_phases(spans):
+    """A choice that a stop string ended is aborted in the engine; its phases come with the abort's
+    acknowledgement, after the generation ended. The replica's span ends only then, around them: the
+    decode span ends at the abort and says why. A choice the engine refused (None) closes nothing more."""
+    req = GenerateRequest("cmpl-2", [[5, 6, 7]], SamplingParams(max_tokens=8), StopOptions(stop=("Paris",)), n=3,
+                          traceparent=f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
+    with model_trace(req, "m") as trace:
+        done = trace.choice(0, lambda: (7, None))
+        stopped = trace.choice(1, lambda: (3, "Paris"))
+        refused = trace.choice(2, lambda: (0, None))
+        t0 = time.time_ns()
+        done(RequestOutput("a", [9], 3, 0, finished=True, finish_reason="length",
+                           timings=EngineTimings(t0 + 1, t0 + 2, t0 + 3, t0 + 4)))
+        refused(None)
+    assert spans.get_finished_spans()[-1].name == "engine.decode"  # llm.generate is still open
+    ack = RequestOutput("b", [], 3, 0, finished=True, finish_reason="abort",
+                        timings=EngineTimings(t0 + 1, t0 + 2, t0 + 3, time.time_ns()))
+    stopped(ack)
+    got = {(s.name, s.attributes.get("rayllm.choice")): s for s in spans.get_finished_spans()}
+    llm = got["llm.generate", None]
+    assert len(got) == 7  # llm.generate, three phases for each of choices 0 and 1
+    assert got["engine.decode", 0].attributes["gen_ai.usage.output_tokens"] == 8  # 7 read, 1 on the last output
+    decode = got["engine.decode", 1]
+    assert decode.attributes["rayllm.aborted"] == "stop_string" and decode.attributes["gen_ai.usage.output_tokens"] == 3
+    assert decode.end_time == ack.timings.finished_ns <= llm.end_time
+    for (name, _), s in got.items():
+        if name != "llm.generate":
+            assert s.parent.span_id == llm.context.span_id and llm.start_time <= s.start_time <= s.end_time

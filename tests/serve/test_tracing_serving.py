@@ -100,3 +100,66 @@ def test_new_traces_per_choice_phases_and_a_client_that_samples_out(traced, otlp
     assert root["attrs"]["gen_ai.usage.output_tokens"] == 6 == llm["attrs"]["gen_ai.usage.output_tokens"]
     # The first request's spans went out before the second's, through the same exporters: none were kept.
     assert not [s for s in otlp_receiver.spans if s["trace"] == unsampled]
+
+
+def engine_phases(spans: dict[str, list[dict]], choice: int, llm: dict) -> tuple[dict, dict, dict]:
+    """One choice's queue, prefill and decode spans: children of `llm`, back to back inside its interval."""
+    queue, prefill, decode = ({s["attrs"]["rayllm.choice"]: s for s in spans[name]}[choice]
+                              for name in ("engine.queue", "engine.prefill", "engine.decode"))
+    for s in (queue, prefill, decode):
+        assert s["parent"] == llm["id"] and llm["start"] <= s["start"] <= s["end"] <= llm["end"]
+    assert queue["end"] == prefill["start"] and prefill["end"] == decode["start"]
+    return queue, prefill, decode
+
+
+def test_a_choice_ended_by_a_stop_string_keeps_its_engine_phases(traced, otlp_receiver):
+    """A stop string is matched beside the engine, which then aborts the sequence: the choice's phases come
+    with the abort's acknowledgement, and its decode ends at the abort, marked `stop_string`. The request's
+    other choice runs to its length as usual; both sit inside llm.generate."""
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5,"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{traced}/v1/completions", headers=AUTH, json=body, timeout=120)
+    assert r.status_code == 200
+    free = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    # A word early in the first answer (greedy, batch-invariant: the same again) that the second never says.
+    stop = next(w for w in free[0][: len(free[0]) // 3].split() if len(w) >= 3 and w not in free[1])
+
+    trace_id = uuid.uuid4().hex
+    headers = AUTH | {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+    r = httpx.post(f"{traced}/v1/completions", headers=headers, json=body | {"stop": [stop]}, timeout=120)
+    assert r.status_code == 200
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert [c["finish_reason"] for c in choices] == ["stop", "length"] and stop not in choices[0]["text"]
+
+    spans = otlp_receiver.wait_for(lambda s: s["trace"] == trace_id, {
+        "llm.generate", "engine.queue", "engine.prefill", "engine.decode"})
+    (llm,) = spans["llm.generate"]
+    assert all(len(spans[n]) == 2 for n in ("engine.queue", "engine.prefill", "engine.decode"))
+    *_, stopped = engine_phases(spans, 0, llm)
+    *_, ran = engine_phases(spans, 1, llm)
+    assert stopped["attrs"]["rayllm.aborted"] == "stop_string" and "rayllm.aborted" not in ran["attrs"]
+    assert 0 < stopped["attrs"]["gen_ai.usage.output_tokens"] < 40 == ran["attrs"]["gen_ai.usage.output_tokens"]
+    assert sorted(llm["attrs"]["gen_ai.response.finish_reasons"]) == ["length", "stop"]
+
+
+def test_a_client_that_leaves_mid_stream_keeps_its_engine_phases(traced, otlp_receiver):
+    """The client goes away: the replica's generation is cancelled and its choice aborted in the engine; the
+    decode span ends at that abort, marked `cancelled`, inside llm.generate (which says `abort`)."""
+    trace_id = uuid.uuid4().hex
+    headers = AUTH | {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to one thousand."}],
+            "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{traced}/v1/chat/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got >= 3:
+                break  # leaving the block closes the connection mid-stream
+
+    spans = otlp_receiver.wait_for(lambda s: s["trace"] == trace_id, {
+        "llm.generate", "engine.queue", "engine.prefill", "engine.decode"})
+    (llm,) = spans["llm.generate"]
+    *_, decode = engine_phases(spans, 0, llm)
+    assert decode["attrs"]["rayllm.aborted"] == "cancelled" and llm["attrs"]["rayllm.outcome"] == "abort"
+    assert 0 < decode["attrs"]["gen_ai.usage.output_tokens"] < 900

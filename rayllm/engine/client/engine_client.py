@@ -46,6 +46,19 @@ CALL_TIMEOUT_S = 300.0  # LoRA loads read files; stats and health are answered w
 HEALTH_TIMEOUT_S = 60.0
 
 
+# generate's on_end: the request's last output from the engine (its timings), or None if none came.
+OnEnd = Callable[[RequestOutput | None], None]
+
+
+def _report(on_end: OnEnd | None, out: RequestOutput | None) -> None:
+    """Call a request's on_end; a fault in it (tracing) is logged, never the request's nor its neighbours'."""
+    if on_end is not None:
+        try:
+            on_end(out)
+        except Exception:
+            log.exception("on_end of request %s failed", out.request_id if out is not None else "?")
+
+
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Coalesce outputs that queued up while the consumer was busy: fewer hops per token."""
     a.new_token_ids = a.new_token_ids + b.new_token_ids
@@ -75,6 +88,7 @@ class EngineClient(ABC):
         self.startup_phases: dict[str, float] = {}  # the engine's cold start (rayllm.common.startup_phases)
         self.error: BaseException | None = None  # set once the engine is dead
         self._queues: dict[str, asyncio.Queue] = {}
+        self._ends: dict[str, OnEnd] = {}  # generate's on_end of requests left early, until the engine's last output
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -103,10 +117,17 @@ class EngineClient(ABC):
     # ---- the interface ----
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       lora_slot: int = 0, grammar: Any = None) -> AsyncIterator[RequestOutput]:
+                       lora_slot: int = 0, grammar: Any = None,
+                       on_end: OnEnd | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs, one or more steps' worth each; the last has `finished`. Leaving the
-        iterator early (close, cancellation) aborts the request. grammar: an xgrammar CompiledGrammar."""
+        iterator early (close, cancellation) aborts the request. grammar: an xgrammar CompiledGrammar.
+
+        on_end (tracing: the engine's timings) is called once, on the event loop, with the request's last
+        output from the engine: its finished one (before it is yielded; also one that fails the request),
+        or, when the iterator was left early, the abort's acknowledgement, which may come after the iterator
+        closed; None if the engine sends none (refused, dead)."""
         if self.error is not None:
+            _report(on_end, None)
             raise EngineDeadError(f"engine failed: {self.error}")
         self._loop = asyncio.get_running_loop()  # outputs go to the loop of the latest caller
         q: asyncio.Queue = asyncio.Queue()
@@ -115,6 +136,7 @@ class EngineClient(ABC):
             await self._add(request_id, prompt_token_ids, params, lora_slot, grammar)
         except BaseException:  # refused before it was sent (ValueError), or cancelled (then _add aborted it)
             self._queues.pop(request_id, None)
+            _report(on_end, None)
             raise
         finished = False
         try:
@@ -125,15 +147,32 @@ class EngineClient(ABC):
                     item = _merge(item, nxt) if isinstance(nxt, RequestOutput) else nxt
                 if isinstance(item, BaseException):
                     finished = True  # refused, or the engine is dead: nothing of it is left to abort
+                    _report(on_end, None)
                     raise item
                 finished = item.finished
+                if finished:
+                    _report(on_end, item)
                 if item.error is not None:
                     raise SequenceError(request_id, item.error)
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self.error is None:  # consumer went away (client disconnect): free its blocks
-                self.abort(request_id)
+            if not finished:
+                if on_end is not None:
+                    self._end_later(request_id, q, on_end)
+                if self.error is None:  # consumer went away (client disconnect): free its blocks
+                    self.abort(request_id)
+
+    def _end_later(self, request_id: str, q: asyncio.Queue, on_end: OnEnd) -> None:
+        """The consumer left before the last output: on_end gets the one already queued (the engine ended the
+        request meanwhile), else the next one _dispatch sees for it (the abort's), or None on the engine's death."""
+        while not q.empty():
+            item = q.get_nowait()
+            if isinstance(item, BaseException) or item.finished:
+                return _report(on_end, item if isinstance(item, RequestOutput) else None)
+        if self.error is not None:
+            return _report(on_end, None)
+        self._ends[request_id] = on_end
 
     def abort(self, request_id: str) -> None:
         """End a request: its iterator gets a last output with finish_reason 'abort'; a no-op once finished."""
@@ -167,11 +206,15 @@ class EngineClient(ABC):
             q = self._queues.get(rid)
             if q is not None:
                 q.put_nowait(item)
+            elif rid in self._ends:  # a request left early: its on_end waits for its last output
+                last = item if isinstance(item, RequestOutput) else None  # or the engine's death
+                if last is None or last.finished:
+                    _report(self._ends.pop(rid), last)
 
     def _on_death(self, exc: BaseException) -> None:
         """The engine's step failed or its process exited: fail every open request, report unhealthy."""
         self.error = exc
-        self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in list(self._queues)])
+        self._deliver([(rid, EngineDeadError(f"engine failed: {exc}")) for rid in [*self._queues, *self._ends]])
 
 
 def _resolve(engine: LLMEngine, method: str) -> Any:
@@ -209,7 +252,7 @@ class InprocClient(EngineClient):
         error = EngineDeadError(f"engine failed: {self.error}" if self.error is not None else "engine stopped")
         if command[0] == "call":
             command[1].set_exception(error)
-        elif command[0] == "add":
+        elif command[0] in ("add", "abort"):  # an abort's on_end (a request left early) learns none will come
             self._deliver([(command[1], error)])
 
     def _call(self, method: str, *args: Any, timeout: float) -> Any:

@@ -5,6 +5,7 @@ The real default model (SmolLM2 GGUF), in float32 so batch composition cannot ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
@@ -137,3 +138,50 @@ def test_the_factory_runs_only_single_rank_default_engines_in_a_child(gguf_path)
     ray = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, executor="ray"))
     assert steps_in_child(base, True) and not steps_in_child(base, False)
     assert not steps_in_child(tp2, True) and not steps_in_child(ray, True)
+
+
+def test_on_end_gets_the_last_output_also_after_the_consumer_left(client, chat_prompts):
+    """generate's on_end (the replica's tracing) is called once per request with the engine's last output and
+    its timings: a finished request's before that output is yielded; for a consumer that leaves early (a stop
+    string), the abort's acknowledgement, after the iterator closed; for one that leaves once the engine had
+    already finished it, that finished output. Without on_end nothing waits for an acknowledgement."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    ends: dict[str, list] = {"done": [], "left": [], "late": []}
+
+    async def run():
+        seen = []
+        async for out in client.generate("done", chat_prompts[0], GREEDY, on_end=ends["done"].append):
+            seen.append((out.finished, len(ends["done"])))
+        assert seen[-1] == (True, 1) and all(n == 0 for _, n in seen[:-1])  # before the last is yielded
+
+        async with contextlib.aclosing(client.generate("left", chat_prompts[1], params,
+                                                       on_end=ends["left"].append)) as gen:
+            await anext(gen)
+            await anext(gen)
+        assert ends["left"] == []  # the abort is on its way
+        for _ in range(600):  # the acknowledgement comes after the engine's current step
+            if ends["left"]:
+                break
+            await asyncio.sleep(0.05)
+
+        short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        gen = client.generate("late", chat_prompts[2], short, on_end=ends["late"].append)
+        if not (await anext(gen)).finished:  # (both tokens may have come merged)
+            while client._queues["late"].empty():  # the engine finishes it while nobody reads
+                await asyncio.sleep(0.01)
+        await gen.aclose()
+
+        plain = client.generate("plain", chat_prompts[3], params)
+        await anext(plain)
+        await plain.aclose()
+        assert client._ends == {}
+
+    asyncio.run(run())
+    (done,), (left,), (late,) = ends["done"], ends["left"], ends["late"]
+    assert done.finished and done.finish_reason in ("stop", "length")
+    assert left.request_id == "left" and left.finish_reason == "abort" and left.new_token_ids == []
+    assert late.finish_reason == "length" and late.new_token_ids  # the unread last output itself
+    for out in (done, left, late):
+        t = out.timings
+        assert 0 < t.arrival_ns <= t.scheduled_ns <= t.first_token_ns <= t.finished_ns
+    assert client._ends == {} and idle(client.stats())

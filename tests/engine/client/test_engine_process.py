@@ -300,3 +300,31 @@ def test_a_request_cancelled_while_its_grammar_is_sent_is_aborted(process_engine
     stats = asyncio.run(run())
     assert process_engine.process.grammars_sent == sent + 1  # the add did go out, and its abort after it
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
+
+
+def test_an_abort_the_dead_child_never_acknowledged_ends_with_none(gguf_path, eos, chat_prompts):
+    """A request left early waits for its abort's acknowledgement (generate's on_end, the replica's tracing); if
+    the child dies first, on_end still comes, with None, so nothing waits on it for ever."""
+    import signal
+
+    engine = ProcessClient(EngineProcess(config(gguf_path), eos_token_ids=eos))
+    ends: list = []
+    try:
+        async def run():
+            gen = engine.generate("r", chat_prompts[0], SamplingParams(temperature=0.0, max_tokens=500),
+                                  on_end=ends.append)
+            await anext(gen)
+            os.kill(engine.process._proc.pid, signal.SIGSTOP)  # the abort below waits in the pipe, unread
+            await gen.aclose()
+            await asyncio.sleep(0.2)
+            assert ends == [] and "r" in engine._ends
+            engine.process._proc.kill()  # a crash of the child (OOM kill, segfault)
+            for _ in range(200):
+                if ends:
+                    break
+                await asyncio.sleep(0.05)
+
+        asyncio.run(run())
+        assert ends == [None] and engine._ends == {} and engine.error is not None
+    finally:
+        engine.shutdown()
