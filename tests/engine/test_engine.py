@@ -310,7 +310,8 @@ def test_an_abort_acknowledges_with_the_timings_of_the_phases_reached(engine, ch
     in its prefill (its prompt is chunked), one while decoding."""
     import time
 
-    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    # A salt of its own: no prefix of the module's other requests is cached for these.
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True, cache_salt="abort-timings")
     long_prompt = [t for p in chat_prompts for t in p][::-1][:150]  # > 64 tokens: three prefill chunks
     engine.add_request("queued", chat_prompts[0], params)
     queued = engine.abort("queued")
