@@ -101,7 +101,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         """Selects the model `model` names for the rest of this request (404 for an unknown one)."""
         self.routes.select(model)
 
-    async def select_model(self, model: str | None, lora_path: Any = None) -> None:
+    async def select_model(self, model: str | None, lora_path: str | list[str | None] | None = None) -> None:
         """check_model, once the adapters loaded at runtime that `model` or `lora_path` may name are known."""
         await self.shared_adapters.lookup(model, lora_path)
         self.routes.select(model)
