@@ -26,6 +26,7 @@ from rayllm.protocol.tools import ToolPlan, plan_tools
 from rayllm.serve.auth import Access, cache_salt
 from rayllm.serve.config import ServerConfig
 from rayllm.serve.generation_stream import Generation, OnComplete
+from rayllm.serve.lora.shared_adapters import SharedAdapters
 from rayllm.serve.metrics import server_metrics
 from rayllm.serve.model_status import ServeModelStatus, wake
 from rayllm.serve.request_guards import (
@@ -43,6 +44,7 @@ from rayllm.serve.routes.model_routes import ModelRoutes
 from rayllm.serve.routes.playground import PlaygroundRoutes
 from rayllm.serve.routes.responses_routes import ResponsesRoutes
 from rayllm.serve.serving_priority import ServingPriority
+from rayllm.serve.stores.adapter_store import AdapterStore
 from rayllm.serve.stores.completion_store import completion_store
 from rayllm.serve.stores.conversation_store import ConversationStore
 from rayllm.serve.tracing import client_span, configure
@@ -62,9 +64,12 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key,
                                        config.allow_runtime_lora_updating)
         self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
+        app_name = serve.get_replica_context().app_name
+        # Adapters loaded at runtime: in the store, for every ingress replica (rayllm/serve/lora/shared_adapters.py)
+        self.shared_adapters = SharedAdapters(AdapterStore(self.store, app_name), self.routes)
         self.metrics = server_metrics()
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
-        self.model_status = ServeModelStatus(serve.get_replica_context().app_name)
+        self.model_status = ServeModelStatus(app_name)
         self.health_log = ops.HealthLog()
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
         configure(config.tracing, "ingress")  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
@@ -94,6 +99,11 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
 
     def check_model(self, model: str | None) -> None:
         """Selects the model `model` names for the rest of this request (404 for an unknown one)."""
+        self.routes.select(model)
+
+    async def select_model(self, model: str | None, lora_path: str | list[str | None] | None = None) -> None:
+        """check_model, once the adapters loaded at runtime that `model` or `lora_path` may name are known."""
+        await self.shared_adapters.lookup(model, lora_path)
         self.routes.select(model)
 
     async def render(self, messages: list[dict], chat_template: str | None = None, **kw) -> tuple[str, list[int]]:
@@ -150,11 +160,13 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
+        await self.shared_adapters.read()
         return JSONResponse({"object": "list", "data": await self.routes.cards(await self.asleep())})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self.check_auth(request)
+        await self.shared_adapters.lookup(model_id)
         route = self.routes.find(model_id)
         name = route.adapters.name_of(model_id)
         if name is not None and name in route.adapters:
@@ -168,11 +180,11 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        return await ops.load_adapter(request, self.keys, self.routes)
+        return await ops.load_adapter(request, self.keys, self.routes, self.shared_adapters)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
-        return await ops.unload_adapter(request, self.keys, self.routes)
+        return await ops.unload_adapter(request, self.keys, self.routes, self.shared_adapters)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -194,7 +206,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
                            rid: str, param: str = "messages") -> tuple[GenerateRequest, Any]:
         """What /v1/chat/completions and /v1/responses share: adapter, bounds, constraint, tools, template,
         sampling. Returns the engine request and the output parser factory (rayllm.protocol.chat_output)."""
-        self.check_model(req.model)
+        await self.select_model(req.model, req.lora_path)
         lora = self.adapters.resolve(req.model, req.lora_path)
         seqs = check_request(self.config, req, 1)
         P.check_supported(req)
@@ -239,7 +251,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
     async def completions(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, P.CompletionRequest)
-        self.check_model(req.model)
+        await self.select_model(req.model, req.lora_path)
         lora = self.adapters.resolve(req.model, req.lora_path)
         raw_prompts = P.completion_prompts(req)
         seqs = check_request(self.config, req, len(raw_prompts))
@@ -304,7 +316,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
     async def tokenize(self, request: Request) -> JSONResponse:
         self.check_auth(request)
         req = await parse(request, P.TokenizeRequest)
-        self.check_model(req.model)
+        await self.select_model(req.model)
         if req.messages is not None:
             _, ids = await self.render(
                 [m.model_dump(exclude_none=True) for m in req.messages],
@@ -323,7 +335,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
     async def detokenize(self, request: Request) -> JSONResponse:
         self.check_auth(request)
         req = await parse(request, P.DetokenizeRequest)
-        self.check_model(req.model)
+        await self.select_model(req.model)
         check_token_list(req.tokens, (await self.tokenizer_info())["vocab_size"])
         return JSONResponse({"prompt": await self.tokenizer.decode.remote(req.tokens, False)})
 

@@ -1,7 +1,8 @@
 """The ingress's table of LoRA adapters: which `model` names address an adapter, and where its files are.
 
-Pure bookkeeping (no Ray, no I/O): the ingress asks it how to route a request and keeps it current as
-adapters are loaded and unloaded; the replicas hold the weights (rayllm/serve/lora/lora_registry.py).
+Pure bookkeeping (no Ray, no I/O): the ingress asks it how to route a request; the adapters loaded at
+runtime come from the app's store (rayllm/serve/lora/shared_adapters.py keeps them current), cluster.yaml's
+from the configuration; the replicas hold the weights (rayllm/serve/lora/lora_registry.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from rayllm.serve.lora.adapter_paths import resolve_allowed
 class AdapterTable:
     def __init__(self, base_model: str, adapters: dict[str, str], created: int, allowed_roots: tuple[str, ...] = ()):
         self.base_model = base_model
-        self.paths: dict[str, str] = dict(adapters)  # name -> PEFT directory (cluster.yaml, then the load route)
+        self.configured = dict(adapters)  # cluster.yaml's: configuration, never the load routes' to change
+        self.paths: dict[str, str] = dict(adapters)  # name -> PEFT directory: configured, and loaded at runtime
         self.created = created
         self.allowed_roots = allowed_roots  # where clients may name directories (rayllm/serve/lora/adapter_paths.py)
 
@@ -63,19 +65,33 @@ class AdapterTable:
                            param="lora_path")
         return name, self.paths[name]
 
+    def set_runtime(self, adapters: dict[str, str]) -> None:
+        """The adapters loaded at runtime (name -> path) as the store has them; a configured name keeps its
+        configured path."""
+        self.paths = adapters | self.configured
+
     def check_new(self, name: str | None) -> str:
         """A name the load route may register (vLLM's errors for a bad or taken name)."""
         if not name or ":" in name or name == self.base_model:
             raise APIError(400, f"invalid adapter name {name!r}", param="lora_name")
         if name in self.paths:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
-                           code="lora_adapter_exists")
+            raise adapter_exists(name)
         return name
 
-    def remove(self, name: str | None) -> str:
-        """Forget an adapter (requests for it get 404 from here on); 404 if it is not loaded."""
-        if name not in self.paths:
-            raise APIError(404, f"The lora adapter '{name}' cannot be found.", type="not_found_error",
-                           param="lora_name", code="lora_adapter_not_found")
-        del self.paths[name]
-        return name
+    def check_unloadable(self, name: str) -> None:
+        """An adapter configured in cluster.yaml is the configuration's: every ingress replica serves it
+        from there, so no route can unload it (a 400 naming lora_name)."""
+        if name in self.configured:
+            raise APIError(400, f"LoRA adapter {name!r} is configured (lora.adapters in cluster.yaml), not loaded "
+                           "at runtime: remove it from the configuration instead", param="lora_name",
+                           code="lora_adapter_configured")
+
+
+def adapter_exists(name: str) -> APIError:
+    return APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                    code="lora_adapter_exists")
+
+
+def adapter_not_found(name: str) -> APIError:
+    return APIError(404, f"The lora adapter '{name}' cannot be found.", type="not_found_error", param="lora_name",
+                    code="lora_adapter_not_found")

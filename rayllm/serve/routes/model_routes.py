@@ -8,7 +8,7 @@ reach that model without every call passing it along. Requests that name no mode
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -20,6 +20,7 @@ from rayllm.protocol.responses import ModelCard
 from rayllm.serve.config import ModelEntry
 from rayllm.serve.lora.adapter_table import AdapterTable
 from rayllm.serve.render_batcher import RenderBatcher
+from rayllm.serve.stores.adapter_store import StoredAdapter
 
 
 class _TokenizerCall:
@@ -68,6 +69,7 @@ class ModelRoute:
         self.renderer = RenderBatcher(self.tokenizer)
         self.created = created
         lora = entry.engine.lora
+        self.lora_enabled = lora.enabled
         self.adapters = RouteAdapters(entry.name, entry.aliases, dict(lora.adapters), created, lora.allowed_roots)
         self.configured_max_model_len = entry.engine.model.max_model_len
         self._info: ModelInfo | None = None
@@ -107,6 +109,7 @@ class ModelRoutes:
                  tokenizer: DeploymentHandle, created: int):
         self.routes = [ModelRoute(m, llms[m.name], tokenizer, created) for m in models]
         self.by_name = {n: r for r in self.routes for n in (r.name, *r.aliases)}
+        self.lora_enabled = any(r.lora_enabled for r in self.routes)
         for route in self.routes:  # cluster.yaml's adapters: a clash is the operator's to fix before serving
             for name in route.adapters:
                 clash = self.clash(name, route)
@@ -145,6 +148,34 @@ class ModelRoutes:
     def holding(self, adapter: str) -> ModelRoute:
         """The model whose table holds `adapter` (names are unique across models); the first if none does."""
         return next((r for r in self.routes if adapter in r.adapters), self.routes[0])
+
+    def configured(self, adapter: str) -> bool:
+        return any(adapter in r.adapters.configured for r in self.routes)
+
+    def runtime_names(self, model: str | None, lora_path: str | list[str | None] | None = None) -> list[str]:
+        """The names a request's `model` and `lora_path` may give an adapter loaded at runtime: not a model's
+        name or alias, nor a cluster.yaml adapter's (those are known without the store)."""
+        names = []
+        if model is not None and model not in self.by_name:
+            base, colon, adapter = model.partition(":")
+            if not colon:
+                names.append(model)
+            elif base in self.by_name:
+                names.append(adapter)
+        # A lora_path may name a registered adapter instead of a directory (AdapterTable.resolve).
+        names += [p for p in (lora_path if isinstance(lora_path, list) else [lora_path]) if isinstance(p, str)]
+        return [n for n in names if not self.configured(n)]
+
+    def apply(self, adapters: Iterable[StoredAdapter]) -> None:
+        """Each model's adapters loaded at runtime, as the store has them. A row whose model this app does not
+        serve with LoRA (its configuration changed since the load), or whose name a model or cluster.yaml
+        has taken meanwhile, is left out: the configuration wins."""
+        by_model: dict[str, dict[str, str]] = {r.name: {} for r in self.routes if r.lora_enabled}
+        for a in adapters:
+            if a.model in by_model and a.name not in self.by_name and not self.configured(a.name):
+                by_model[a.model][a.name] = a.path
+        for route in self.routes:
+            route.adapters.set_runtime(by_model.get(route.name, {}))
 
     def clash(self, adapter: str, route: ModelRoute) -> str | None:
         """Why `adapter` cannot be `route`'s adapter, if it cannot: requests address adapters by their bare

@@ -16,6 +16,7 @@ from rayllm.common.errors import first_line
 from rayllm.protocol.errors import APIError
 from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from rayllm.serve.auth import Access
+from rayllm.serve.lora.shared_adapters import SharedAdapters
 from rayllm.serve.metrics import CONTENT_TYPE, ServerMetrics
 from rayllm.serve.model_status import DeploymentState, ServeModelStatus
 from rayllm.serve.routes.http_app import app, error_response, parse
@@ -89,28 +90,29 @@ async def metrics(request: Request, access: Access, llms: dict[str, DeploymentHa
     return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def load_adapter(request: Request, access: Access, routes: ModelRoutes) -> Response:
+async def load_adapter(request: Request, access: Access, routes: ModelRoutes, shared: SharedAdapters) -> Response:
     """vLLM's route and body: {"lora_name", "lora_path"}, plus `model` (the base model's name or alias;
     default the first model); the adapter is loaded (and checked) on one of that model's replicas now, and
-    on its other replicas when requests reach them. Admin key; path under that model's lora.allowed_roots."""
+    on its other replicas when requests reach them; every ingress replica serves it (rayllm/serve/lora/
+    shared_adapters.py). Admin key; path under that model's lora.allowed_roots."""
     access.admin(request.headers.get("authorization"))
     req = await parse(request, LoadLoRAAdapterRequest)
     route = routes.base(req.model)
+    await shared.read()  # the names other replicas loaded or unloaded, for the checks below
     name = routes.check_new_adapter(route, req.lora_name)
     path = route.adapters.allowed(req.lora_path)
-    card = await route.llm_for(name).load_lora_adapter.remote(name, path)
-    route.adapters.paths[name] = path
+    card = await shared.load(route, name, path)
     headers = {"x-replica-id": card["replica_id"]} if card.get("replica_id") else None
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain", headers=headers)
 
 
-async def unload_adapter(request: Request, access: Access, routes: ModelRoutes) -> Response:
-    """Requests for it get 404 from here on; the replica holding it aborts its running requests and
-    frees the slot once the engine has dropped them (other replicas free theirs by LRU). Without `model`,
-    the adapter is found in whichever model's table holds it."""
+async def unload_adapter(request: Request, access: Access, routes: ModelRoutes, shared: SharedAdapters) -> Response:
+    """Requests for it get 404 from here on (through other ingress replicas within shared_adapters.FRESH_S);
+    the replica holding it aborts its running requests and frees the slot once the engine has dropped them
+    (other replicas free theirs by LRU). Without `model`, the adapter is found in whichever model holds it."""
     access.admin(request.headers.get("authorization"))
     req = await parse(request, UnloadLoRAAdapterRequest)
+    await shared.read()  # which model has it, when another replica loaded it
     route = routes.holding(req.lora_name) if req.model is None else routes.base(req.model)
-    name = route.adapters.remove(req.lora_name)
-    await route.llm_for(name).unload_lora_adapter.remote(name)
-    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+    await shared.unload(route, req.lora_name)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

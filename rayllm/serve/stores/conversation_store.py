@@ -333,3 +333,7 @@ class _Cursor:
 
     def fetchall(self) -> list[Any]:
         return self.cur.fetchall()
+
+    @property
+    def rowcount(self) -> int:
+        return self.cur.rowcount

@@ -78,7 +78,23 @@ def test_load_and_unload_checks(table):
     assert table.check_new("poet") == "poet"
     assert table.card("pirate") == {"id": "pirate", "object": "model", "created": 123, "owned_by": "rayllm-tp",
                                     "root": "pirate", "parent": BASE}  # no path on disk
-    assert table.remove("pirate") == "pirate" and "pirate" not in table and list(table) == []
+    # A cluster.yaml adapter is configuration: the unload route refuses it (every ingress replica serves it).
     with pytest.raises(APIError) as err:
-        table.remove("pirate")
-    assert err.value.status_code == 404 and err.value.code == "lora_adapter_not_found"
+        table.check_unloadable("pirate")
+    assert (err.value.status_code, err.value.param, err.value.code) == (400, "lora_name", "lora_adapter_configured")
+    table.check_unloadable("poet")
+
+
+def test_runtime_adapters_come_and_go_beside_the_configured_ones(table):
+    """The store's rows replace the runtime part of the table; a configured name keeps its configured path."""
+    table.set_runtime({"poet": "/adapters/poet", "pirate": "/elsewhere"})
+    assert table.resolve("poet", None) == ("poet", "/adapters/poet")
+    assert table.resolve("pirate", None) == ("pirate", "/adapters/pirate")
+    with pytest.raises(APIError) as err:
+        table.check_new("poet")
+    assert err.value.code == "lora_adapter_exists" and err.value.param == "lora_name"
+    table.set_runtime({})
+    assert list(table) == ["pirate"]
+    with pytest.raises(APIError) as err:
+        table.resolve("poet", None)
+    assert err.value.status_code == 404 and err.value.code == "model_not_found"

@@ -1,0 +1,121 @@
+"""The app's LoRA adapters loaded at runtime, as one ingress replica sees them, and the load and unload
+steps that change them for every replica.
+
+The adapters live in the app's store (rayllm/serve/stores/adapter_store.py: the conversations' database),
+so every ingress replica serves the same ones and a restarted replica finds them again. Each replica keeps
+the rows it last read (in its ModelRoutes' tables); reads run off the event loop. How stale a replica may be:
+
+- a name it does not know is looked up in the store at once, so an adapter is served by every replica as
+  soon as its load has answered;
+- a name it knows is read again once its view is FRESH_S old, so an unload (or a load of the name from other
+  files) made through another replica reaches this one within FRESH_S seconds;
+- /v1/models and the load route read the store every time; base-model requests never read it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from rayllm.protocol.errors import APIError
+from rayllm.serve.lora.adapter_table import adapter_exists, adapter_not_found
+from rayllm.serve.stores.adapter_store import AdapterStore, StoredAdapter
+
+if TYPE_CHECKING:
+    from rayllm.serve.routes.model_routes import ModelRoute, ModelRoutes
+
+log = logging.getLogger("ray.serve")
+
+# Seconds a replica serves a known adapter name from its last read of the store (see the module docstring).
+FRESH_S = 2.0
+
+
+def unloaded_while_loading(name: str) -> APIError:
+    return APIError(409, f"The lora adapter '{name}' was unloaded while it loaded.", type="conflict_error",
+                    param="lora_name", code="lora_adapter_unloaded")
+
+
+class SharedAdapters:
+    def __init__(self, store: AdapterStore, routes: ModelRoutes, fresh_s: float = FRESH_S) -> None:
+        self.store = store
+        self.routes = routes
+        self.fresh_s = fresh_s
+        self.adapters: dict[str, StoredAdapter] = {}  # the view: the store's rows, and this replica's own changes
+        self.read_at = -math.inf  # monotonic start of the read the view comes from
+        self.changed_at = -math.inf  # this replica's last own change
+        self._shared: asyncio.Task | None = None  # the read that requests of known names wait on together
+
+    async def read(self) -> None:
+        """The store's rows now: whatever was committed before this call is in the view after it."""
+        if not self.routes.lora_enabled:
+            return  # no model takes adapters: no request resolves one, and the store is never read
+        started = time.monotonic()
+        rows = await asyncio.to_thread(self.store.adapters)
+        # Reads overlap: one that started before the view's read, or before an own change, is older than both.
+        if started >= max(self.read_at, self.changed_at):
+            self.adapters = {a.name: a for a in rows}
+            self.read_at = started
+            self.routes.apply(self.adapters.values())
+
+    async def lookup(self, model: str | None, lora_path: str | list[str | None] | None = None) -> None:
+        """Brings the view up to date for a request's `model` and `lora_path` (the bound is the module
+        docstring's); 503 storage_unavailable when the store cannot be read."""
+        names = self.routes.runtime_names(model, lora_path)
+        if not names:
+            return
+        if any(n not in self.adapters for n in names):
+            await self.read()
+        elif time.monotonic() - self.read_at >= self.fresh_s:
+            if self._shared is None or self._shared.done():
+                self._shared = asyncio.create_task(self.read())
+                # Its error reaches every waiter; this keeps one whose waiters all left from being logged.
+                self._shared.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await asyncio.shield(self._shared)
+
+    def _changed(self, name: str, adapter: StoredAdapter | None) -> None:
+        """This replica's own load or unload: in its view at once (no read needed)."""
+        self.changed_at = time.monotonic()
+        if adapter is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = adapter
+        self.routes.apply(self.adapters.values())
+
+    async def load(self, route: ModelRoute, name: str, path: str) -> dict:
+        """Reserves `name` in the store (vLLM's 400 lora_adapter_exists when taken: of two loads of one name
+        at once, through any replicas, one wins), has one of the model's replicas load and check the files,
+        then makes the adapter one that requests resolve. A refused load gives its reservation up.
+        Returns the replica's card of the adapter."""
+        token = await asyncio.to_thread(self.store.reserve, route.name, name, path)
+        if token is None:
+            raise adapter_exists(name)
+        try:
+            card = await route.llm_for(name).load_lora_adapter.remote(name, path)
+            confirmed = await asyncio.to_thread(self.store.confirm, name, token)
+        except BaseException:  # refused, failed or cancelled: the name is free again
+            await self._release(name, token)
+            raise
+        if not confirmed:  # an unload of the name came between: it wins, so the replica drops the files too
+            await route.llm_for(name).unload_lora_adapter.remote(name)
+            raise unloaded_while_loading(name)
+        self._changed(name, StoredAdapter(name, route.name, path, int(time.time())))
+        return card
+
+    async def _release(self, name: str, token: str) -> None:
+        try:
+            await asyncio.to_thread(self.store.release, name, token)
+        except Exception as exc:  # the load's own error matters more; the reservation waits for an unload
+            log.warning("LoRA adapter %r: its failed load's reservation could not be given up (%s); "
+                        "unloading the name frees it", name, exc)
+
+    async def unload(self, route: ModelRoute, name: str) -> None:
+        """Removes `route`'s adapter `name` for every replica (404 when it has none; 400 for a cluster.yaml
+        adapter), then has the model replica that holds it abort its requests and free the slot."""
+        route.adapters.check_unloadable(name)
+        if not await asyncio.to_thread(self.store.remove, route.name, name):
+            raise adapter_not_found(name)
+        self._changed(name, None)
+        await route.llm_for(name).unload_lora_adapter.remote(name)

@@ -1,0 +1,174 @@
+"""Runtime-loaded LoRA adapters with two ingress replicas (rayllm/serve/lora/shared_adapters.py): an
+adapter loaded through one replica serves through the other, an unload reaches both within the stated
+bound, two loads of one name at once leave exactly one winner, and restarted replicas still serve it.
+
+Each ingress replica serves HTTP on a port of its own (HAProxy balances over them): the tests call each
+replica there, so which one answers is the test's choice, not the balancer's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from rayllm.serve.lora.shared_adapters import FRESH_S
+from tests.serve.conftest import ADMIN_KEY, API_KEY
+from tests.serve.ops_apps import QUESTION, SMALL_ENGINE, run_app, wait_healthy
+
+pytestmark = pytest.mark.slow  # Ray Serve and the real model: `make test-fast` skips it
+
+APP = "lorarep"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
+    """Random PEFT adapters on the default model, as tests/serve/test_lora_serving.py makes them."""
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
+
+    arch = read_arch(gguf_path)
+    root = tmp_path_factory.mktemp("replica-adapters")
+    return {name: random_peft_adapter(str(root / name), arch, rank=8, seed=seed)
+            for name, seed in (("one", 21), ("two", 22), ("three", 23))}
+
+
+def ingress_targets() -> dict[str, str]:
+    """The app's running ingress replicas: each one's actor name -> its own HTTP URL (route prefix included),
+    as Serve's controller gives them to HAProxy."""
+    import ray
+    from ray.serve._private.common import RequestProtocol
+    from ray.serve.context import _get_global_client
+
+    groups = ray.get(_get_global_client()._controller.get_target_groups.remote(APP, True))
+    return {t.name: f"http://{t.ip}:{t.port}/{APP}" for g in groups if g.protocol == RequestProtocol.HTTP
+            for t in g.targets}
+
+
+def two_replicas(old: frozenset[str] = frozenset(), wait_s: float = 120) -> list[str]:
+    """The URLs of two running ingress replicas, none of them one of `old` (actor names), once healthy."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        targets = {name: url for name, url in ingress_targets().items() if name not in old}
+        if len(targets) == 2:
+            return [wait_healthy(url) for url in sorted(targets.values())]
+        assert time.monotonic() < deadline, f"ingress replicas running: {sorted(ingress_targets())}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def replicas(server, adapters, tmp_path_factory) -> list[str]:
+    """An app whose ingress runs two replicas (one model replica with two adapter slots); the session's
+    STORAGE_URL is its store. The list is the test module's to update when replicas are replaced."""
+    from ray import serve
+
+    from rayllm.serve.builder import build_app_with
+    from rayllm.serve.config import ServerConfig
+
+    config = ServerConfig.from_args({
+        "api_keys": [API_KEY], "admin_api_keys": [ADMIN_KEY], "replica_num_cpus": 0.5,
+        "engine": SMALL_ENGINE | {"lora": {"max_loras": 2, "max_lora_rank": 8,
+                                           "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
+    })
+    ingress = build_app_with(config)._bound_deployment  # the builder's app, its ingress on two replicas
+    app = ingress.options(num_replicas=2).bind(*ingress.init_args, **ingress.init_kwargs)
+    run_app(server, app, APP)
+    yield two_replicas()
+    serve.delete(APP, _blocking=False)
+
+
+def admin(url: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=120)
+
+
+def chat(url: str, model: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
+                      json={"model": model, "messages": QUESTION, "max_tokens": 8, "temperature": 0})
+
+
+def text(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def listed(url: str) -> list[str]:
+    r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [m["id"] for m in r.json()["data"]]
+
+
+def test_an_adapter_loaded_through_one_replica_serves_through_the_other_until_unloaded(replicas, adapters,
+                                                                                     model_name):
+    a, b = replicas
+    base = text(chat(b, model_name))
+    r = admin(a, "load_lora_adapter", {"lora_name": "one", "lora_path": adapters["one"]})
+    assert r.status_code == 200, r.text
+    one = text(chat(b, "one"))  # b never saw the load: it finds the adapter in the store at once
+    assert one != base and text(chat(b, f"{model_name}:one")) == one == text(chat(a, "one"))
+    assert listed(b).count("one") == 1
+    card = httpx.get(f"{b}/v1/models/one", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).json()
+    assert card["parent"] == model_name and adapters["one"] not in str(card)
+
+    r = admin(b, "unload_lora_adapter", {"lora_name": "one"})
+    assert r.status_code == 200, r.text
+    unloaded = time.monotonic()
+    assert chat(b, "one").status_code == 404  # the replica that unloaded: at once
+    assert "one" not in listed(a)  # /v1/models reads the store every time
+    # The other replica served "one" a moment ago: it may do so from its view for up to FRESH_S more.
+    while (r := chat(a, "one")).status_code == 200:
+        assert time.monotonic() - unloaded < FRESH_S + 1
+        time.sleep(0.1)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert time.monotonic() - unloaded < FRESH_S + 1
+    r = admin(a, "unload_lora_adapter", {"lora_name": "one"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "lora_adapter_not_found"
+    assert text(chat(a, model_name)) == base
+
+
+def test_two_loads_of_one_name_at_once_through_both_replicas_one_wins(replicas, adapters, model_name):
+    """vLLM's answer for a taken name (400 lora_adapter_exists) for exactly one of them, whichever replica
+    took it; both replicas then serve the winner's files."""
+    start = threading.Barrier(2)
+    answers: dict[int, httpx.Response] = {}
+
+    def load(i: int, url: str, path: str) -> None:
+        start.wait()
+        answers[i] = admin(url, "load_lora_adapter", {"lora_name": "two", "lora_path": path})
+
+    threads = [threading.Thread(target=load, args=(i, url, adapters[name]))
+               for i, (url, name) in enumerate(zip(replicas, ("two", "three"), strict=True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(r.status_code for r in answers.values()) == [200, 400], [r.text for r in answers.values()]
+    (lost,) = [r for r in answers.values() if r.status_code == 400]
+    assert (lost.json()["error"]["code"], lost.json()["error"]["param"]) == ("lora_adapter_exists", "lora_name")
+    (won,) = [i for i, r in answers.items() if r.status_code == 200]
+    served = {text(chat(url, "two")) for url in replicas}
+    assert len(served) == 1 and all(listed(url).count("two") == 1 for url in replicas)
+    # The winner's files: the same text as that adapter under a name of its own.
+    winner = ("two", "three")[won]
+    assert admin(replicas[0], "load_lora_adapter", {"lora_name": "check", "lora_path": adapters[winner]}
+                 ).status_code == 200
+    assert text(chat(replicas[1], "check")) == served.pop() != text(chat(replicas[1], model_name))
+    for name in ("two", "check"):
+        assert admin(replicas[1], "unload_lora_adapter", {"lora_name": name}).status_code == 200
+
+
+def test_restarted_ingress_replicas_still_serve_runtime_adapters(replicas, adapters):
+    """Both ingress replicas die (their memory with them); Serve starts new ones, which find the adapter in
+    the store. Runs last: it replaces the module's replicas."""
+    import ray
+
+    r = admin(replicas[0], "load_lora_adapter", {"lora_name": "three", "lora_path": adapters["three"]})
+    assert r.status_code == 200, r.text
+    before = text(chat(replicas[1], "three"))
+    old = frozenset(ingress_targets())
+    for name in old:  # each target's name is its replica's actor name
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    replicas[:] = two_replicas(old)
+    for url in replicas:
+        assert "three" in listed(url) and text(chat(url, "three")) == before
+    assert admin(replicas[0], "unload_lora_adapter", {"lora_name": "three"}).status_code == 200
