@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from rayllm.schema.field_checks import check_fields
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
-            raise ValueError("pooling must be last or mean")
+            raise ValueError(f"model.pooling must be last or mean, got {self.pooling!r}")
         if self.weights not in ("auto", "quantized"):
-            raise ValueError("weights must be auto or quantized")
+            raise ValueError(f"model.weights must be auto or quantized, got {self.weights!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or unset, got {self.quantization!r}")
         if self.quantization and self.weights == "quantized":
@@ -46,7 +49,7 @@ class ModelConfig:
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"dtype must be one of {DTYPES + ('auto',)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 16:
-            raise ValueError("max_model_len must be >= 16")
+            raise ValueError(f"model.max_model_len must be >= 16 or null, got {self.max_model_len!r}")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -72,11 +75,11 @@ class CacheConfig:
                                           or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be auto or a power of two, got {self.block_size!r}")
         if self.kv_cache_bytes <= 0:
-            raise ValueError("kv_cache_bytes must be positive")
+            raise ValueError(f"cache.kv_cache_bytes must be positive, got {self.kv_cache_bytes!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            raise ValueError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
-            raise ValueError("num_blocks_override must be >= 2")
+            raise ValueError(f"cache.num_blocks_override must be >= 2 or null, got {self.num_blocks_override!r}")
 
 
 @dataclass(frozen=True)
@@ -105,15 +108,16 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
+            raise ValueError(f"scheduler.max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if self.policy not in ("fcfs", "priority"):
-            raise ValueError("scheduler.policy must be fcfs or priority")
+            raise ValueError(f"scheduler.policy must be fcfs or priority, got {self.policy!r}")
         if self.priority_aging_steps < 1:
-            raise ValueError("scheduler.priority_aging_steps must be >= 1")
+            raise ValueError(f"scheduler.priority_aging_steps must be >= 1, got {self.priority_aging_steps!r}")
         if not 0.0 < self.max_running_share <= 1.0:
-            raise ValueError("scheduler.max_running_share must be in (0, 1]")
+            raise ValueError(f"scheduler.max_running_share must be in (0, 1], got {self.max_running_share!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+            raise ValueError(f"scheduler.max_num_batched_tokens must be >= max_num_seqs (one decode token each), got "
+                             f"{self.max_num_batched_tokens!r} < {self.max_num_seqs!r}")
 
 
 # The projections of a decoder layer, by the last part of their module names (parallel.cpu.int8_one_pass_layers).
@@ -170,9 +174,10 @@ class CpuConfig:
 
     def __post_init__(self) -> None:
         if self.small_batch_quant not in ("auto", "weight_only", "none"):
-            raise ValueError("parallel.cpu.small_batch_quant must be auto, weight_only or none")
+            raise ValueError(f"parallel.cpu.small_batch_quant must be auto, weight_only or none, got "
+                             f"{self.small_batch_quant!r}")
         if self.int8_passes not in (1, 2):
-            raise ValueError("parallel.cpu.int8_passes must be 1 or 2")
+            raise ValueError(f"parallel.cpu.int8_passes must be 1 or 2, got {self.int8_passes!r}")
         object.__setattr__(self, "int8_one_pass_layers", tuple(self.int8_one_pass_layers))  # a YAML list
         unknown = sorted(set(self.int8_one_pass_layers) - set(INT8_LAYER_TYPES))
         if unknown:
@@ -182,11 +187,11 @@ class CpuConfig:
             raise ValueError("parallel.cpu.allreduce: deepspeed was replaced by shm, rayllm's own shared-memory "
                              "kernel (no extra to install)")
         if self.allreduce not in ("auto", "gloo", "shm"):
-            raise ValueError("parallel.cpu.allreduce must be auto, gloo or shm")
+            raise ValueError(f"parallel.cpu.allreduce must be auto, gloo or shm, got {self.allreduce!r}")
         for name in ("threads_per_rank", "threads_single_sequence", "wide_step_tokens", "half_step_tokens",
                      "qgemm_threads"):
             if getattr(self, name) < 0:
-                raise ValueError(f"parallel.cpu.{name} must be >= 0")
+                raise ValueError(f"parallel.cpu.{name} must be >= 0, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -213,16 +218,17 @@ class ParallelConfig:
         if isinstance(self.cpu, dict):
             object.__setattr__(self, "cpu", CpuConfig(**self.cpu))
         if self.executor not in ("auto", "ray"):
-            raise ValueError("executor must be auto or ray")
+            raise ValueError(f"parallel.executor must be auto or ray, got {self.executor!r}")
         if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
+            raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError("device must be auto, cpu or cuda")
+            raise ValueError(f"parallel.device must be auto, cpu or cuda, got {self.device!r}")
         # The names themselves are attention.selector.BACKENDS' (checked there, and by the serve config).
         if not self.attention_backend.isidentifier():
-            raise ValueError("attention_backend must be auto or a backend's name (sdpa, xformers, triton)")
+            raise ValueError(f"parallel.attention_backend must be auto or a backend's name (sdpa, xformers, "
+                             f"triton), got {self.attention_backend!r}")
         if not 1 <= self.cuda_graph_pieces <= 64:
-            raise ValueError("cuda_graph_pieces must be between 1 and 64")
+            raise ValueError(f"parallel.cuda_graph_pieces must be between 1 and 64, got {self.cuda_graph_pieces!r}")
 
 
 MAX_LORA_RANK = 64  # stacked adapter buffers are padded to max_lora_rank; the issue caps ranks at 64
@@ -247,9 +253,9 @@ class LoRAConfig:
             roots = [self.allowed_roots] if isinstance(self.allowed_roots, str) else self.allowed_roots
             object.__setattr__(self, "allowed_roots", tuple(roots))
         if self.max_loras < 0:
-            raise ValueError("lora.max_loras must be >= 0")
+            raise ValueError(f"lora.max_loras must be >= 0, got {self.max_loras!r}")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
-            raise ValueError(f"lora.max_lora_rank must be in [1, {MAX_LORA_RANK}]")
+            raise ValueError(f"lora.max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         if self.adapters and len(self.adapters) > self.max_loras:
             raise ValueError(f"{len(self.adapters)} adapters configured but lora.max_loras is {self.max_loras}")
         for name, _ in self.adapters:
@@ -272,7 +278,8 @@ class DebugConfig:
 
     def __post_init__(self) -> None:
         if self.fail_step_with_oom_after is not None and self.fail_step_with_oom_after < 0:
-            raise ValueError("debug.fail_step_with_oom_after must be >= 0 or null")
+            raise ValueError(f"debug.fail_step_with_oom_after must be >= 0 or null, got "
+                             f"{self.fail_step_with_oom_after!r}")
 
 
 @dataclass(frozen=True)
@@ -285,16 +292,24 @@ class EngineConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
-        """Build from the nested mapping found in cluster.yaml (unknown keys are an error)."""
+    def from_dict(cls, d: Mapping[str, Any], section: str = "engine") -> EngineConfig:
+        """Build from the nested mapping found in cluster.yaml (unknown keys are an error); every value is
+        checked against its field's type first (errors name `section`.<section>.<field>)."""
         known = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
                  "lora": LoRAConfig, "debug": DebugConfig}
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{section} must be a mapping of sections ({', '.join(known)}), got {d!r}")
         unknown = set(d) - set(known)
         if unknown:
             raise ValueError(f"unknown engine config sections: {sorted(unknown)}")
-        d = dict(d)
-        parallel = _parallel_with_cpu(d)  # first: it takes the legacy CPU keys out of d's sections
-        return cls(**{k: known[k](**(d.get(k) or {})) for k in known if k != "parallel"}, parallel=parallel)
+        d = {k: {} if v is None else v for k, v in d.items()}  # `cache:` with nothing under it: the defaults
+        for k, v in d.items():
+            if not isinstance(v, Mapping):
+                raise ValueError(f"{section}.{k} must be a mapping, got {v!r}")
+        d["parallel"] = _parallel_with_cpu(d)  # first: it takes the legacy CPU keys out of d's sections
+        for k, v in d.items():
+            check_fields(known[k], v, f"{section}.{k}.")
+        return cls(**{k: known[k](**d.get(k, {})) for k in known})
 
 
 def for_device(config: EngineConfig, device: str) -> EngineConfig:
@@ -364,16 +379,19 @@ LEGACY_CPU_KEYS = {("model", "small_batch_quant"): "small_batch_quant", ("model"
                    ("parallel", "cpu_half_step_tokens"): "half_step_tokens", ("parallel", "cpu_allreduce"): "allreduce"}
 
 
-def _parallel_with_cpu(d: dict[str, Any]) -> ParallelConfig:
+def _parallel_with_cpu(d: dict[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The parallel section, with any legacy CPU keys of the model / parallel sections moved into `cpu`
     (taken out of `d`'s sections, which are replaced by copies, so the other sections see only theirs)."""
     moved: dict[str, Any] = {}
     for (section, key), new in LEGACY_CPU_KEYS.items():
-        if isinstance(d.get(section), dict) and key in d[section]:
+        if key in d.get(section, {}):
             d[section] = dict(d[section])
             moved[new] = d[section].pop(key)
             log.warning("engine.%s.%s is now engine.parallel.cpu.%s", section, key, new)
-    parallel = dict(d.get("parallel") or {})
+    parallel = dict(d.get("parallel", {}))
+    if "cpu" in parallel and parallel["cpu"] is None:  # as a section: `cpu:` with nothing under it
+        del parallel["cpu"]
     if moved:
-        parallel["cpu"] = moved | dict(parallel.get("cpu") or {})
-    return ParallelConfig(**parallel)
+        cpu = parallel.get("cpu", {})
+        parallel["cpu"] = moved | dict(cpu) if isinstance(cpu, Mapping) else cpu  # not a mapping: the check names it
+    return parallel

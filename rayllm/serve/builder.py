@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +16,7 @@ from ray.serve import Application
 from rayllm.loader import model_sources
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.schema.config import cpu_only_settings, for_device
-from rayllm.serve.config import ModelEntry, ServerConfig
+from rayllm.serve.config import ModelEntry, ServerConfig, deployment_name
 from rayllm.serve.ingress import Ingress
 from rayllm.serve.llm_server import LLMDeployment
 from rayllm.serve.prefix_router import request_router_config
@@ -64,11 +63,6 @@ def with_resolved_device(config: ServerConfig, resources: Mapping[str, float] | 
 def model_config(config: ServerConfig, entry: ModelEntry) -> ServerConfig:
     """The server config as one model's deployment sees it (its engine; the server-wide rest)."""
     return dataclasses.replace(config, engine=entry.engine, models=(entry,))
-
-
-def deployment_name(index: int, entry: ModelEntry) -> str:
-    """`llm` for the first (default) model, `llm-<name>` for the others."""
-    return "llm" if index == 0 else "llm-" + re.sub(r"[^A-Za-z0-9_.-]", "-", entry.name)
 
 
 def largest_node(nodes: list[dict[str, Any]]) -> dict[str, float]:
