@@ -47,8 +47,8 @@ META = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_co
         "chat_template.json", "adapter_config.json", INDEX)
 # Weights in another layout beside the Hugging Face ones (Mistral's own names): never fetched.
 IGNORED = ("consolidated*.safetensors",)
-# What of a source is fetched: all a model needs; what its tokenizer needs (the META files, or the GGUF);
-# for the app build, the META files and a GGUF only looked up.
+# The parts of a source fetched alone: all a model needs; what its tokenizer needs (the META files, or the
+# GGUF); for the app build's check, the META files and a GGUF only looked up.
 PARTS = ("model", "tokenizer", "check")
 HF_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<file>/[^@]+\.(?i:gguf))?"
                    r"(?:@(?P<rev>[\w./-]+))?$")
@@ -131,8 +131,8 @@ def select(source: str, names: Iterable[str]) -> Selection:
 def fetch(source: str, revision: str | None = None, part: str = "model") -> Fetched:
     """The local copy of `source` (PARTS: all of it, or what its tokenizer needs), downloaded first where
     this node lacks it. Every failure is a ModelSourceError naming the source."""
-    if part not in ("model", "tokenizer"):
-        raise ValueError(f"part must be model or tokenizer, not {part!r}")
+    if part not in PARTS[:2]:  # a check is check()'s
+        raise ValueError(f"part must be one of {PARTS[:2]}, not {part!r}")
     fetched, _ = _fetch(source, revision, part)
     assert fetched is not None  # only a check leaves a GGUF unfetched
     return fetched
