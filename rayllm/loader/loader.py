@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from rayllm.loader import model_sources
 from rayllm.loader.fp8 import iter_fp8_dequantized
 from rayllm.loader.gguf_file import GGUFFile, dequantize
 from rayllm.models.registry import check_supported
@@ -49,7 +50,7 @@ def _gguf_field(reader: GGUFFile, key: str, default=None):
 
 
 def read_arch(model_path: str) -> LlamaArch:
-    if model_path.endswith(".gguf"):
+    if model_sources.is_gguf(model_path):
         reader = open_gguf(model_path)
         arch = check_supported(_gguf_field(reader, "general.architecture"), f"GGUF {model_path}")
 
@@ -212,7 +213,7 @@ def is_fp8_checkpoint(quant: dict | None) -> bool:
 
 
 def count_tensors(model_path: str) -> int:
-    if model_path.endswith(".gguf"):
+    if model_sources.is_gguf(model_path):
         return len(open_gguf(model_path).tensors)
     return 0
 
@@ -227,7 +228,7 @@ def load_weights(model: nn.Module, model_path: str, *, show_progress: bool = Tru
     loaded: dict[str, int] = {}
     unexpected: list[str] = []
     ckpt_bits: dict[str, int] = {}
-    is_gguf = model_path.endswith(".gguf")
+    is_gguf = model_sources.is_gguf(model_path)
     extra_names = getattr(model, "gguf_tensor_names", None)
     stream = (iter_gguf(model_path, arch, ckpt_bits, extra_names) if is_gguf
               else iter_safetensors(model_path))

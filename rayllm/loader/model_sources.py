@@ -2,20 +2,28 @@
 gs://, abfs://) read through fsspec. Each is downloaded once per node into a local cache and then used as a
 local path. No torch.
 
-Hugging Face ids (`org/name`, `org/name@revision`, `org/name/file.gguf` for one GGUF of a repo) go through
-huggingface_hub, which keeps its own cache and honours HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; only the
-files a model needs are fetched (config, tokenizer, safetensors; or the one GGUF named).
+What a source is, and so what is fetched, is decided from its file list before anything is downloaded
+(`select`): config.json (or a PEFT adapter's adapter_config.json) beside safetensors makes a model directory,
+of which only the top-level config, tokenizer and chat-template files and the safetensors its
+model.safetensors.index.json names are fetched (no subfolder, no `consolidated*.safetensors`, no GGUF);
+else a source holding exactly one GGUF is that GGUF, and one holding several must name one. A part may be
+fetched alone (PARTS): a tokenizer replica fetches no weights, and the app build only checks the source
+(`check`), which also pins a Hugging Face id to the commit its revision names at that moment.
 
-Object-store URIs go to RAYLLM_MODEL_CACHE (default ~/.cache/rayllm/models): the needed files are read in
-parallel byte ranges into `<entry>.partial`, checked (size, and MD5 where the store's ETag is one), and the
-directory is renamed into place only when complete, so a crashed download never looks complete and is
-redone. A file lock makes replicas on one node download once; the others wait and use the result.
+Hugging Face ids (`org/name`, `org/name@revision`, `org/name/file.gguf` for one GGUF of a repo) go through
+huggingface_hub, which keeps its own cache and honours HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE; offline
+or with the hub unreachable, the snapshot this node's cache holds is used.
+
+Object-store URIs go to RAYLLM_MODEL_CACHE (default ~/.cache/rayllm/models): the files are read into
+`<entry>.partial` (rayllm.loader.object_store: parallel ranges, checked), and the directory is renamed into
+place only when complete, so a crashed download never looks complete and is redone. A file lock makes
+replicas on one node download once; the others wait and use the result.
 """
 
 from __future__ import annotations
 
-import base64
 import fnmatch
+import glob
 import hashlib
 import json
 import logging
@@ -23,24 +31,37 @@ import os
 import re
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from rayllm.common.errors import describe
+from rayllm.loader.object_store import download, store_md5
 
 log = logging.getLogger("rayllm.loader")
 
 URI_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "az")
-# What a model or a PEFT adapter needs from a repository or prefix (weights, config, tokenizer).
-NEEDED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-          "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-          "chat_template.json", "*.safetensors", "*.safetensors.index.json", "adapter_config.json", "*.gguf")
-HF_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<file>/[^@]+\.gguf)?(?:@(?P<rev>[\w./-]+))?$")
-CHUNK_BYTES = 32 << 20
-WORKERS = 8
+INDEX = "model.safetensors.index.json"
+# A model directory's files beside its weights: config, tokenizer, chat template, the index of the shards.
+META = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+        "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+        "chat_template.json", "adapter_config.json", INDEX)
+# Weights in another layout beside the Hugging Face ones (Mistral's own names): never fetched.
+IGNORED = ("consolidated*.safetensors",)
+# The parts of a source fetched alone: all a model needs; what its tokenizer needs (the META files, or the
+# GGUF); for the app build's check, the META files and a GGUF only looked up.
+PARTS = ("model", "tokenizer", "check")
+HF_ID = re.compile(r"^(?:hf://)?(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?P<file>/[^@]+\.(?i:gguf))?"
+                   r"(?:@(?P<rev>[\w./-]+))?$")
 MANIFEST = ".rayllm-manifest.json"
 
 
 class ModelSourceError(FileNotFoundError):
     """A model or adapter source that cannot be fetched; the message names the source."""
+
+
+def is_gguf(path: str) -> bool:
+    """A GGUF file, by its name (`.gguf` in any case)."""
+    return path.lower().endswith(".gguf")
 
 
 def uri_scheme(source: str) -> str | None:
@@ -57,11 +78,6 @@ def is_remote(source: str | None) -> bool:
     return not os.path.exists(os.path.expanduser(source)) and HF_ID.match(source) is not None
 
 
-def spec(source: str, revision: str | None) -> str:
-    """One string naming a source and its revision (`org/name@rev`), for a replica to fetch again."""
-    return f"{source}@{revision}" if revision and not uri_scheme(source) and "@" not in source else source
-
-
 def cache_root() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("RAYLLM_MODEL_CACHE") or os.path.join(base, "rayllm", "models")
@@ -73,19 +89,80 @@ class Fetched:
     downloaded: bool  # False: it was already in this node's cache
 
 
-def fetch(source: str, revision: str | None = None) -> Fetched:
-    """The local copy of `source`, downloaded first if this node does not have it."""
-    if uri_scheme(source):
-        return fetch_uri(source)
-    m = HF_ID.match(source)
-    if m is None:
-        raise ModelSourceError(f"model source {source!r} is not a local path, a Hugging Face id or an "
-                               f"{'/'.join(s + '://' for s in URI_SCHEMES[:3])} URI")
-    return fetch_hf(source, m["repo"], (m["file"] or "").lstrip("/") or None, m["rev"] or revision)
+@dataclass(frozen=True)
+class Selection:
+    """What a source's file list makes it: a model directory (its META files, its safetensors) or one GGUF."""
+
+    meta: tuple[str, ...]
+    weights: tuple[str, ...]  # the top-level safetensors (the index narrows them), or the GGUF
+    gguf: bool
+
+    def files(self, part: str, index: dict | None = None) -> tuple[str, ...]:
+        """The files `part` fetches; `index`: the parsed INDEX, read when the weights are wanted."""
+        if self.gguf:
+            return () if part == "check" else self.weights
+        if part != "model":
+            return self.meta
+        if INDEX not in self.meta:
+            return self.meta + self.weights
+        named = sorted(set((index or {}).get("weight_map", {}).values()))
+        unknown = [n for n in named if n not in self.weights]
+        if not named or unknown:
+            raise ValueError(f"{INDEX} names {', '.join(unknown) or 'no weights'}, not the source's safetensors")
+        return self.meta + tuple(named)
 
 
-def fetch_hf(source: str, repo: str, filename: str | None, revision: str | None) -> Fetched:
-    from huggingface_hub import hf_hub_download, snapshot_download
+def select(source: str, names: Iterable[str]) -> Selection:
+    """The Selection of a source whose files (relative paths) are `names`; only top-level files count."""
+    top = {n for n in names if "/" not in n}
+    tensors = tuple(sorted(n for n in top if n.endswith(".safetensors")
+                           and not any(fnmatch.fnmatch(n, p) for p in IGNORED)))
+    if tensors and top & {"config.json", "adapter_config.json"}:
+        return Selection(tuple(sorted(top.intersection(META))), tensors, False)
+    ggufs = sorted(n for n in top if is_gguf(n))
+    if len(ggufs) == 1:
+        return Selection((), (ggufs[0],), True)
+    if ggufs:
+        raise ModelSourceError(f"model source {source!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); "
+                               "name one as <source>/<file>.gguf")
+    raise ModelSourceError(f"model source {source!r}: no config.json with safetensors weights, and no GGUF file")
+
+
+def fetch(source: str, revision: str | None = None, part: str = "model") -> Fetched:
+    """The local copy of `source` (PARTS: all of it, or what its tokenizer needs), downloaded first where
+    this node lacks it. Every failure is a ModelSourceError naming the source."""
+    if part not in PARTS[:2]:  # a check is check()'s
+        raise ValueError(f"part must be one of {PARTS[:2]}, not {part!r}")
+    fetched, _ = _fetch(source, revision, part)
+    assert fetched is not None  # only a check leaves a GGUF unfetched
+    return fetched
+
+
+def check(source: str, revision: str | None = None) -> str:
+    """For the app build: that `source` is there and readable, fetching no weights (its config and tokenizer
+    files, or a GGUF's metadata only). Returns the source as every deployment should fetch it: a Hugging Face
+    id pinned to the commit its revision names now (`org/name@<sha>`), an object-store URI as it is."""
+    return _fetch(source, revision, "check")[1]
+
+
+def _fetch(source: str, revision: str | None, part: str) -> tuple[Fetched | None, str]:
+    m = None if uri_scheme(source) else HF_ID.match(source)
+    try:
+        if uri_scheme(source):
+            return fetch_uri(source, part), source
+        if m is None:
+            raise ModelSourceError(f"model source {source!r} is not a local path, a Hugging Face id or an "
+                                   f"{'/'.join(s + '://' for s in URI_SCHEMES[:3])} URI")
+        filename = (m["file"] or "").lstrip("/") or None
+        path, sha = fetch_hf(source, m["repo"], filename, m["rev"] or revision, part)
+        return (None if path is None else Fetched(path, True)), f"{m['repo']}{'/' + filename if filename else ''}@{sha}"
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # every backend's own errors (not all OSErrors): a client's lora_path is a 4xx
+        raise _source_error(source, (m["rev"] if m else None) or revision, exc) from None
+
+
+def _source_error(source: str, revision: str | None, exc: Exception) -> ModelSourceError:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -94,43 +171,98 @@ def fetch_hf(source: str, repo: str, filename: str | None, revision: str | None)
         RevisionNotFoundError,
     )
 
+    if isinstance(exc, GatedRepoError):
+        return ModelSourceError(f"model source {source!r}: gated on Hugging Face; accept its terms and set HF_TOKEN")
+    if isinstance(exc, RepositoryNotFoundError):
+        return ModelSourceError(f"model source {source!r}: no such Hugging Face repository, or it is private "
+                                "and HF_TOKEN does not grant access")
+    if isinstance(exc, RevisionNotFoundError):
+        return ModelSourceError(f"model source {source!r}: revision {revision!r} not found")
+    if isinstance(exc, LocalEntryNotFoundError):
+        return ModelSourceError(f"model source {source!r}: not in the Hugging Face cache and the hub is not "
+                                "reachable (HF_HUB_OFFLINE, or no network)")
+    if isinstance(exc, HfHubHTTPError):
+        return ModelSourceError(f"model source {source!r}: Hugging Face answered {describe(exc)}")
+    if isinstance(exc, ImportError):  # fsspec names the backend package it needs
+        return ModelSourceError(f"model source {source!r}: its filesystem is not installed (pip install "
+                                f"'rayllm-tp[storage]': s3fs, gcsfs, adlfs): {describe(exc)}")
+    log.debug("model source %s failed", source, exc_info=exc)
+    return ModelSourceError(f"model source {source!r}: {describe(exc)}")
+
+
+def fetch_hf(source: str, repo: str, filename: str | None, revision: str | None, part: str) -> tuple[str | None, str]:
+    """(The local snapshot folder or GGUF, None for a GGUF's check; the commit they are of)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, snapshot_download
+
     t0 = time.monotonic()
+    sha, names, cached = _hf_listing(repo, revision)
+    where = " in this node's Hugging Face cache (HF_HUB_OFFLINE, or the hub unreachable)" if cached else ""
+    if filename and filename not in names:
+        raise ModelSourceError(f"model source {source!r}: no file {filename!r}{where}")
     try:
-        if filename:
-            path = hf_hub_download(repo, filename, revision=revision)
-        else:
-            path = snapshot_download(repo, revision=revision, allow_patterns=list(NEEDED))
-    except GatedRepoError:
-        raise ModelSourceError(f"model source {source!r}: gated on Hugging Face; accept its terms and set "
-                               "HF_TOKEN") from None
-    except RepositoryNotFoundError:
-        raise ModelSourceError(f"model source {source!r}: no such Hugging Face repository, or it is private "
-                               "and HF_TOKEN does not grant access") from None
-    except RevisionNotFoundError:
-        raise ModelSourceError(f"model source {source!r}: revision {revision!r} not found") from None
-    except LocalEntryNotFoundError:
-        raise ModelSourceError(f"model source {source!r}: not in the Hugging Face cache and the hub is not "
-                               "reachable (HF_HUB_OFFLINE, or no network)") from None
+        sel = Selection((), (filename,), True) if filename else select(source, names)
+    except ModelSourceError as exc:
+        raise ModelSourceError(f"{exc}{where}") from None
+    if sel.gguf and part == "check":
+        if cached is None:  # a gated or private file fails here, before any replica starts
+            get_hf_file_metadata(hf_hub_url(repo, sel.weights[0], revision=sha))
+        return None, sha
+
+    def read_index(path: str) -> dict | None:
+        if part != "model" or INDEX not in sel.meta:
+            return None
+        with open(os.path.join(path, INDEX)) as f:
+            return json.load(f)
+
+    if cached is not None:
+        path = cached
+    else:
+        # The revision as given (huggingface_hub records the commit a branch names, for an offline start), the
+        # weights then from the commit that came, as named by the index read from it.
+        first = sel.weights if sel.gguf else sel.meta
+        path = snapshot_download(repo, revision=revision, allow_patterns=[glob.escape(f) for f in first])
+        sha = os.path.basename(path)
+    try:
+        wanted = sel.files(part, read_index(path))
+    except ValueError as exc:
+        raise ModelSourceError(f"model source {source!r}: {exc}") from None
+    if cached is None and part == "model" and not sel.gguf:
+        weights = [glob.escape(f) for f in wanted if f not in sel.meta]
+        snapshot_download(repo, revision=sha, allow_patterns=weights)
+    missing = [f for f in wanted if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ModelSourceError(f"model source {source!r}: {', '.join(missing)} missing from commit {sha}{where}")
+    local = os.path.join(path, sel.weights[0]) if sel.gguf else path
+    log.info("model source %s: %s (%.2f s)", source, local, time.monotonic() - t0)
+    return local, sha
+
+
+def _hf_listing(repo: str, revision: str | None) -> tuple[str, list[str], str | None]:
+    """(The commit `revision` names, its files, None); offline or with the hub unreachable or failing,
+    as huggingface_hub itself does, the snapshot this node's cache holds: (its commit, its files, its folder)."""
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        info = HfApi().model_info(repo, revision=revision)
+        return str(info.sha), [s.rfilename for s in info.siblings or ()], None
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
+        raise
     except HfHubHTTPError as exc:
-        raise ModelSourceError(f"model source {source!r}: Hugging Face answered {exc}".splitlines()[0]) from None
-    if not filename and not os.path.isfile(os.path.join(path, "config.json")) and not _ggufs(path):
-        raise ModelSourceError(f"model source {source!r}: the repository has no config.json or GGUF file")
-    if not filename and not os.path.isfile(os.path.join(path, "config.json")):
-        path = _one_gguf(source, path)
-    log.info("model source %s: %s (%.2f s)", source, path, time.monotonic() - t0)
-    return Fetched(path, True)
-
-
-def _ggufs(path: str) -> list[str]:
-    return sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-
-
-def _one_gguf(source: str, path: str) -> str:
-    ggufs = _ggufs(path)
-    if len(ggufs) != 1:
-        raise ModelSourceError(f"model source {source!r} holds {len(ggufs)} GGUF files ({', '.join(ggufs)}); "
-                               "name one as <source>/<file>.gguf")
-    return os.path.join(path, ggufs[0])
+        if getattr(exc.response, "status_code", 500) < 500:
+            raise
+        reason = describe(exc)
+    except Exception as exc:  # HF_HUB_OFFLINE (OfflineModeIsEnabled), or the transport's own errors
+        reason = describe(exc)
+    folder = snapshot_download(repo, revision=revision, local_files_only=True, allow_patterns=[])  # the folder only
+    log.info("model source %s: the hub did not answer (%s): using this node's cached %s", repo, reason, folder)
+    names = [os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files]
+    return os.path.basename(folder), names, folder
 
 
 def _entry_dir(uri: str) -> str:
@@ -139,114 +271,80 @@ def _entry_dir(uri: str) -> str:
 
 
 def _complete(entry: str) -> bool:
-    """A renamed-into-place entry whose files still have the sizes the manifest records."""
+    """A renamed-into-place entry whose files still have the sizes its manifest records (one whose manifest
+    names no file to `use` was chosen by older rules: fetched again)."""
     try:
         with open(os.path.join(entry, MANIFEST)) as f:
-            files = json.load(f)["files"]
-        return all(os.path.getsize(os.path.join(entry, rel)) == meta["size"] for rel, meta in files.items())
+            manifest = json.load(f)
+        return isinstance(manifest["use"], str) and all(
+            os.path.getsize(os.path.join(entry, rel)) == meta["size"] for rel, meta in manifest["files"].items())
     except (OSError, ValueError, KeyError):
         return False
 
 
-def _local(entry: str, single: bool) -> str:
-    if not single:
-        return entry
+def _local(entry: str) -> str:
+    """The entry's directory, or its GGUF."""
     with open(os.path.join(entry, MANIFEST)) as f:
-        return os.path.join(entry, next(iter(json.load(f)["files"])))
+        return os.path.normpath(os.path.join(entry, json.load(f)["use"]))
 
 
-def fetch_uri(uri: str) -> Fetched:
-    """An object-store file or prefix in this node's cache (see the module docstring)."""
+def fetch_uri(uri: str, part: str) -> Fetched | None:
+    """An object-store file or prefix (PARTS: all of it, or the META files in an entry of their own) in this
+    node's cache (see the module docstring); None for a GGUF's check."""
     import fsspec
-    from filelock import FileLock
 
-    entry = _entry_dir(uri)
-    single = uri.lower().endswith(".gguf")
-    if _complete(entry):
-        return Fetched(_local(entry, single), False)
+    whole, meta = _entry_dir(uri), _entry_dir(uri + "#meta")
+    for entry in (whole,) if part == "model" else (whole, meta):  # the whole source serves every part
+        if _complete(entry):
+            return Fetched(_local(entry), False)
+    fs, root = fsspec.core.url_to_fs(uri)
+    fs.invalidate_cache(root)  # the filesystem instance is shared: a listing it kept may be stale
+    listing = _listing(fs, root.rstrip("/"), is_gguf(uri))
+    sel = Selection((), tuple(listing), True) if is_gguf(uri) else select(uri, listing)
+    if sel.gguf and part == "check":
+        return None
+    index = json.loads(fs.cat_file(listing[INDEX]["name"])) if part == "model" and INDEX in sel.meta else None
+    try:
+        files = sel.files(part, index)
+    except ValueError as exc:
+        raise ModelSourceError(f"model source {uri!r}: {exc}") from None
+    entry = whole if part == "model" or sel.gguf else meta
+    return _cached(uri, fs, entry, {rel: listing[rel] for rel in files}, sel.weights[0] if sel.gguf else ".")
+
+
+def _listing(fs, root: str, single: bool) -> dict[str, dict]:
+    """{file name: the store's info} of the object `root` (a .gguf URI), else of the prefix's top level."""
+    if single:
+        return {os.path.basename(root): fs.info(root)}
+    return {os.path.basename(i["name"].rstrip("/")): i for i in fs.ls(root, detail=True) if i.get("type") == "file"}
+
+
+def _cached(uri: str, fs, entry: str, files: dict[str, dict], use: str) -> Fetched:
+    """`files` downloaded into `entry` under the node's lock, unless another process did it meanwhile."""
+    from filelock import FileLock, Timeout
+
     os.makedirs(os.path.dirname(entry), exist_ok=True)
-    with FileLock(entry + ".lock"):
+    lock = FileLock(entry + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("model source %s: waiting for another process's download of %s", uri, entry)
+        lock.acquire()
+    try:
         if _complete(entry):  # another replica on this node fetched it while we waited
-            return Fetched(_local(entry, single), False)
-        try:
-            fs, root = fsspec.core.url_to_fs(uri)
-            files = _listing(fs, root.rstrip("/"), single)
-        except ImportError:  # fsspec names the backend package it needs
-            raise ModelSourceError(f"model source {uri!r}: its filesystem is not installed (pip install "
-                                   "'rayllm-tp[storage]': s3fs, gcsfs, adlfs)") from None
-        except (FileNotFoundError, PermissionError, OSError) as exc:
-            raise ModelSourceError(f"model source {uri!r}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-        if not files:
-            raise ModelSourceError(f"model source {uri!r}: no model files there (config.json, safetensors, GGUF)")
+            return Fetched(_local(entry), False)
         partial = entry + ".partial"
         shutil.rmtree(partial, ignore_errors=True)  # a crashed download's leftovers: redone from scratch
         shutil.rmtree(entry, ignore_errors=True)  # an entry that failed its size check
         os.makedirs(partial)
-        t0, total = time.monotonic(), sum(f["size"] for f in files.values())
+        t0, total = time.monotonic(), sum(int(i["size"]) for i in files.values())
         log.info("model source %s: downloading %d files, %.1f MB", uri, len(files), total / 1e6)
         for rel, info in files.items():
-            _download(fs, info, os.path.join(partial, rel), uri)
+            download(fs, info["name"], int(info["size"]), store_md5(fs, info), os.path.join(partial, rel))
         with open(os.path.join(partial, MANIFEST), "w") as f:
-            json.dump({"source": uri, "files": {r: {"size": i["size"]} for r, i in files.items()}}, f)
+            json.dump({"source": uri, "use": use, "files": {r: {"size": int(i["size"])} for r, i in files.items()}}, f)
         os.rename(partial, entry)  # atomic: the entry exists only complete
         log.info("model source %s: %.1f MB in %.2f s -> %s", uri, total / 1e6, time.monotonic() - t0, entry)
-        return Fetched(_local(entry, single), True)
-
-
-def _listing(fs, root: str, single: bool) -> dict[str, dict]:
-    """{relative path: {name, size, etag}} of the needed files at `root` (a file, or a prefix)."""
-    if single:
-        info = fs.info(root)
-        return {os.path.basename(root): {"name": root, "size": int(info["size"]), "etag": _etag(info)}}
-    found = fs.find(root, detail=True)
-    out = {}
-    for name, info in found.items():
-        rel = name[len(root):].lstrip("/") if name.startswith(root) else os.path.basename(name)
-        if rel and ".." not in rel.split("/") and any(fnmatch.fnmatch(os.path.basename(rel), p) for p in NEEDED):
-            if not rel.endswith(".gguf") or "/" not in rel:
-                out[rel] = {"name": name, "size": int(info["size"]), "etag": _etag(info)}
-    return out
-
-
-def _etag(info: dict) -> str | None:
-    """The object's MD5 in hex: an S3 ETag that is one (single-part uploads), GCS's base64 md5Hash (composite
-    objects have none) or Azure's Content-MD5 (set by single-shot uploads); else None."""
-    etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
-    if re.fullmatch(r"[0-9a-f]{32}", etag):
-        return etag
-    azure_md5 = (info.get("content_settings") or {}).get("content_md5")
-    if isinstance(azure_md5, (bytes, bytearray)) and len(azure_md5) == 16:
-        return bytes(azure_md5).hex()
-    try:
-        raw = base64.b64decode(str(info.get("md5Hash") or ""), validate=True)
-    except ValueError:
-        return None
-    return raw.hex() if len(raw) == 16 else None
-
-
-def _download(fs, info: dict, dest: str, uri: str) -> None:
-    """One object in parallel byte ranges written at their offsets, then its size (and MD5) checked."""
-    size = info["size"]
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, size)
-
-        def chunk(start: int) -> int:
-            data = fs.cat_file(info["name"], start=start, end=min(start + CHUNK_BYTES, size))
-            os.pwrite(fd, data, start)
-            return len(data)
-
-        with ThreadPoolExecutor(WORKERS) as pool:
-            got = sum(pool.map(chunk, range(0, size, CHUNK_BYTES)))
+        return Fetched(_local(entry), True)
     finally:
-        os.close(fd)
-    if got != size or os.path.getsize(dest) != size:
-        raise ModelSourceError(f"model source {uri!r}: {info['name']} came back with {got} of {size} bytes")
-    if info.get("etag"):
-        md5 = hashlib.md5(usedforsecurity=False)
-        with open(dest, "rb") as f:
-            while block := f.read(8 << 20):
-                md5.update(block)
-        if md5.hexdigest() != info["etag"]:
-            raise ModelSourceError(f"model source {uri!r}: {info['name']} failed its MD5 check")
+        lock.release()

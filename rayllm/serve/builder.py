@@ -150,6 +150,20 @@ def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = 
     return options | config.llm_deployment_options | config.models[0].deployment
 
 
+def checked_source(entry: ModelEntry) -> tuple[ModelEntry, str]:
+    """The model's source checked here, where the app is built (Serve's build task on the head node): a
+    missing, private or gated model fails the deploy, naming it, yet no weights are fetched (config and
+    tokenizer files at most). A remote source is pinned (a Hugging Face id to the commit its revision names
+    now) in the entry and in the path its deployments get, so that every replica, engine and tokenizer fetches
+    the same files to its own node's cache however the repository moves meanwhile; a local path is resolved."""
+    model = entry.engine.model
+    if not model_sources.is_remote(model.model):
+        return entry, resolve_model_path(model.model, model.revision)
+    pinned = model_sources.check(model.model, model.revision)
+    engine = dataclasses.replace(entry.engine, model=dataclasses.replace(model, model=pinned, revision=None))
+    return dataclasses.replace(entry, engine=engine), pinned
+
+
 def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = None) -> Application:
     """The same, from a config object; `llm_options` adds Serve options to every model deployment (tests:
     num_replicas)."""
@@ -163,18 +177,19 @@ def build_app_with(config: ServerConfig, llm_options: dict[str, Any] | None = No
     priority = ServingPriority.of(config)  # the ingress derives the same from its config
     llms: dict[str, Any] = {}
     paths: dict[str, str] = {}
+    entries: list[ModelEntry] = []
     for index, entry in enumerate(config.models):
+        check_fits_one_node(model_config(config, entry), nodes)
+        entry, path = checked_source(entry)
+        paths[entry.name] = path
+        entries.append(entry)
         one = model_config(config, entry)
-        check_fits_one_node(one, nodes)
-        # Fetched here first (a missing or private model fails the deploy, naming it); a remote source goes
-        # to the replicas as its spec, so each fetches to (or finds in) its own node's cache.
-        source, revision = entry.engine.model.model, entry.engine.model.revision
-        local = resolve_model_path(source, revision)
-        paths[entry.name] = model_sources.spec(source, revision) if model_sources.is_remote(source) else local
         options = llm_deployment_options(one, llm_options) | {"name": deployment_name(index, entry)}
         llms[entry.name] = LLMDeployment.options(**options).bind(
-            entry.engine, paths[entry.name], config.stream_interval_s, config.engine_process,
+            entry.engine, path, config.stream_interval_s, config.engine_process,
             ServingPriority.of(one), config.tracing, grammar_compile_timeout_s=config.grammar_compile_timeout_s)
+    if tuple(entries) != config.models:  # the ingress sees the pinned sources too
+        config = dataclasses.replace(config, engine=entries[0].engine, models=tuple(entries))
     tokenizer = TokenizerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(paths, priority, config.tracing)
     # Model deployments first (keywords, in this order): Serve deploys and starts replicas in the order it finds
     # them here, and the first start takes the worker process Ray has idle, which the slowest replica needs most.

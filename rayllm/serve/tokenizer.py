@@ -204,7 +204,8 @@ class TokenizerDeployment:
     def __init__(self, model_paths: dict[str, str], priority: ServingPriority | None = None,
                  tracing: TracingConfig | None = None):
         configure(tracing, "tokenizer")  # spans of the renders that arrive with a traceparent
-        model_paths = {name: resolve_model_path(path) for name, path in model_paths.items()}  # this node's copies
+        # This node's copies of what a tokenizer reads (a model directory's weights stay with the model replicas).
+        model_paths = {name: resolve_model_path(path, part="tokenizer") for name, path in model_paths.items()}
         self.services = {name: TokenizerService(path) for name, path in model_paths.items()}
         warm_chat_templates()  # the renderer's import, here rather than in the first request
         # Only now: the first token needs this replica as much as the engine, so its start-up (importing

@@ -31,8 +31,9 @@ else:
 """
 
 
-def _llama_files(layers: int) -> dict[str, bytes]:
-    """config.json and model.safetensors of a random-weight Llama with `layers` layers."""
+def _llama_files(layers: int, save_to: str | None = None, **save) -> dict[str, bytes]:
+    """config.json and safetensors of a random-weight Llama with `layers` layers (`save`: save_pretrained's
+    options, e.g. max_shard_size for an index and shards), also kept in `save_to`."""
     import tempfile
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,7 +41,31 @@ def _llama_files(layers: int) -> dict[str, bytes]:
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     with tempfile.TemporaryDirectory() as d:
-        LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)  # random weights
+        LlamaForCausalLM(cfg).save_pretrained(save_to or d, safe_serialization=True, **save)  # random weights
+        return {f: open(os.path.join(save_to or d, f), "rb").read() for f in os.listdir(save_to or d)}
+
+
+def _mistral_consolidated(files: dict[str, bytes]) -> bytes:
+    """The same weights under Mistral's own tensor names, as Mistral repos ship beside the Hugging Face ones."""
+    from safetensors.torch import load, save
+
+    tensors = {}
+    for name, data in files.items():
+        if name.endswith(".safetensors"):
+            for key, t in load(data).items():
+                key = key.replace("model.layers.", "layers.").replace("self_attn.q_proj", "attention.wq")
+                tensors[key.replace("model.embed_tokens", "tok_embeddings").replace("lm_head", "output")] = t
+    return save(tensors)
+
+
+def _tokenizer_files(gguf_path: str) -> dict[str, bytes]:
+    """The default model's tokenizer and chat template as a Hugging Face repository holds them."""
+    import tempfile
+
+    from rayllm.serve.chat_template import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as d:
+        load_tokenizer(gguf_path).save_pretrained(d)
         return {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)}
 
 
@@ -48,25 +73,61 @@ def _llama_files(layers: int) -> dict[str, bytes]:
 def hub(tmp_path_factory, gguf_path):
     extra = {"README.md": b"# tiny", "pytorch_model.bin": b"\0" * 1024, "original/consolidated.00.pth": b"x"}
     gguf = open(gguf_path, "rb").read()
+    sharded_dir = tmp_path_factory.mktemp("sharded")
+    sharded = _llama_files(2, str(sharded_dir), max_shard_size="20KB")
     server = HubServer(
         {"acme/tiny-llama": {"main": _llama_files(2) | extra, "v1": _llama_files(1) | extra},
          "acme/smol-gguf": {"main": {os.path.basename(gguf_path): gguf, "other.Q8_0.gguf": b"GGUF" + b"\0" * 64,
                                      "README.md": b"# gguf"}},
+         "acme/one-gguf": {"main": {"Smol.Q4_1.GGUF": gguf, "README.md": b"# one", "sub/other.gguf": b"GGUF"}},
+         # Mistral's layout: HF shards and their index, consolidated.safetensors beside them, more in subfolders.
+         "acme/sharded": {"main": sharded | {"consolidated.safetensors": _mistral_consolidated(sharded),
+                                             "original/model.safetensors": b"x", "model.Q8_0.gguf": b"GGUF"}},
+         "acme/chat-llama": {"main": _llama_files(2) | _tokenizer_files(gguf_path)},
          "acme/private": {"main": _llama_files(1)}},
         private={"acme/private": TOKEN})
+    server.sharded_dir = str(sharded_dir)
     yield server
     server.close()
 
 
-def load(hub: HubServer, home, source: str, revision: str = "", **env) -> dict:
+# The app build as Serve's build task runs it: what each deployment is bound with.
+BUILD = """
+import json, sys
+from rayllm.serve.builder import build_app_with
+from rayllm.serve.config import ServerConfig
+engine = {"model": {"model": sys.argv[1], "served_model_name": "m"}, "parallel": {"device": "cpu"}}
+ingress = build_app_with(ServerConfig.from_args({"engine": engine}))._bound_deployment
+llm = ingress.init_kwargs["llms"]["m"]._bound_deployment
+print(json.dumps({"llm": llm.init_args[1], "engine": [llm.init_args[0].model.model, llm.init_args[0].model.revision],
+                  "tokenizer": ingress.init_kwargs["tokenizer"]._bound_deployment.init_args[0],
+                  "ingress": ingress.init_args[0].engine.model.model}))
+"""
+CHECK = "import json, sys; from rayllm.loader import model_sources as m; print(json.dumps(m.check(sys.argv[1])))"
+# A tokenizer replica, and one render with the model's own template.
+TOKENIZER = """
+import asyncio, json, sys
+from rayllm.serve.tokenizer import TokenizerDeployment
+replica = TokenizerDeployment.func_or_class({"m": sys.argv[1]})
+text, ids = asyncio.run(replica.render_chat("m", [{"role": "user", "content": "Hi there"}]))
+print(json.dumps({"path": replica.services["m"].model_path, "text": text, "ids": ids}))
+"""
+
+
+def run(hub: HubServer, home, script: str, *args: str, **env) -> dict:
+    """`script` in a fresh process (as a replica is) against the hub, with `home` as its HF_HOME (its node)."""
     run_env = os.environ.copy()
     for k in ("HF_TOKEN", "HF_HUB_OFFLINE", "HUGGING_FACE_HUB_TOKEN"):
         run_env.pop(k, None)
     run_env |= {"HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"} | env
-    out = subprocess.run([sys.executable, "-c", LOADER, source, revision], capture_output=True, text=True,
-                         env=run_env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=run_env,
+                         timeout=180)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def load(hub: HubServer, home, source: str, revision: str = "", **env) -> dict:
+    return run(hub, home, LOADER, source, revision, **env)
 
 
 def _layers(path: str) -> int:
@@ -123,8 +184,99 @@ def test_one_named_gguf_of_a_repo(hub, tmp_path, gguf_path):
     assert read_arch(got["path"]).num_layers == read_arch(gguf_path).num_layers
     with open(got["path"], "rb") as a, open(gguf_path, "rb") as b:
         assert a.read() == b.read()
-    # A repo of several GGUFs named without the file: a start-up error that says to name one.
+    # A repo of several GGUFs named without the file: a start-up error that says to name one, before any
+    # of them is downloaded (a repo of 25 quantizations is 100+ GB).
+    hub.downloads.clear()
     many = load(hub, tmp_path, "acme/smol-gguf")
-    assert "2 GGUF files" in many["error"] and "acme/smol-gguf" in many["error"]
+    assert "2 GGUF files" in many["error"] and "acme/smol-gguf" in many["error"] and hub.downloads == []
+    # One GGUF at the top (any case; one in a subfolder does not count): the repo is that GGUF.
+    one = load(hub, tmp_path, "acme/one-gguf")
+    assert one["files"] == ["Smol.Q4_1.GGUF"] and [p for _, _, p in hub.downloads] == ["Smol.Q4_1.GGUF"]
+    assert read_arch(one["path"]).num_layers == read_arch(gguf_path).num_layers
 
 
+def test_sharded_repo_fetches_the_shards_its_index_names_and_loads(hub, tmp_path):
+    """Not consolidated.safetensors (Mistral's names: a load error beside the shards), not a subfolder's
+    safetensors, not a GGUF beside a config.json: the logits are transformers' own on the original folder."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from rayllm.executor.executor import make_executor
+    from rayllm.loader.loader import read_arch
+    from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+
+    hub.downloads.clear()
+    got = load(hub, tmp_path, "acme/sharded")
+    shards = set(json.load(open(os.path.join(hub.sharded_dir, "model.safetensors.index.json")))["weight_map"].values())
+    assert len(shards) > 1 and {p for _, _, p in hub.downloads} == set(got["files"])
+    assert set(got["files"]) == {"config.json", "generation_config.json", "model.safetensors.index.json"} | shards
+    ids = [1, 5, 9, 14, 3]
+    config = EngineConfig(model=ModelConfig(model=got["path"], dtype="float32"),
+                          cache=CacheConfig(kv_cache_bytes=16 << 20, block_size=4), parallel=ParallelConfig(device="cpu"))
+    executor = make_executor(config, got["path"], read_arch(got["path"]))
+    try:
+        ours = executor.score(ids, 0)
+    finally:
+        executor.shutdown()
+    with torch.no_grad():
+        ref = LlamaForCausalLM.from_pretrained(hub.sharded_dir, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours.float(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["acme/a--b", "acme/a..b", "acme/" + "x" * 97, "acme/a..b/f.gguf"])
+def test_ids_huggingface_hub_refuses_are_source_errors(hub, tmp_path, name):
+    """Names the id pattern lets through but huggingface_hub refuses (HFValidationError, a ValueError): the
+    error naming the source, as every other; a client's lora_path naming one is the 404 naming lora_path."""
+    from rayllm.protocol.errors import APIError
+    from rayllm.schema.config import LoRAConfig
+    from rayllm.serve.lora.lora_registry import LoRARegistry
+
+    got = load(hub, tmp_path, name)
+    assert got["error"].startswith("ModelSourceError") and repr(name) in got["error"], got
+    registry = LoRARegistry(LoRAConfig(max_loras=1, allowed_roots=("hf://acme/",)), engine=None)  # its file side
+    with pytest.raises(APIError) as err:
+        registry._local("a", "hf://" + name)
+    assert err.value.status_code == 404 and err.value.param == "lora_path" and name in err.value.message
+
+
+
+
+def test_app_build_fetches_no_weights_and_pins_every_deployment_to_one_commit(hub, tmp_path, gguf_path):
+    """The build (on the head) fetches config and tokenizer files only and binds every deployment to the
+    commit `main` names then; a tokenizer replica fetches no weights and renders as transformers does; a push
+    to `main` after the build changes nothing for the app's replicas."""
+    from rayllm.serve.chat_template import load_tokenizer
+
+    hub.downloads.clear()
+    sha = hub.commits[("acme/chat-llama", "main")]
+    built = run(hub, tmp_path / "head", BUILD, "acme/chat-llama")
+    pinned = f"acme/chat-llama@{sha}"
+    assert built == {"llm": pinned, "engine": [pinned, None], "tokenizer": {"m": pinned}, "ingress": pinned}
+    fetched = {p for _, _, p in hub.downloads}
+    assert "config.json" in fetched and "tokenizer.json" in fetched
+    assert not any(p.endswith(".safetensors") for p in fetched), fetched
+    hub.downloads.clear()
+    tok = run(hub, tmp_path / "node2", TOKENIZER, pinned)
+    assert sha in tok["path"] and not any(p.endswith(".safetensors") for _, _, p in hub.downloads)
+    ref = load_tokenizer(gguf_path)  # the tokenizer whose files the repository holds
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert tok["text"] == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok["ids"] == ref.encode(tok["text"], add_special_tokens=False)
+    # A push: `main` now names a one-layer model; the old commit stays fetchable by its sha, as on the Hub.
+    hub.repos["acme/chat-llama"]["before-push"] = hub.repos["acme/chat-llama"]["main"]
+    hub.commits[("acme/chat-llama", "before-push")] = sha
+    hub.repos["acme/chat-llama"]["main"] = _llama_files(1) | _tokenizer_files(gguf_path)
+    hub.commits[("acme/chat-llama", "main")] = "f" * 40
+    assert _layers(load(hub, tmp_path / "node3", pinned)["path"]) == 2  # a replica started after the push
+    assert _layers(load(hub, tmp_path / "node3", "acme/chat-llama")["path"]) == 1
+
+
+def test_the_build_only_looks_a_gguf_up(hub, tmp_path, gguf_path):
+    """A GGUF source's check downloads nothing (its HEAD answers, and names the commit to pin)."""
+    name = os.path.basename(gguf_path)
+    hub.downloads.clear()
+    assert run(hub, tmp_path, CHECK, "acme/one-gguf") == f"acme/one-gguf@{hub.commits[('acme/one-gguf', 'main')]}"
+    named = f"acme/smol-gguf/{name}"
+    assert run(hub, tmp_path, CHECK, named) == f"{named}@{hub.commits[('acme/smol-gguf', 'main')]}"
+    assert hub.downloads == []
+    assert "no file 'nope.gguf'" in load(hub, tmp_path, "acme/smol-gguf/nope.gguf")["error"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,16 +25,27 @@ from tests.ports import free_port
 
 BUCKET = "models"
 BIG = 256 << 20  # large enough that a download is still running when the test kills it
+# moto's server, with one thing of S3's that moto leaves out: an object stored with SSE-KMS has an ETag that
+# is not its MD5 (moto gives every object its MD5 as ETag).
+MOTO = """
+import hashlib, sys
+from moto.s3 import models
+from moto.server import main
+
+md5_etag = models.FakeKey.etag
+models.FakeKey.etag = property(lambda key: '"%s"' % hashlib.md5(b"kms" + key.name.encode()).hexdigest()
+                               if key.encryption == "aws:kms" else md5_etag.fget(key))
+main(sys.argv[1:])
+"""
 
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """{endpoint, env, files}: a moto server with a model under s3://models/llama/ and a big GGUF-named blob."""
-    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or shutil.which("moto_server")
-    assert moto, "moto_server is missing: pip install 'moto[server]' (the test extra)"
+    pytest.importorskip("moto.server", reason="moto_server is missing: pip install 'moto[server]' (the test extra)")
     port = free_port()
-    proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", MOTO, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while True:
@@ -64,7 +74,7 @@ def s3(tmp_path_factory):
         client.upload_file(str(f), BUCKET, f"llama/{f.name}")
         files[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
     client.put_object(Bucket=BUCKET, Key="big/blob.gguf", Body=os.urandom(BIG))
-    yield {"endpoint": endpoint, "env": env, "files": files, "client": client}
+    yield {"endpoint": endpoint, "env": env, "files": files, "client": client, "dir": model_dir}
     proc.terminate()
     proc.wait(10)
     for k, v in old.items():
@@ -171,3 +181,113 @@ def test_lora_adapter_from_s3_under_an_allowed_root_and_a_bad_uri(s3, tmp_path, 
     with pytest.raises(APIError) as err:
         registry._local("b", "s3://models/adapters/b")
     assert err.value.status_code == 404 and "s3://models/adapters/b" in err.value.message
+
+
+def _put(s3, prefix: str, files: dict[str, bytes], **put) -> None:
+    for name, body in files.items():
+        s3["client"].put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=body, **put)
+
+
+def _model_files(folder) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}
+
+
+def test_sse_kms_objects_are_checked_by_size_alone(s3):
+    """An SSE-KMS object's ETag is not its MD5 (S3's rule, which the server here keeps): checked against it,
+    every download from such a bucket failed. An object's HEAD says how it is stored; a plain object's
+    ETag is its MD5 and is checked; an S3 Express bucket's never is."""
+    _put(s3, "kms", _model_files(s3["dir"]), ServerSideEncryption="aws:kms")
+    fetched = model_sources.fetch(f"s3://{BUCKET}/kms")
+    assert fetched.downloaded
+    for name in set(s3["files"]) - {"optimizer.pt"}:
+        assert _sha(os.path.join(fetched.path, name)) == s3["files"][name]
+    import fsspec
+
+    from rayllm.loader.object_store import store_md5
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    kms, plain = fs.info(f"{BUCKET}/kms/config.json"), fs.info(f"{BUCKET}/llama/config.json")
+    assert kms["ETag"].strip('"') != hashlib.md5(fs.cat_file(kms["name"]), usedforsecurity=False).hexdigest()
+    assert store_md5(fs, kms) is None
+    assert store_md5(fs, plain) == hashlib.md5(fs.cat_file(plain["name"]), usedforsecurity=False).hexdigest()
+    assert store_md5(fs, plain | {"name": "models--use1-az4--x-s3/llama/config.json"}) is None
+
+
+def test_a_prefix_is_what_its_top_level_files_make_it(s3, tmp_path):
+    """One GGUF (any case; a subfolder's do not count) is that GGUF; several are an error before any
+    download; a model folder is its config and tokenizer files and the shards its index names (not
+    consolidated.safetensors, not a subfolder's); its tokenizer part is those files alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    blob = os.urandom(1 << 20)
+    _put(s3, "one", {"Model.Q4_0.GGUF": blob, "README.md": b"# one", "sub/other.gguf": b"GGUF"})
+    one = model_sources.fetch(f"s3://{BUCKET}/one")
+    assert os.path.basename(one.path) == "Model.Q4_0.GGUF" and _sha(one.path) == hashlib.sha256(blob).hexdigest()
+    assert set(os.listdir(os.path.dirname(one.path))) == {"Model.Q4_0.GGUF", model_sources.MANIFEST}
+
+    _put(s3, "two", {"a.Q4_0.gguf": blob, "a.Q8_0.gguf": blob})
+    with pytest.raises(model_sources.ModelSourceError, match=r"'s3://models/two' holds 2 GGUF files"):
+        model_sources.fetch(f"s3://{BUCKET}/two")
+    entry = model_sources._entry_dir(f"s3://{BUCKET}/two")
+    assert not os.path.exists(entry) and not os.path.exists(entry + ".partial")
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    files = _model_files(tmp_path)
+    shards = set(json.loads(files["model.safetensors.index.json"])["weight_map"].values())
+    _put(s3, "sharded", files | {"consolidated.safetensors": files[min(shards)], "tokenizer.json": b"{}",
+                                 "original/model.safetensors": b"x", "extra.gguf": b"GGUF"})
+    uri = f"s3://{BUCKET}/sharded"
+    meta = {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json"}
+    tok = model_sources.fetch(uri, part="tokenizer")
+    assert tok.downloaded and set(os.listdir(tok.path)) - {model_sources.MANIFEST} == meta
+    whole = model_sources.fetch(uri)
+    assert whole.downloaded and whole.path != tok.path
+    assert set(os.listdir(whole.path)) - {model_sources.MANIFEST} == meta | shards and len(shards) > 1
+    # The whole model serves its tokenizer too.
+    assert model_sources.fetch(uri, part="tokenizer") == model_sources.Fetched(whole.path, False)
+
+
+FAIL = """
+import json, resource, signal, sys
+from rayllm.loader import model_sources
+if sys.argv[2] == "fsize":  # a disk that has no room for the file (EFBIG, as ENOSPC would be)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    model_sources.fetch(sys.argv[1])
+except Exception as exc:
+    print(json.dumps(f"{type(exc).__name__}: {exc}"))
+"""
+
+
+@pytest.mark.parametrize("failure", ["fsize", "no-credentials"])
+def test_a_backends_own_errors_are_source_errors(s3, tmp_path, failure):
+    """A disk without room mid-download (an OSError) and botocore's NoCredentialsError (not an OSError):
+    each a ModelSourceError naming the source (a client's lora_path: the 404 naming it), not a 500."""
+    env = os.environ | {"RAYLLM_MODEL_CACHE": str(tmp_path)}
+    if failure == "no-credentials":
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.pop(k)
+        env |= {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+    uri = f"s3://{BUCKET}/big/blob.gguf"
+    out = subprocess.run([sys.executable, "-c", FAIL, uri, failure], capture_output=True, text=True, env=env,
+                         timeout=120)
+    error = json.loads(out.stdout.strip().splitlines()[-1])
+    assert error.startswith(f"ModelSourceError: model source {uri!r}: "), error
+    assert ("File too large" if failure == "fsize" else "NoCredentialsError") in error
+
+
+def test_a_loader_waiting_for_another_says_so(s3, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RAYLLM_MODEL_CACHE", str(tmp_path))
+    uri = f"s3://{BUCKET}/llama"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(1)",
+                               model_sources._entry_dir(uri) + ".lock"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with caplog.at_level("INFO", logger="rayllm.loader"):
+        fetched = model_sources.fetch(uri)  # the other process ended without downloading: this one does
+    assert holder.wait(10) == 0 and fetched.downloaded
+    assert any("waiting for another process's download" in r.getMessage() for r in caplog.records)
