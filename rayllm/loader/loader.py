@@ -19,7 +19,7 @@ from tqdm import tqdm
 from rayllm.loader import model_sources
 from rayllm.loader.fp8 import iter_fp8_dequantized
 from rayllm.loader.gguf_file import GGUFFile, dequantize
-from rayllm.models.registry import check_supported
+from rayllm.models.registry import UnsupportedModelError, check_supported
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.schema.config import LlamaArch
 
@@ -41,8 +41,14 @@ GGUF_TO_HF = {
 
 @functools.lru_cache(maxsize=2)
 def open_gguf(path: str) -> GGUFFile:
-    """A GGUF's header and tensor index, parsed once per file."""
-    return GGUFFile(path)
+    """A GGUF's header and tensor index, parsed once per file; one part of a split GGUF is refused (its
+    tensors are spread over the other parts, which are not read)."""
+    reader = GGUFFile(path)
+    parts = reader.get("split.count", 1)
+    if isinstance(parts, int) and parts > 1:
+        raise ValueError(f"{path}: split GGUF ({parts} parts) is not supported; merge the parts into one file "
+                         "with llama.cpp's `llama-gguf-split --merge <first part> <output.gguf>`")
+    return reader
 
 
 def _gguf_field(reader: GGUFFile, key: str, default=None):
@@ -57,21 +63,26 @@ def read_arch(model_path: str) -> LlamaArch:
         def f(key, default=None):
             return _gguf_field(reader, f"{arch}.{key}", default)
 
-        hidden = int(f("embedding_length"))
-        heads = int(f("attention.head_count"))
+        where = f"GGUF {model_path}"
+
+        def need(key: str, default: object = None) -> int:
+            return _positive_int(f(key, default), f"{arch}.{key}", where)
+
+        hidden = need("embedding_length")
+        heads = need("attention.head_count")
         names = {t.name for t in reader.tensors}
-        vocab = f("vocab_size") or len(_gguf_field(reader, "tokenizer.ggml.tokens"))
+        vocab = f("vocab_size") or reader.array_len("tokenizer.ggml.tokens")
         return LlamaArch(
             hidden_size=hidden,
-            intermediate_size=int(f("feed_forward_length")),
-            num_layers=int(f("block_count")),
+            intermediate_size=need("feed_forward_length"),
+            num_layers=need("block_count"),
             num_heads=heads,
-            num_kv_heads=int(f("attention.head_count_kv", heads)),
+            num_kv_heads=need("attention.head_count_kv", heads),
             # llama.cpp: key_length when the converter wrote one, else hidden / heads; rope dimensions
             # may be fewer than the head's (partial rotary, Phi-4-mini), so they say nothing then.
             head_dim=int(f("attention.key_length") or (hidden // heads if arch == "phi3"
                                                        else f("rope.dimension_count", hidden // heads))),
-            vocab_size=int(vocab),
+            vocab_size=_positive_int(vocab, f"{arch}.vocab_size (or tokenizer.ggml.tokens)", where),
             rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(f("rope.freq_base", 10000.0)),
             max_position_embeddings=int(f("context_length", 4096)),
@@ -83,16 +94,26 @@ def read_arch(model_path: str) -> LlamaArch:
             model_type="mixtral" if arch == "llama" and f("expert_count") else arch,
             hf_config=_sorted_items(gguf_hf_config(reader, arch)),
         )
-    with open(os.path.join(model_path, "config.json")) as fh:
+    where = os.path.join(model_path, "config.json")
+    with open(where) as fh:
         cfg = json.load(fh)
-    model_type = check_supported(cfg.get("model_type"), os.path.join(model_path, "config.json"))
+    if cfg.get("text_config") or cfg.get("vision_config"):  # e.g. Gemma3ForConditionalGeneration (model_type gemma3)
+        raise UnsupportedModelError(
+            f"{where}: multimodal checkpoints ({cfg.get('architectures') or cfg.get('model_type')}, with "
+            "text_config / vision_config) are not supported; serve the text-only model (or its GGUF)")
+    model_type = check_supported(cfg.get("model_type"), where)
     quant = cfg.get("quantization_config")
     method = (quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown") if quant else None
     if method is not None and not is_fp8_checkpoint(quant):  # GPTQ/AWQ int4, bitsandbytes...: packed tensors would load as garbage
         raise ValueError(f"{os.path.join(model_path, 'config.json')}: quantized safetensors checkpoints "
                          f"(quantization_config.quant_method {method!r}) are not supported; use the unquantized "
                          "checkpoint, or a GGUF (model.weights: quantized keeps its Q4/Q5/Q6/Q8 weights quantized)")
-    heads = cfg["num_attention_heads"]
+
+    def need(key: str, default: object = None) -> int:
+        value = cfg.get(key)
+        return _positive_int(default if value is None else value, key, where)
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
     eos = cfg.get("eos_token_id")
     # transformers 5 writes "rope_parameters" (theta inside); older configs: rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -101,13 +122,13 @@ def read_arch(model_path: str) -> LlamaArch:
     if rope.get("rope_type", rope.get("type")) in (None, "default"):
         rope = {}
     return LlamaArch(
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
+        num_kv_heads=need("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        vocab_size=need("vocab_size"),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -121,15 +142,33 @@ def read_arch(model_path: str) -> LlamaArch:
     )
 
 
+def _positive_int(value: object, field: str, where: str) -> int:
+    """A config's size field, or an error that names the file and the field (not a KeyError in a replica)."""
+    if value is None:
+        raise ValueError(f"{where}: missing required field {field!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: field {field!r} must be a positive integer, not {value!r}")
+    return value
+
+
 def _sorted_items(cfg: dict) -> tuple[tuple[str, object], ...]:
     return tuple(sorted(cfg.items()))
+
+
+# Per-layer settings at most: a longer array under `<arch>.` is not a setting (and would be decoded into the config).
+MAX_CONFIG_ARRAY = 1 << 16
 
 
 def gguf_hf_config(reader: GGUFFile, arch: str) -> dict:
     """The GGUF's `<arch>.*` metadata under its own key names (minus the prefix), for `LlamaArch.cfg`:
     families read what they need from it (e.g. `expert_count`, `attention.sliding_window`)."""
     prefix = f"{arch}."
-    cfg = {name[len(prefix):]: _gguf_field(reader, name) for name in reader.fields if name.startswith(prefix)}
+    names = [name for name in reader.fields if name.startswith(prefix)]
+    for name in names:
+        if (n := reader.array_len(name) or 0) > MAX_CONFIG_ARRAY:
+            raise ValueError(f"{reader.path}: metadata {name} holds {n} values, more than {MAX_CONFIG_ARRAY}: "
+                             "not an architecture setting")
+    cfg = {name[len(prefix):]: _gguf_field(reader, name) for name in names}
     # LongRoPE's per-frequency factors are tensors in GGUF (rope_factors_long/short.weight), though
     # they shape the rotary tables built before any weight is loaded: read them with the metadata.
     for t in reader.tensors:
@@ -181,12 +220,31 @@ def iter_gguf(path: str, arch: LlamaArch, bits: dict[str, int] | None = None,
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are read-only memmaps
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's shards: those model.safetensors.index.json maps weights to, where it exists (as
+    transformers and vLLM read them); else every *.safetensors but Mistral's consolidated*.safetensors
+    (the same weights under Mistral's own names, shipped beside the Hugging Face ones) when others exist."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if absent:
+            raise FileNotFoundError(f"{index} maps weights to files that are not in {model_dir}: {absent[:10]}")
+        return files
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return [f for f in files if not f.startswith("consolidated")] or files
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = safetensors_files(model_dir)
     if is_fp8_checkpoint(_quant_config(model_dir)):  # FP8 weights with scales: dequantized on CPU (rayllm.loader.fp8)
         yield from iter_fp8_dequantized(model_dir, files)
         return

@@ -9,8 +9,9 @@ weights as before (it depends on the CPU's oneDNN build and is quick).
 
 An entry is used only when everything it was made from is unchanged: the GGUF file (path, size, mtime), the
 model's architecture, the dtype and `parallel.cpu` settings that shape the packing, the tensor-parallel shard,
-torch's version, the CPU (its flags, VNNI) and the source of the loader, layers, quantization, models and CPU
-kernels; anything else is a different key, so a stale entry is never read. Each tensor carries a CRC-32 that is
+the versions of torch, numpy and gguf (gguf's dequantizers, numpy's arithmetic in them, torch's conversions and
+packing make the values), the CPU (its flags, VNNI) and the source of the loader, layers, quantization, models
+and CPU kernels; anything else is a different key, so a stale entry is never read. Each tensor carries a CRC-32 that is
 checked before any weight is replaced, and a parameter that is missing or mis-shaped rejects the whole entry,
 so a damaged file costs a normal load, never wrong weights. Writes go to a temporary file renamed into place.
 
@@ -23,6 +24,7 @@ parameter: ~350 MB for SmolLM2-135M).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -31,6 +33,7 @@ import time
 import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,8 +91,8 @@ def cache_key(config: EngineConfig, model_path: str, arch: LlamaArch, dtype: tor
     cpu = config.parallel.cpu
     parts = (FORMAT, os.path.realpath(model_path), st.st_size, st.st_mtime_ns, repr(arch), str(dtype),
              cpu.small_batch_quant, cpu.int8_passes, cpu.int8_one_pass_layers, config.scheduler.batch_invariant,
-             platform.small_batch_weights(dtype), tp.rank, tp.size, torch.__version__, cpu_kernels._cpu_tag(),
-             cpu_qgemm.available(), source_digest())
+             platform.small_batch_weights(dtype), tp.rank, tp.size, torch.__version__, np.__version__,
+             importlib.metadata.version("gguf"), cpu_kernels._cpu_tag(), cpu_qgemm.available(), source_digest())
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 

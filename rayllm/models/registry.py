@@ -17,7 +17,8 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen2": "rayllm.models.qwen2:Qwen2ForCausalLM",
     "gemma2": "rayllm.models.gemma:GemmaForCausalLM",
     "gemma3_text": "rayllm.models.gemma:GemmaForCausalLM",
-    "gemma3": "rayllm.models.gemma:GemmaForCausalLM",  # GGUF's name for Gemma 3 text
+    # GGUF's name for Gemma 3 text; config.json's `gemma3` is the multimodal model, refused by the loader.
+    "gemma3": "rayllm.models.gemma:GemmaForCausalLM",
     "phi3": "rayllm.models.phi3:Phi3ForCausalLM",
     "qwen3": "rayllm.models.qwen3:Qwen3ForCausalLM",
     "mixtral": "rayllm.models.mixtral:MixtralForCausalLM",  # GGUF: llama + expert_count (loader)

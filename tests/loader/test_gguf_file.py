@@ -4,6 +4,8 @@ written here with gguf-py's writer (random values, every value type, nested arra
 
 from __future__ import annotations
 
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -109,3 +111,93 @@ def test_dequantize_equals_gguf_py_bit_for_bit(monkeypatch):
             got = gguf_file.dequantize(data, qtype)
         assert got.shape == want.shape == (7, 3 * block) and got.dtype == want.dtype, qtype.name
         assert np.array_equal(got, want, equal_nan=True), qtype.name
+
+
+def _write(path: str, fill) -> str:
+    w = gguf.GGUFWriter(path, "llama")
+    fill(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_large_metadata_array_takes_no_memory_until_read(tmp_path):
+    """A 256 kB u8 array: opening the file allocates almost nothing (it was a list of Python ints, ~9 bytes
+    of memory per byte of file: 2.6 GB for a 300 MB array); get() gives what GGUFReader gives."""
+    import tracemalloc
+
+    path = _write(str(tmp_path / "big.gguf"), lambda w: (w.add_array("t.blob", bytes(range(256)) * 1024),
+                                                         w.add_array("t.words", ["a", "bc"] * 1000)))
+    tracemalloc.start()
+    try:
+        ours = GGUFFile(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 200_000, peak
+    assert (ours.array_len("t.blob"), ours.array_len("t.words"), ours.array_len("general.architecture")) == \
+           (256 * 1024, 2000, None)
+    assert_same(path)
+
+
+def _cut(src: str, dst, n: int) -> str:
+    with open(src, "rb") as fh:
+        dst.write_bytes(fh.read(n))
+    return str(dst)
+
+
+def test_a_truncated_file_names_itself_and_what_is_cut(tmp_path):
+    """The default model cut at places GGUFReader locates: in a string array, a number array, a tensor's
+    info, the last tensor's data, the header."""
+    src = default_model_path()
+    ref = gguf.GGUFReader(src)
+    last = ref.tensors[-1]
+    first_info = ref.tensors[0].field.offset + 8 + len(ref.tensors[0].name) + 2
+    for at, what in [(ref.fields["tokenizer.ggml.tokens"].offset + 5000, "metadata tokenizer.ggml.tokens"),
+                     (ref.fields["tokenizer.ggml.token_type"].offset + 100, "metadata tokenizer.ggml.token_type"),
+                     (first_info, f"tensor {ref.tensors[0].name}'s info"),
+                     (last.data_offset + last.n_bytes - 1, f"tensor {last.name}'s data"),
+                     (10, "the header")]:
+        path = _cut(src, tmp_path / "cut.gguf", at)
+        with pytest.raises(ValueError, match="truncated") as err:
+            GGUFFile(path)
+        assert path in str(err.value) and what in str(err.value), (what, str(err.value))
+
+
+def _crafted(tmp_path, n_tensors: int, n_kv: int, body: bytes) -> str:
+    """A little-endian GGUF v3 header followed by `body` (keys, values and tensor infos packed here)."""
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + body + bytes(64))
+    return str(path)
+
+
+def _s(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+@pytest.mark.parametrize("n_tensors, n_kv, body, message", [
+    (2**40, 0, b"", "counts 1099511627776 tensors, more than"),
+    (0, 2**40, b"", "counts 1099511627776 metadata entries, more than"),
+    (1, 0, _s(b"x") + struct.pack("<I", 5) + bytes(56), "tensor x has 5 dimensions"),
+    (1, 0, _s(b"x") + struct.pack("<IQIQ", 1, 4, 99, 0), "tensor x: unknown tensor type 99"),
+    (1, 0, _s(b"x") + struct.pack("<IQIQ", 1, 2**62, 0, 0), "truncated: tensor x's data"),
+    (0, 1, struct.pack("<Q", 2**62) + b"k", "truncated: metadata key #0"),
+    (0, 1, _s(b"t.s") + struct.pack("<IIQ", 9, 8, 2**60), "truncated: metadata t.s"),  # 2**60 strings
+    (0, 1, _s(b"t.s") + struct.pack("<IIQ", 9, 8, 1) + struct.pack("<Q", 2**40), "truncated: metadata t.s"),
+    (0, 1, _s(b"t.n") + struct.pack("<IIQ", 9, 6, 2**40), "truncated: metadata t.n"),  # 2**40 floats
+    (0, 1, _s(b"t.v") + struct.pack("<I", 77), "metadata t.v: unknown GGUF value type 77"),
+])
+def test_corrupt_counts_and_lengths_are_refused(tmp_path, n_tensors, n_kv, body, message):
+    path = _crafted(tmp_path, n_tensors, n_kv, body)
+    with pytest.raises(ValueError, match=message) as err:
+        GGUFFile(path)
+    assert path in str(err.value)
+
+
+def test_a_string_that_is_not_utf8_names_its_key(tmp_path):
+    path = _crafted(tmp_path, 0, 1, _s(b"t.s") + struct.pack("<IIQ", 9, 8, 2) + _s(b"ok") + _s(b"\xff"))
+    ours = GGUFFile(path)  # string arrays are decoded when read
+    with pytest.raises(ValueError, match="metadata t.s is not UTF-8"):
+        ours.get("t.s")

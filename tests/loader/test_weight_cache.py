@@ -5,11 +5,13 @@ that is stale (the file or the settings changed), damaged or truncated is not us
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,13 +121,22 @@ def _refused(model_path: str, cache: weight_cache.WeightCache) -> None:
     assert all(not isinstance(m.method, SmallBatchMethod) for m in skeleton.modules() if isinstance(m, LinearBase))
 
 
-def test_other_settings_or_a_changed_file_find_no_entry(env, loaded):
+def test_other_settings_or_a_changed_file_find_no_entry(env, loaded, monkeypatch):
     model, _ = env
     current = _entry(model)
     assert current.restore(_skeleton(model))  # the entry works for the same inputs
     other = _entry(model, _config(int8_passes=1))
     assert other.key != current.key
     _refused(model, other)
+    # Another gguf (its dequantizers make the dense values) or numpy (their arithmetic) than wrote the entry.
+    version = importlib.metadata.version
+    with monkeypatch.context() as m:
+        m.setattr(importlib.metadata, "version", lambda name: "0.0.1" if name == "gguf" else version(name))
+        assert _entry(model).key != current.key
+    with monkeypatch.context() as m:
+        m.setattr(np, "__version__", "0.0.1")
+        assert _entry(model).key != current.key
+    assert _entry(model).key == current.key
     st = os.stat(model)
     os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     try:
