@@ -41,7 +41,10 @@ def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, mod
     r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=8)
     chunks = list(client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=8,
                                                  stream=True, stream_options={"include_usage": True}))
-    after = _metric_values(server)
+    # The engine gauges are the replica's own, written every STATS_INTERVAL_S to Ray's key-value store: a
+    # scrape after the next write shows them.
+    time.sleep(STATS_INTERVAL_S * 1.5)
+    after, stats = _metric_values(server), llm_stats()
 
     def grew(name: str) -> float:
         return after.get((name, label), 0.0) - before.get((name, label), 0.0)
@@ -63,12 +66,8 @@ def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, mod
                   "vllm:gpu_prefix_cache_hit_rate"):
         assert (gauge, label) in after, gauge
     assert 0 < after[("vllm:gpu_prefix_cache_hit_rate", label)] <= 1  # the same question twice: prefix hits
-    # The gauges are the replica's own (written every STATS_INTERVAL_S to Ray's key-value store): idle now,
-    # a scrape after the next write shows its numbers.
-    time.sleep(STATS_INTERVAL_S * 1.5)
-    idle, stats = _metric_values(server), llm_stats()
-    assert idle[("vllm:num_requests_running", label)] == stats["num_running"] == 0
-    assert idle[("vllm:kv_cache_usage_perc", label)] == pytest.approx(stats["kv_usage"])
+    assert after[("vllm:num_requests_running", label)] == stats["num_running"] == 0  # idle now
+    assert after[("vllm:kv_cache_usage_perc", label)] == pytest.approx(stats["kv_usage"])
 
 
 # ---- request bounds, back-pressure, timeout ------------------------------------------------------------------
