@@ -146,7 +146,8 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
 
     @app.get("/health")
     async def health(self) -> Response:
-        return await ops.health([r.llm for r in self.routes], self.model_status, self.health_log)
+        needed = {h.deployment_name: h for r in self.routes for h in (r.llm, r.tokenizer.handle)}
+        return await ops.health(list(needed.values()), self.model_status, self.health_log)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> JSONResponse:

@@ -32,7 +32,7 @@ from rayllm.serve.detokenizer import IncrementalDetokenizer
 from rayllm.serve.engine_errors import engine_failure, refusal, step_failure
 from rayllm.serve.generation_modes import best_of, choose, scoring_fits
 from rayllm.serve.lora.lora_registry import AdapterEntry, LoRARegistry
-from rayllm.serve.metrics import publish_engine_stats
+from rayllm.serve.metrics import forget_engine_stats, publish_engine_stats, stats_prefix
 from rayllm.serve.serving_priority import ServingPriority
 from rayllm.serve.tokenizer import TokenizerService
 from rayllm.serve.tracing import TracingConfig, configure
@@ -51,6 +51,15 @@ def replica_id() -> str | None:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # outside a Serve replica
         return None
+
+
+def stats_key() -> str | None:
+    """Where this replica writes its engine gauges for the ingress's /metrics (rayllm.serve.metrics)."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # outside a Serve replica
+        return None
+    return stats_prefix(ctx.app_name, ctx.deployment) + str(ctx.replica_id.unique_id)
 
 
 def tag_replica(batch: list) -> None:
@@ -109,7 +118,8 @@ class LLMServer:
         # pool that health checks use; each is bounded by the detokenizer's window.
         self._regex_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="stop-regex")
         self.loras = self._start_loras(engine_config)
-        publish_engine_stats(self, engine_config.model.served_model_name)  # Ray metrics: running, waiting, KV
+        self._stats_key = stats_key()
+        publish_engine_stats(self, engine_config.model.served_model_name, self._stats_key)  # running, waiting, KV
         self.startup = cold_start_record(engine_config.model.served_model_name, self.engine.startup_phases,
                                          fetch_s, time.perf_counter() - t0, tokenizer_s, started_at)
         log.info("cold start %s", json.dumps(self.startup))
@@ -375,6 +385,8 @@ class LLMServer:
             self.engine.shutdown()
         except Exception:
             pass
+        if getattr(self, "_stats_key", None):
+            forget_engine_stats(self._stats_key)
 
 
 # Defaults as in cluster.yaml: a bounded caller-side queue (503 beyond it), and a drain period for open streams.

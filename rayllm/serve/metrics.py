@@ -6,11 +6,14 @@ the ingress serves as `GET /metrics` (works without Ray's exporter, e.g. in test
 
 Per-request histograms and counters are recorded in the ingress (it sees every delta of every request);
 the engine gauges (running / waiting requests, KV-cache usage, prefix-cache hit rate) come from the
-model replicas' `stats()`: each replica publishes its own to Ray, and `/metrics` asks one replica per scrape.
+model replicas' `stats()`: each replica publishes its own to Ray's exporter, and writes them every
+`STATS_INTERVAL_S` to Ray's GCS key-value store, where the ingress reads every replica's at a scrape of
+`/metrics` (no call into a replica: a model scaled to zero is not woken, and a busy one is not queued behind).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -59,6 +62,14 @@ ENGINE_GAUGES = {  # metric name -> key of LLMServer.stats()
     "vllm:kv_cache_usage_perc": "kv_usage",
     "vllm:gpu_prefix_cache_hit_rate": "prefix_hit_rate",
 }
+
+
+# Replicas write their engine gauges this often; a record older than STATS_FRESH_S is a replica that is gone
+# (stopped, or its node lost) and counts for nothing; one older than STATS_FORGET_S is deleted by the reader.
+STATS_INTERVAL_S = 2.0
+STATS_FRESH_S = 15.0
+STATS_FORGET_S = 600.0
+STATS_NAMESPACE = "rayllm-engine-stats"
 
 
 def ray_metric_name(name: str) -> str:
@@ -133,9 +144,23 @@ class ServerMetrics:
         self.ray.record(name, value, tags)
 
     def set_engine_stats(self, stats: dict, model: str) -> None:
+        """A replica's own gauges, to Ray's exporter (one series per replica there)."""
         for name, key in ENGINE_GAUGES.items():
             if key in stats:
-                self.record(name, float(stats[key]), model)
+                self.ray.record(name, float(stats[key]), {"model_name": model})
+
+    def show_engine_stats(self, stats: dict | None, model: str) -> None:
+        """The gauges `/metrics` shows for a model (from `deployment_engine_stats`), or none while no replica
+        reports (scaled to zero, or gone): a stale value would read as load that is not there. Not sent to
+        Ray's exporter, where each replica reports its own."""
+        for name, key in ENGINE_GAUGES.items():
+            if stats is not None and key in stats:
+                self.prom[name].labels(model_name=model).set(float(stats[key]))
+            else:
+                try:
+                    self.prom[name].remove(model)
+                except KeyError:  # never shown
+                    pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -167,8 +192,20 @@ def server_metrics() -> ServerMetrics:
     return _metrics
 
 
-def publish_engine_stats(owner: Any, model: str, interval_s: float = 5.0) -> threading.Thread:
-    """In a model replica: push `owner.stats()` (its engine gauges) to Ray's metrics every interval.
+def stats_prefix(app: str, deployment: str) -> str:
+    return f"{app}/{deployment}/"
+
+
+def _kv() -> Any:
+    from ray.experimental import internal_kv
+
+    return internal_kv if internal_kv._internal_kv_initialized() else None
+
+
+def publish_engine_stats(owner: Any, model: str, key: str | None = None,
+                         interval_s: float = STATS_INTERVAL_S) -> threading.Thread:
+    """In a model replica: push `owner.stats()` (its engine gauges) to Ray's metrics every interval, and under
+    `key` (stats_prefix + the replica's id) in Ray's key-value store for the ingress's `/metrics`.
 
     A daemon thread holding only a weak reference, so the replica object can still be collected.
     """
@@ -181,7 +218,11 @@ def publish_engine_stats(owner: Any, model: str, interval_s: float = 5.0) -> thr
             if obj is None:
                 return
             try:
-                metrics.set_engine_stats(obj.stats(), model)
+                stats = obj.stats()
+                metrics.set_engine_stats(stats, model)
+                if key is not None and (kv := _kv()) is not None:
+                    record = {k: float(stats[k]) for k in ENGINE_GAUGES.values() if k in stats}
+                    kv._internal_kv_put(key, json.dumps(record | {"t": time.time()}), namespace=STATS_NAMESPACE)
             except Exception:  # the engine may be shutting down; try again later
                 log.debug("engine stats unavailable", exc_info=True)
             del obj
@@ -190,3 +231,48 @@ def publish_engine_stats(owner: Any, model: str, interval_s: float = 5.0) -> thr
     thread = threading.Thread(target=loop, name="engine-metrics", daemon=True)
     thread.start()
     return thread
+
+
+def forget_engine_stats(key: str) -> None:
+    """A replica that stops takes its record with it (a lost one ages out: STATS_FRESH_S)."""
+    try:
+        if (kv := _kv()) is not None:
+            kv._internal_kv_del(key, namespace=STATS_NAMESPACE)
+    except Exception:
+        log.debug("engine stats record not deleted", exc_info=True)
+
+
+def combine_engine_stats(records: list[dict]) -> dict | None:
+    """One model's gauges from its replicas' records: requests running and waiting summed, the KV-cache
+    usage and prefix-cache hit rate as the replicas' mean (one deployment's replicas have equal caches);
+    `replicas`: how many reported."""
+    if not records:
+        return None
+    out: dict[str, float] = {"replicas": len(records)}
+    for key in ENGINE_GAUGES.values():
+        values = [r[key] for r in records if key in r]
+        if values:
+            out[key] = sum(values) if key in ("num_running", "num_waiting") else sum(values) / len(values)
+    return out
+
+
+def deployment_engine_stats(app: str, deployment: str, now: float | None = None) -> dict | None:
+    """The fresh records of a deployment's replicas in Ray's key-value store, combined (None: none reports).
+    Blocking (GCS calls): run it in a thread. Deletes records too old to matter."""
+    kv = _kv()
+    if kv is None:
+        return None
+    now = time.time() if now is None else now
+    records = []
+    for key in kv._internal_kv_list(stats_prefix(app, deployment), namespace=STATS_NAMESPACE):
+        raw = kv._internal_kv_get(key, namespace=STATS_NAMESPACE)
+        try:
+            record = json.loads(raw) if raw is not None else None
+        except ValueError:
+            record = None
+        age = now - record["t"] if isinstance(record, dict) and "t" in record else float("inf")
+        if age <= STATS_FRESH_S:
+            records.append(record)
+        elif age > STATS_FORGET_S:
+            kv._internal_kv_del(key, namespace=STATS_NAMESPACE)
+    return combine_engine_stats(records)

@@ -35,8 +35,10 @@ class DeploymentState:
 
     @property
     def healthy(self) -> bool:
-        """Serves requests now, or is asleep and will be woken by one."""
-        return self.status in SETTLED or (self.status == "UPDATING" and self.running > 0)
+        """Serves requests now, or is asleep and will be woken by one. Any running replica serves, whatever
+        the deployment's status: Serve says UNHEALTHY while one of several replicas is being replaced, and
+        UPDATING while a new version starts beside the old."""
+        return self.running > 0 or self.status in SETTLED
 
 
 def _read_serve_status() -> dict:
@@ -69,21 +71,35 @@ class ServeModelStatus:
     second's lag."""
 
     def __init__(self, app_name: str, ttl_s: float = 1.0, read: Callable[[], Any] = _read_serve_status,
-                 unhealthy_ttl_s: float = 0.2) -> None:
+                 unhealthy_ttl_s: float = 0.2, read_timeout_s: float = 10.0) -> None:
         self.app_name, self.ttl_s, self._read = app_name, ttl_s, read
-        self.unhealthy_ttl_s = unhealthy_ttl_s
+        self.unhealthy_ttl_s, self.read_timeout_s = unhealthy_ttl_s, read_timeout_s
         self._states: dict[str, DeploymentState] = {}
         self._at = -float("inf")
-        self._lock = asyncio.Lock()
+        self._reading: asyncio.Future | None = None  # the one controller read in flight, shared by its waiters
         self._refresh: asyncio.Task | None = None
 
     async def states(self, fresh: bool = False) -> dict[str, DeploymentState]:
-        async with self._lock:
-            settled = bool(self._states) and all(s.healthy for s in self._states.values())
-            if fresh or time.monotonic() - self._at > (self.ttl_s if settled else self.unhealthy_ttl_s):
-                self._states = states_of(await asyncio.to_thread(self._read), self.app_name)
-                self._at = time.monotonic()
+        """The deployments' states, read again when stale; a read the controller does not answer within
+        `read_timeout_s` is a 503 for the caller (the read goes on, and the next caller waits for it)."""
+        settled = bool(self._states) and all(s.healthy for s in self._states.values())
+        if not fresh and time.monotonic() - self._at <= (self.ttl_s if settled else self.unhealthy_ttl_s):
             return self._states
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_states())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._reading), self.read_timeout_s)
+        except TimeoutError:
+            raise APIError(503, f"Serve's controller did not answer within {self.read_timeout_s:g} s; retry later",
+                           type="server_error", code="model_unavailable") from None
+
+    async def _read_states(self) -> dict[str, DeploymentState]:
+        try:
+            self._states = states_of(await asyncio.to_thread(self._read), self.app_name)
+            self._at = time.monotonic()
+            return self._states
+        finally:
+            self._reading = None
 
     async def state(self, deployment: str, fresh: bool = False) -> DeploymentState:
         return (await self.states(fresh)).get(deployment, DeploymentState("MISSING", 0))

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rayllm.protocol.choice_state import GenerationState
 from rayllm.protocol.io_struct import GenerationDelta
 from rayllm.serve.config import ServerConfig
-from rayllm.serve.metrics import ServerMetrics
+from rayllm.serve.metrics import ENGINE_GAUGES, ServerMetrics, combine_engine_stats
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -51,13 +51,21 @@ def test_errors_and_engine_gauges():
     state = GenerationState()
     state.add(_delta(0, 1, 1))
     m.request_done(state, "base", time.monotonic(), "error")
-    m.set_engine_stats({"num_running": 3, "num_waiting": 2, "kv_usage": 0.25, "prefix_hit_rate": 0.5}, "base")
+    m.show_engine_stats(combine_engine_stats([
+        {"num_running": 1, "num_waiting": 0, "kv_usage": 0.125, "prefix_hit_rate": 0.25, "t": 1.0},
+        {"num_running": 2, "num_waiting": 2, "kv_usage": 0.375, "prefix_hit_rate": 0.75, "t": 2.0}]), "base")
     s = _samples(m)
     assert s[("vllm:request_success_total", (("finished_reason", "error"), ("model_name", "base")))] == 1
     assert s[("vllm:num_requests_running", (("model_name", "base"),))] == 3
     assert s[("vllm:num_requests_waiting", (("model_name", "base"),))] == 2
     assert s[("vllm:kv_cache_usage_perc", (("model_name", "base"),))] == 0.25
     assert s[("vllm:gpu_prefix_cache_hit_rate", (("model_name", "base"),))] == 0.5
+    # No replica reports (scaled to zero, or gone): the gauges go, rather than stay at their last values.
+    m.show_engine_stats(None, "base")
+    m.show_engine_stats(None, "never-shown")
+    s = _samples(m)
+    assert not [k for k in s if k[0] in ENGINE_GAUGES]
+    assert s[("vllm:request_success_total", (("finished_reason", "error"), ("model_name", "base")))] == 1
 
 
 def test_bounds_are_validated():

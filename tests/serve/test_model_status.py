@@ -31,10 +31,13 @@ def test_states_asleep_and_healthy_from_serve_status():
         d=(DeploymentStatus.UNHEALTHY, {"RUNNING": 1}),
         e=(DeploymentStatus.UPDATING, {"STARTING": 1}),  # first deploy, not up yet
         f=(DeploymentStatus.UPDATING, {"RUNNING": 1, "STARTING": 1}),  # rolling update
+        g=(DeploymentStatus.UNHEALTHY, {"STOPPING": 1, "STARTING": 1}),  # its only replica being replaced
+        h=(DeploymentStatus.DEPLOY_FAILED, {}),
     ), "app")
+    # A deployment that lost one of its replicas (d) still serves: degraded, not down.
     assert {n: (s.asleep, s.healthy) for n, s in st.items()} == {
-        "llm": (True, True), "b": (True, True), "c": (False, True), "d": (False, False), "e": (False, False),
-        "f": (False, True)}
+        "llm": (True, True), "b": (True, True), "c": (False, True), "d": (False, True), "e": (False, False),
+        "f": (False, True), "g": (False, False), "h": (False, False)}
     assert states_of(serve_status(), "other") == {}
 
 
@@ -117,3 +120,26 @@ async def test_wake_is_bounded_then_503_with_retry_after():
 
     assert await wake("m", DeploymentState("HEALTHY", 0), quick, 1, 1) == "up"
     assert await wake("m", DeploymentState("HEALTHY", 1), slow_start, 0.01, 1) is None  # awake: no call
+
+
+async def test_a_controller_that_does_not_answer_is_a_503_and_one_read_serves_every_waiter():
+    release = threading.Event()
+    reads = []
+
+    def read():
+        reads.append(1)
+        release.wait(10)
+        return serve_status(llm=(DeploymentStatus.HEALTHY, {"RUNNING": 1}))
+
+    status = ServeModelStatus("app", read=read, read_timeout_s=0.2)
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(status.for_request("llm") for _ in range(5)), return_exceptions=True)
+    assert time.monotonic() - t0 < 2
+    assert all(isinstance(r, APIError) and r.status_code == 503 and r.code == "model_unavailable" for r in results)
+    assert len(reads) == 1  # the waiters shared the read in flight; none started another
+    release.set()
+    for _ in range(200):
+        if status._reading is None:
+            break
+        await asyncio.sleep(0.01)
+    assert (await status.for_request("llm")).running == 1 and len(reads) == 1  # the late answer is kept

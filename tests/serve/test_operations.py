@@ -18,6 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rayllm.serve.metrics import STATS_INTERVAL_S
 from tests.serve.ops_apps import MODEL, QUESTION, SMALL_ENGINE, Pace, chat_body, deploy_all, sse_lines
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
@@ -34,13 +35,16 @@ def _metric_values(server: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, model_name):
+def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, model_name, llm_stats):
     label = (("model_name", model_name),)
     before = _metric_values(server)
     r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=8)
     chunks = list(client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=8,
                                                  stream=True, stream_options={"include_usage": True}))
-    after = _metric_values(server)
+    # The engine gauges are the replica's own, written every STATS_INTERVAL_S to Ray's key-value store: a
+    # scrape after the next write shows them.
+    time.sleep(STATS_INTERVAL_S * 1.5)
+    after, stats = _metric_values(server), llm_stats()
 
     def grew(name: str) -> float:
         return after.get((name, label), 0.0) - before.get((name, label), 0.0)
@@ -62,6 +66,8 @@ def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, mod
                   "vllm:gpu_prefix_cache_hit_rate"):
         assert (gauge, label) in after, gauge
     assert 0 < after[("vllm:gpu_prefix_cache_hit_rate", label)] <= 1  # the same question twice: prefix hits
+    assert after[("vllm:num_requests_running", label)] == stats["num_running"] == 0  # idle now
+    assert after[("vllm:kv_cache_usage_perc", label)] == pytest.approx(stats["kv_usage"])
 
 
 # ---- request bounds, back-pressure, timeout ------------------------------------------------------------------
@@ -307,3 +313,24 @@ def test_dead_model_replica_fails_stream_clearly_then_recovers(ops_ray):
     assert err["code"] == "model_replica_failed" and "retry" in err["message"]
     assert _recovered(base).json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+
+
+def test_a_dead_tokenizer_replica_makes_health_503_until_it_is_replaced(ops_ray):
+    """Every chat request needs the tokenizer deployment: /health covers it as it covers the model."""
+    import ray
+
+    base = ops_ray
+    (victim,) = [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("SERVE_REPLICA::ops-ray#tokenizer#")]
+    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    ray.kill(ray.get_actor(*victim), no_restart=True)
+    deadline, codes = time.time() + 60, []
+    while time.time() < deadline and 503 not in codes:
+        codes.append(httpx.get(f"{base}/health", timeout=30).status_code)
+        time.sleep(0.1)
+    assert 503 in codes, codes
+    assert _recovered(base).json()["usage"]["completion_tokens"] == 4
+    deadline = time.time() + 60
+    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+        assert time.time() < deadline, "health did not come back after the tokenizer was replaced"
+        time.sleep(0.5)

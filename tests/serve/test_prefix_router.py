@@ -4,6 +4,7 @@ land on one replica and reuse its prefix cache (the usage's cached_tokens), whil
 from __future__ import annotations
 
 import asyncio
+import time
 
 import openai
 import pytest
@@ -79,3 +80,16 @@ def test_load_spreads_over_both_replicas_within_the_bound(routed):
     bound = RouterConfig(max_imbalance=IMBALANCE)  # the app's router: the tight gap, the default ratio
     assert len(counts) == 2 and counts[1] <= bound.max_load(counts[0]) + 1, same
     assert len(set(short)) == 2, short
+
+
+def test_metrics_count_both_replicas(routed):
+    """/metrics' engine gauges combine every replica's record (rayllm.serve.metrics), not one per scrape."""
+    import httpx
+
+    from rayllm.serve.metrics import STATS_INTERVAL_S, deployment_engine_stats
+
+    time.sleep(STATS_INTERVAL_S * 1.5)  # each replica has written since the last requests ended
+    stats = deployment_engine_stats("prefix", "llm")
+    assert stats is not None and stats["replicas"] == 2 and stats["num_running"] == 0, stats
+    text = httpx.get(f"{routed}/metrics", timeout=30).text
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0' in text

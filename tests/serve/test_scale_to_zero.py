@@ -130,6 +130,7 @@ def test_probes_leave_it_asleep_a_request_wakes_it_and_it_sleeps_again(zero):
             assert http.get(f"{base}/health").status_code == 200
             m = http.get(f"{base}/metrics")
             assert m.status_code == 200 and "vllm:" in m.text
+            assert "vllm:num_requests_running{" not in m.text  # no replica reports: no engine gauges
             models = http.get(f"{base}/v1/models").json()["data"]
             assert [c["id"] for c in models] == [MODEL]
             card = http.get(f"{base}/v1/models/{MODEL}").json()

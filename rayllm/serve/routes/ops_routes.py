@@ -17,7 +17,7 @@ from rayllm.protocol.errors import APIError
 from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from rayllm.serve.auth import Access
 from rayllm.serve.lora.shared_adapters import SharedAdapters
-from rayllm.serve.metrics import CONTENT_TYPE, ServerMetrics
+from rayllm.serve.metrics import CONTENT_TYPE, ServerMetrics, deployment_engine_stats
 from rayllm.serve.model_status import DeploymentState, ServeModelStatus
 from rayllm.serve.routes.http_app import app, error_response, parse
 from rayllm.serve.routes.model_routes import ModelRoutes
@@ -25,7 +25,7 @@ from rayllm.serve.routes.model_routes import ModelRoutes
 log = logging.getLogger("ray.serve")
 
 # /health's only failure body: the cause (a Ray error names actors, pids and hosts) goes to the log.
-UNHEALTHY = "model unavailable: no healthy model replica answered; retry later"
+UNHEALTHY = "model unavailable: a deployment it needs has no healthy replica; retry later"
 
 
 class HealthLog:
@@ -46,12 +46,14 @@ class HealthLog:
         self.down = now
 
 
-async def health(llms: list[DeploymentHandle], status: ServeModelStatus, health_log: HealthLog) -> Response:
-    """200 when every model's deployment is healthy in Serve's own status, or asleep (scaled to zero; a
-    request wakes it). Read from the controller, never by calling a replica, so a probe wakes nothing."""
+async def health(deployments: list[DeploymentHandle], status: ServeModelStatus, health_log: HealthLog) -> Response:
+    """200 when every deployment a request needs (each model's and its tokenizer's) can serve in Serve's own
+    status: a replica running, or asleep (scaled to zero; a request wakes it). A deployment that lost one of
+    several replicas still serves (degraded, not down). Read from the controller, never by calling a
+    replica, so a probe wakes nothing."""
     try:  # bounded: a busy controller must not hold a load balancer's probe
         states = await asyncio.wait_for(status.states(), timeout=10)
-        down = [h.deployment_name for h in llms
+        down = [h.deployment_name for h in deployments
                 if not states.get(h.deployment_name, DeploymentState("MISSING", 0)).healthy]
         cause = ""
     except Exception as exc:
@@ -71,22 +73,21 @@ def openapi(access: Access) -> JSONResponse:
 
 async def metrics(request: Request, access: Access, llms: dict[str, DeploymentHandle],
                   server_metrics: ServerMetrics, status: ServeModelStatus) -> Response:
-    """Prometheus text format (vLLM's names); engine gauges from one replica of each model per scrape,
-    labelled with the model's name. A model scaled to zero is not asked (that would wake it)."""
+    """Prometheus text format (vLLM's names). The engine gauges of each model combine the records its
+    replicas keep in Ray's key-value store (rayllm.serve.metrics): every replica counts, none is called, so
+    a model scaled to zero is not woken; a model none of whose replicas reports shows none."""
     access.metrics(request.headers.get("authorization"))
-    try:
-        states = await asyncio.wait_for(status.states(), timeout=5)
-    except Exception:  # unknown: skip the engine gauges rather than risk waking a sleeping model
-        log.info("Serve status unavailable for /metrics", exc_info=True)
-        states = {}
-    for model_name, llm in llms.items():
-        if not states.get(llm.deployment_name, DeploymentState("MISSING", 0)).running:
-            continue
+
+    async def one(model_name: str, llm: DeploymentHandle) -> None:
         try:
-            stats = await asyncio.wait_for(llm.stats.remote(), timeout=5)
-            server_metrics.set_engine_stats(stats, model_name)
-        except Exception:  # no replica right now: the request metrics are still worth serving
+            stats = await asyncio.wait_for(asyncio.to_thread(
+                deployment_engine_stats, status.app_name, llm.deployment_name), timeout=5)
+        except Exception:  # the GCS did not answer: show no engine gauges rather than stale ones
             log.info("engine stats unavailable for /metrics (%s)", model_name, exc_info=True)
+            stats = None
+        server_metrics.show_engine_stats(stats, model_name)
+
+    await asyncio.gather(*(one(name, llm) for name, llm in llms.items()))
     return Response(server_metrics.render(), media_type=CONTENT_TYPE)
 
 
