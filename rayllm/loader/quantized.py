@@ -13,6 +13,7 @@ from torch import nn
 from rayllm.layers.linear import ParallelLMHead, RowParallelLinear
 from rayllm.layers.linear_method import LinearBase
 from rayllm.loader.loader import iter_gguf
+from rayllm.loader.model_sources import is_gguf
 from rayllm.quant.gguf_blocks import RawBlocks, unpermute_rotary
 from rayllm.quant.methods import (
     INT4_TYPES,
@@ -73,7 +74,7 @@ def load_quantized_weights(model: nn.Module, path: str, int8_activations: bool =
     """Load a GGUF keeping its supported quantized linear weights quantized; everything else (norms,
     the embedding, a tied LM head, other types) dense as `loader.load_weights` does. Returns the
     number of layers kept quantized. int8_activations: 4-bit layers run cpu_qgemm's kernel where they can."""
-    if not path.endswith(".gguf"):
+    if not is_gguf(path):
         raise ValueError("model.weights: quantized needs a GGUF checkpoint")
     from rayllm.loader.gguf_file import dequantize
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from rayllm.layers.linear import PackedWeight, TPGroup
 from rayllm.layers.linear_method import DENSE, LinearBase, SmallBatchMethod
+from rayllm.loader.model_sources import is_gguf
 from rayllm.platforms.cpu import kernels as cpu_kernels
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.platforms.interface import Platform
@@ -205,7 +206,7 @@ class WeightCache:
 
 def applies(config: EngineConfig, model_path: str) -> bool:
     """Whether a CPU start of this model reads and writes the cache: a dense load from a GGUF file, the cache on."""
-    return (cache_dir() is not None and model_path.endswith(".gguf") and config.model.weights != "quantized"
+    return (cache_dir() is not None and is_gguf(model_path) and config.model.weights != "quantized"
             and config.model.quantization is None)
 
 

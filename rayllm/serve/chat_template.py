@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
+from rayllm.loader.model_sources import is_gguf
 from rayllm.protocol.limits import loads_bounded
 from rayllm.protocol.messages import text_of
 from rayllm.protocol.tools import inline_tools, template_knows_tools
@@ -55,7 +56,7 @@ def _cache_dir(key: str) -> str:
 def _snapshot_dir(model_path: str) -> str:
     """Where the tokenizer's snapshot (rayllm.serve.rust_tokenizer) lives: in the GGUF's saved tokenizer
     directory, or for a Hugging Face directory, in one keyed by its path and its small files' sizes and times."""
-    if model_path.endswith(".gguf"):
+    if is_gguf(model_path):
         return _gguf_tokenizer_cache(model_path)
     files = []
     for entry in sorted(os.scandir(model_path), key=lambda e: e.name):
@@ -88,7 +89,7 @@ def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:
     template sandbox); the result is saved once as a Hugging Face tokenizer directory and loaded from there."""
     from transformers import AutoTokenizer
 
-    if not model_path.endswith(".gguf"):
+    if not is_gguf(model_path):
         return AutoTokenizer.from_pretrained(model_path)
     cached = _gguf_tokenizer_cache(model_path)
     if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
