@@ -1,19 +1,23 @@
 """Stopping `serve run cluster.yaml` leaves no process behind and frees the HTTP port, whatever the signal; SIGTERM
 and Ctrl-C first let a stream in flight finish (the launcher's graceful stop).
 
-The real `serve run` on the shipped cluster.yaml (default model), started as `make serve` starts it
-(`python -m rayllm.serve.launch serve run`, serving.env plus haproxy_guard's paths); the SIGTERM run with Ray's
-dashboard (as shipped), the SIGINT (Ctrl-C, what `make serve`'s users send) and "force" runs with
-`RAYLLM_RAY_DASHBOARD=0` (no dashboard adds to the three starts). "force" stands in for `ray stop --force`, scoped
-to this run's processes: that command SIGKILLs every Ray process on the machine by name (never HAProxy), which
-would also stop other Ray instances here; killing this run's tree by pid is the same signal to the same
-processes.
+The real `serve run` on the shipped cluster.yaml (default model). The SIGINT (Ctrl-C, what `make serve`'s users
+send) and "force" runs start as `make serve` starts it (`python -m rayllm.serve.launch serve run`, serving.env
+plus haproxy_guard's paths) with `RAYLLM_RAY_DASHBOARD=0` (no dashboard adds to the three starts). The SIGTERM run
+is the container image's command (`docker stop` sends SIGTERM), run as the container would run it: in a folder
+laid out as the Dockerfile's WORKDIR (tests/deploy/image_layout.py), with nothing of serving.env in the
+environment and Ray's dashboard on (as shipped); it must apply serving.env itself and serve on every interface
+(the stream goes to this machine's network address, where `docker run -p` forwards). "force" stands in for
+`ray stop --force`, scoped to this run's processes: that command SIGKILLs every Ray process on the machine by
+name (never HAProxy), which would also stop other Ray instances here; killing this run's tree by pid is the
+same signal to the same processes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +31,8 @@ import psutil
 import pytest
 
 from rayllm.serve.serving_env import serving_env
+from tests.deploy.image_layout import image_workdir, network_address, path
+from tests.deploy.test_deploy import image_cmd
 from tests.serve.ops_apps import free_port, own_haproxy_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_ray]  # `make test-fast` skips it; its own Ray: the first pass
@@ -41,17 +47,25 @@ class Run:
     port: int
     stats_port: str
     log: Path
+    host: str = "127.0.0.1"  # where a client reaches it
 
 
 def _launch(run_dir: Path, how: str) -> Run:
     port = free_port()
-    config = (ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}")
-    (run_dir / "cluster.yaml").write_text(config)
     # HAProxy's ports its own (the defaults would clash with other Serve instances here).
-    env = os.environ | serving_env() | own_haproxy_env()
+    if how == "SIGTERM":  # the image's command in the image's layout: it applies serving.env itself
+        image_workdir(run_dir)
+        cmd, cwd = image_cmd(), run_dir
+        config = run_dir / next(w for w in reversed(shlex.split(cmd[-1])) if w.endswith(".yaml"))
+        config.write_text(config.read_text().replace("port: 8000", f"port: {port}", 1))
+        env = {k: v for k, v in os.environ.items() if k not in serving_env()} | own_haproxy_env()
+        env |= {"PATH": path(), "RAYLLM_RAY_DASHBOARD": "1"}
+    else:
+        (run_dir / "cluster.yaml").write_text((ROOT / "cluster.yaml").read_text().replace("port: 8000", f"port: {port}"))
+        cmd, cwd = [sys.executable, "-m", "rayllm.serve.launch", "serve", "run", str(run_dir / "cluster.yaml")], ROOT
+        env = os.environ | serving_env() | own_haproxy_env() | {"RAYLLM_RAY_DASHBOARD": "0"}
     env["PYTHONPATH"] = str(ROOT)
     env.pop("RAY_ADDRESS", None)
-    env["RAYLLM_RAY_DASHBOARD"] = "1" if how == "SIGTERM" else "0"
     log = run_dir / "serve.log"
     # Ctrl-C's disposition as in a terminal: pytest started as a shell's background job (`pytest &`)
     # ignores SIGINT, and a child inherits that, so its `serve run` would ignore the test's SIGINT.
@@ -61,14 +75,13 @@ def _launch(run_dir: Path, how: str) -> Run:
     try:
         # Its own session: the signal goes to `serve run` alone, as `kill` would, not to pytest's group.
         # stdout too: `serve run` says there what it does on a signal ("Got KeyboardInterrupt, ...").
-        proc = subprocess.Popen([sys.executable, "-m", "rayllm.serve.launch", "serve", "run",
-                                 str(run_dir / "cluster.yaml")], cwd=ROOT, env=env,
-                                stdout=open(run_dir / "serve.out", "wb"), stderr=open(log, "wb"),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(run_dir / "serve.out", "wb"),
+                                stderr=open(log, "wb"), start_new_session=True)
     finally:
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return Run(proc, port, env["RAY_SERVE_HAPROXY_STATS_PORT"], log)
+    return Run(proc, port, env["RAY_SERVE_HAPROXY_STATS_PORT"], log,
+               network_address() if how == "SIGTERM" else "127.0.0.1")
 
 
 def _wait_up(run: Run, deadline: float) -> None:
@@ -134,16 +147,16 @@ class Stream(threading.Thread):
     """A chat completion streamed through the OpenAI SDK: `started` at its first token; then its token count
     and finish reason, or the error that ended it."""
 
-    def __init__(self, port: int, max_tokens: int) -> None:
+    def __init__(self, base_url: str, max_tokens: int) -> None:
         super().__init__(daemon=True)
-        self.port, self.max_tokens = port, max_tokens
+        self.base_url, self.max_tokens = base_url, max_tokens
         self.started = threading.Event()
         self.tokens, self.finish, self.error = 0, None, None
 
     def run(self) -> None:
         from openai import OpenAI
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=120)
+        client = OpenAI(base_url=self.base_url, api_key="none", max_retries=0, timeout=120)
         try:
             for chunk in client.chat.completions.create(
                     model="SmolLM2-135M-Instruct", stream=True, max_tokens=self.max_tokens, temperature=0,
@@ -167,6 +180,9 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     names = {p.pid: p.name() for p in tree}
     assert any(n == "haproxy" for n in names.values()), names  # HAProxy is what used to outlive Ray
     assert any(n == "raylet" for n in names.values()), names
+    if how == "SIGTERM":  # the image's command applied serving.env (the process its shell `exec`ed)
+        launched = psutil.Process(proc.pid).environ()
+        assert {k: launched.get(k) for k in serving_env()} == serving_env()
     stream = None
     if how == "force":
         for p in [psutil.Process(proc.pid), *tree]:
@@ -175,7 +191,7 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
                     p.send_signal(signal.SIGKILL)
     else:
         # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end.
-        stream = Stream(run.port, max_tokens=64)
+        stream = Stream(f"http://{run.host}:{run.port}/v1", max_tokens=64)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
         if how == "SIGINT":  # Ctrl-C in a terminal signals the whole foreground group (Ray's daemons too)
@@ -194,6 +210,7 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
         proc.wait(timeout=30)
     if stream is not None:
         assert proc.returncode == 0, run.log.read_text()[-2000:]  # the graceful stop ends as Ctrl-C does
+        assert f"rayllm: {how}: stopping" in run.log.read_text()
     assert not alive, (f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}; serve run's "
                        f"stdout: {run.log.with_name('serve.out').read_text(errors='replace')[-2000:]}")
     # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it.
