@@ -19,6 +19,8 @@ MAX_STOP_SEQUENCES = L.MAX_STOP_SEQUENCES
 TokenId = Annotated[int, Field(ge=0, le=L.INT32_MAX)]
 Count = Annotated[int, Field(ge=1, le=L.INT32_MAX)]  # token counts the engine holds in int32
 StopField = str | list[str] | None
+PathStr = Annotated[str, Field(max_length=L.MAX_PATH_CHARS)]
+IdStr = Annotated[str, Field(max_length=L.MAX_ID_CHARS)]
 
 
 def compile_regexes(patterns: str | list[str] | None) -> tuple[str, ...]:
@@ -108,8 +110,9 @@ class SamplingFields(Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     # SGLang extensions
-    lora_path: Annotated[str, Field(max_length=L.MAX_PATH_CHARS)] | list[
-        Annotated[str, Field(max_length=L.MAX_PATH_CHARS)] | None] | None = Field(None, max_length=L.MAX_PROMPTS)
+    # One for every prompt or one per prompt: the prompt-count bound sits on the list alone (on the union it
+    # would cap a single string's characters too).
+    lora_path: PathStr | Annotated[list[PathStr | None], Field(max_length=L.MAX_PROMPTS)] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM: a private prefix-cache namespace
     custom_logit_processor: str | None = None
     return_hidden_states: bool | None = False
@@ -138,8 +141,7 @@ class SamplingFields(Strict):
     length_penalty: float | None = Field(None, ge=-1e6, le=1e6)
     # vLLM: keep only the prompt's last k tokens (the rendered chat prompt's); -1 = the model's context length
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=L.INT32_MAX)
-    rid: Annotated[str, Field(max_length=L.MAX_ID_CHARS)] | list[  # SGLang; likewise
-        Annotated[str, Field(max_length=L.MAX_ID_CHARS)]] | None = Field(None, max_length=L.MAX_PROMPTS)
+    rid: IdStr | Annotated[list[IdStr], Field(max_length=L.MAX_PROMPTS)] | None = None  # SGLang; ignored too
 
     @model_validator(mode="before")
     @classmethod
