@@ -51,6 +51,8 @@ def check_tokens(prompts: list[list[int]], per_input: int, vocab_size: int) -> i
     """Bounds on the tokenized inputs (per input, over all, ids in the vocabulary); the total tokens."""
     total = 0
     for i, ids in enumerate(prompts):
+        if not ids:  # a text the tokenizer maps to nothing (a normalizer that strips it): no vector to pool
+            raise APIError(400, f"input[{i}] encodes to no tokens", param="input")
         if len(ids) > per_input:
             raise APIError(400, f"input[{i}] has {len(ids)} tokens; at most {per_input} are allowed",
                            param="input", code="context_length_exceeded")

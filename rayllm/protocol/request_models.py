@@ -19,6 +19,8 @@ MAX_STOP_SEQUENCES = L.MAX_STOP_SEQUENCES
 TokenId = Annotated[int, Field(ge=0, le=L.INT32_MAX)]
 Count = Annotated[int, Field(ge=1, le=L.INT32_MAX)]  # token counts the engine holds in int32
 StopField = str | list[str] | None
+PathStr = Annotated[str, Field(max_length=L.MAX_PATH_CHARS)]
+IdStr = Annotated[str, Field(max_length=L.MAX_ID_CHARS)]
 
 
 def compile_regexes(patterns: str | list[str] | None) -> tuple[str, ...]:
@@ -51,6 +53,44 @@ def re2_options() -> Any:
 
 def json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":"), default=str).encode())
+
+
+# The chat-template rules that /v1/chat/completions and /tokenize share (each model validates its fields with
+# them), so that /tokenize takes every chat body and renders it as chat does.
+
+def _tools_size(cls: Any, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if v is not None and json_size(v) > L.MAX_TOOLS_BYTES:
+        raise ValueError(f"the tool definitions exceed {L.MAX_TOOLS_BYTES} bytes as JSON")
+    for i, tool in enumerate(v or ()):
+        if json_size(tool) > L.MAX_SCHEMA_BYTES:
+            raise ValueError(f"tool {i} exceeds {L.MAX_SCHEMA_BYTES} bytes as JSON")
+    return v
+
+
+def _kwargs_size(cls: Any, v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v is not None and json_size(v) > L.MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(f"chat_template_kwargs exceeds {L.MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+    return v
+
+
+def _continue_needs_assistant(cls: Any, v: bool | None, info: ValidationInfo) -> bool | None:
+    messages = info.data.get("messages")
+    if v and messages and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message needs the last message to be from the assistant")
+    return v
+
+
+def _not_both(cls: Any, v: bool | None, info: ValidationInfo) -> bool | None:
+    # Runs only when the client sent it; the default gives way to continue_final_message below.
+    if v and info.data.get("continue_final_message"):
+        raise ValueError("cannot be true together with continue_final_message")
+    return v
+
+
+def _continue_implies_no_prompt(self: Any) -> Any:
+    if self.continue_final_message:
+        self.add_generation_prompt = False  # continuing the last turn opens no new one
+    return self
 
 
 class StructuredOutputs(Strict):
@@ -108,8 +148,9 @@ class SamplingFields(Strict):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     # SGLang extensions
-    lora_path: Annotated[str, Field(max_length=L.MAX_PATH_CHARS)] | list[
-        Annotated[str, Field(max_length=L.MAX_PATH_CHARS)] | None] | None = Field(None, max_length=L.MAX_PROMPTS)
+    # One for every prompt or one per prompt: the prompt-count bound sits on the list alone (on the union it
+    # would cap a single string's characters too).
+    lora_path: PathStr | Annotated[list[PathStr | None], Field(max_length=L.MAX_PROMPTS)] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM: a private prefix-cache namespace
     custom_logit_processor: str | None = None
     return_hidden_states: bool | None = False
@@ -138,8 +179,7 @@ class SamplingFields(Strict):
     length_penalty: float | None = Field(None, ge=-1e6, le=1e6)
     # vLLM: keep only the prompt's last k tokens (the rendered chat prompt's); -1 = the model's context length
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=L.INT32_MAX)
-    rid: Annotated[str, Field(max_length=L.MAX_ID_CHARS)] | list[  # SGLang; likewise
-        Annotated[str, Field(max_length=L.MAX_ID_CHARS)]] | None = Field(None, max_length=L.MAX_PROMPTS)
+    rid: IdStr | Annotated[list[IdStr], Field(max_length=L.MAX_PROMPTS)] | None = None  # SGLang; ignored too
 
     @model_validator(mode="before")
     @classmethod
@@ -235,22 +275,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return v
 
-    @field_validator("tools", "functions")
-    @classmethod
-    def _tools_size(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v is not None and json_size(v) > L.MAX_TOOLS_BYTES:
-            raise ValueError(f"the tool definitions exceed {L.MAX_TOOLS_BYTES} bytes as JSON")
-        for i, tool in enumerate(v or ()):
-            if json_size(tool) > L.MAX_SCHEMA_BYTES:
-                raise ValueError(f"tool {i} exceeds {L.MAX_SCHEMA_BYTES} bytes as JSON")
-        return v
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _kwargs_size(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and json_size(v) > L.MAX_TEMPLATE_KWARGS_BYTES:
-            raise ValueError(f"chat_template_kwargs exceeds {L.MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
-        return v
+    _tools_size = field_validator("tools", "functions")(_tools_size)
+    _kwargs_size = field_validator("chat_template_kwargs")(_kwargs_size)
+    _continue_needs_assistant = field_validator("continue_final_message")(_continue_needs_assistant)
+    _not_both = field_validator("add_generation_prompt")(_not_both)
+    _continue_implies_no_prompt = model_validator(mode="after")(_continue_implies_no_prompt)
 
     @field_validator("documents")
     @classmethod
@@ -258,28 +287,6 @@ class ChatCompletionRequest(SamplingFields):
         if v is not None and json_size(v) > L.MAX_DOCUMENTS_BYTES:
             raise ValueError(f"the documents exceed {L.MAX_DOCUMENTS_BYTES} bytes as JSON")
         return v
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_needs_assistant(cls, v: bool | None, info: ValidationInfo) -> bool | None:
-        messages = info.data.get("messages")
-        if v and messages and messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be from the assistant")
-        return v
-
-    @field_validator("add_generation_prompt")
-    @classmethod
-    def _not_both(cls, v: bool | None, info: ValidationInfo) -> bool | None:
-        # Runs only when the client sent it; the default gives way to continue_final_message below.
-        if v and info.data.get("continue_final_message"):
-            raise ValueError("cannot be true together with continue_final_message")
-        return v
-
-    @model_validator(mode="after")
-    def _continue_implies_no_prompt(self) -> ChatCompletionRequest:
-        if self.continue_final_message:
-            self.add_generation_prompt = False  # continuing the last turn opens no new one
-        return self
 
 
 class CompletionRequest(SamplingFields):
@@ -307,22 +314,28 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(Strict):
-    """vLLM's /tokenize: either a prompt or chat messages."""
+    """vLLM's /tokenize: either a prompt or chat messages (rendered as /v1/chat/completions renders them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=L.MAX_MESSAGES)
     add_special_tokens: bool = True
+    continue_final_message: bool = False  # before add_generation_prompt, which defers to it (as in chat)
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    chat_template: str | None = Field(None, max_length=L.MAX_CHAT_TEMPLATE_CHARS)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=L.MAX_TOOLS)
+    return_token_strs: bool = False  # vLLM: also each token's vocabulary entry (`token_strs`)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _kwargs_size(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and json_size(v) > L.MAX_TEMPLATE_KWARGS_BYTES:
-            raise ValueError(f"chat_template_kwargs exceeds {L.MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
-        return v
+    _tools_size = field_validator("tools")(_tools_size)
+    _kwargs_size = field_validator("chat_template_kwargs")(_kwargs_size)
+    _continue_needs_assistant = field_validator("continue_final_message")(_continue_needs_assistant)
+    _not_both = field_validator("add_generation_prompt")(_not_both)
+    _continue_implies_no_prompt = model_validator(mode="after")(_continue_implies_no_prompt)
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request these messages and tools make (unvalidated: both are already), for the tool plan."""
+        return ChatCompletionRequest.model_construct(messages=self.messages, tools=self.tools)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

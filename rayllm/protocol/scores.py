@@ -18,6 +18,9 @@ from rayllm.protocol.errors import APIError
 from rayllm.protocol.messages import Strict
 
 Text = Annotated[str, Field(min_length=1)]
+# One text, or a list bounded in length: the bound sits on the list alone (on the union it would cap the
+# string's characters as well).
+Texts = Text | Annotated[list[Text], Field(max_length=MAX_INPUTS // 2)]
 
 
 class RerankDocument(Strict):
@@ -36,8 +39,8 @@ class RerankRequest(Strict):
 
 class ScoreRequest(Strict):
     model: str | None = None
-    text_1: Text | list[Text] = Field(max_length=MAX_INPUTS // 2)
-    text_2: Text | list[Text] = Field(max_length=MAX_INPUTS // 2)
+    text_1: Texts
+    text_2: Texts
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=L.INT32_MAX)
     user: Annotated[str, Field(max_length=256)] | None = None
 

@@ -31,6 +31,7 @@ from rayllm.serve.metrics import server_metrics
 from rayllm.serve.model_status import ServeModelStatus, wake
 from rayllm.serve.request_guards import (
     call_model,
+    check_chat_template,
     check_request,
     check_sampling,
     check_token_list,
@@ -87,11 +88,11 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
                    self.config.wake_timeout_s, self.config.retry_after_s)
         return await call_model(route.info(), self.config.retry_after_s)
 
-    async def asleep(self) -> frozenset[str]:
-        """The models scaled to zero now (Serve's status)."""
+    async def idle(self) -> frozenset[str]:
+        """The models with no running replica now (Serve's status): scaled to zero, starting or failed."""
         states = await self.model_status.states()
         return frozenset(r.name for r in self.routes
-                         if r.llm.deployment_name in states and states[r.llm.deployment_name].asleep)
+                         if r.llm.deployment_name in states and states[r.llm.deployment_name].running == 0)
 
     def check_auth(self, request: Request) -> str:
         """The caller's owner id (a digest of its key; "" with auth off), or a 401."""
@@ -162,7 +163,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
     async def models(self, request: Request) -> JSONResponse:
         self.check_auth(request)
         await self.shared_adapters.read()
-        return JSONResponse({"object": "list", "data": await self.routes.cards(await self.asleep())})
+        return JSONResponse({"object": "list", "data": await self.routes.cards(await self.idle())})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
@@ -175,7 +176,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         if name is not None:
             raise self.routes.unknown(model_id)
         return JSONResponse(await route.card(model_id if model_id in route.aliases else None,
-                                             asleep=route.name in await self.asleep()))
+                                             idle=route.name in await self.idle()))
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
 
@@ -319,18 +320,21 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         req = await parse(request, P.TokenizeRequest)
         await self.select_model(req.model)
         if req.messages is not None:
+            check_chat_template(self.config, req.chat_template)
+            plan = plan_tools(req.as_chat(), other_constraint=False)  # the tools as chat's template sees them
             _, ids = await self.render(
                 [m.model_dump(exclude_none=True) for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                chat_template=None,
+                chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
-                tools=None,
+                tools=plan.template_tools if plan is not None else None,
             )
         else:
             ids = await self.tokenizer.encode.remote(req.prompt or "", req.add_special_tokens)
         info = await self.info()
-        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids})
+        strs = {"token_strs": await self.tokenizer.token_pieces.remote(ids)} if req.return_token_strs else {}
+        return JSONResponse({"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids} | strs)
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:

@@ -249,6 +249,11 @@ class TokenizerDeployment:
     async def decode(self, model: str, ids: list[int], skip_special_tokens: bool = True) -> str:
         return await _off_loop(len(ids) > LARGE_IDS, self.service(model).decode, ids, skip_special_tokens)
 
+    async def token_pieces(self, model: str, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry ("Ġword", not the text it decodes to), as transformers'
+        convert_ids_to_tokens: /tokenize's `token_strs`."""
+        return await _off_loop(len(ids) > LARGE_IDS, self.service(model).tokenizer.convert_ids_to_tokens, ids)
+
     async def render_chat_batch(self, model: str,
                                 calls: list[tuple[list[dict], dict]]) -> list[tuple[str, list[int]] | Exception]:
         """Several requests' renders with the model's own template in one round trip (render_chat's keyword

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time
 
 import httpx
 import openai
@@ -150,3 +151,63 @@ def test_score_pairs_texts_as_vllm_does(client, model_name, server, auth):
                         ({"query": "", "documents": ["x"]}, "query")):
         r = httpx.post(f"{server}/v1/rerank", json={"model": model_name, **body}, headers=auth, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_score_text_may_be_longer_than_the_list_bound(client, model_name, server, auth):
+    """text_1 / text_2 cap a list at 1,024 texts; a single text of more characters than that is one text
+    (it was a 400), scored as its /v1/embeddings vector says."""
+    long_text = " ".join(DOCS * 40)  # ~5,000 characters, ~1,000 tokens
+    assert len(long_text) > 1024
+    r = httpx.post(f"{server}/v1/score", json={"model": model_name, "text_1": long_text, "text_2": QUERY},
+                   headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    a, b = (d.embedding for d in client.embeddings.create(model=model_name, input=[long_text, QUERY]).data)
+    assert abs(r.json()["data"][0]["score"] - _cos(a, b)) < 1e-5
+
+
+TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def timed(server, apps):
+    """The default model (ops_apps.SMALL_ENGINE) behind a request timeout of TIMEOUT_S."""
+    from tests.serve.conftest import API_KEY
+    from tests.serve.ops_apps import deploy
+
+    apps.append("embd-timeout")
+    return deploy(server, "embd-timeout", {"api_keys": [API_KEY], "request_timeout_s": TIMEOUT_S})
+
+
+def test_request_timeout_bounds_embeddings_and_aborts_their_inputs(timed, model_name, auth, hf_tokenizer):
+    """64 inputs of ~1,000 tokens (tens of seconds of prefill here) against a 1 s request timeout: /v1/embeddings
+    and /v1/rerank answer 504 request_timeout as generation does, soon after it, and the engine drops the
+    inputs (nothing left running or waiting) instead of pooling them for nobody."""
+    from ray import serve
+
+    from tests.serve.conftest import API_KEY
+
+    stats = serve.get_deployment_handle("llm", app_name="embd-timeout").stats
+    sdk = openai.OpenAI(base_url=f"{timed}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    ids = hf_tokenizer(" ".join(DOCS * 40)).input_ids[:1000]
+    texts = [f"{i} " + " ".join(DOCS * 30) for i in range(63)]
+    calls = (lambda: sdk.embeddings.create(model=model_name, input=[[i % 100, *ids[1:]] for i in range(64)]),
+             lambda: httpx.post(f"{timed}/v1/rerank", json={"model": model_name, "query": QUERY, "documents": texts},
+                                headers=auth, timeout=120))
+    for call in calls:
+        before = stats.remote().result()["num_steps"]
+        t0 = time.monotonic()
+        try:
+            r = call()
+            status, error = r.status_code, r.json()["error"]
+        except openai.APIStatusError as exc:
+            status, error = exc.status_code, exc.body
+        took = time.monotonic() - t0
+        assert (status, error["code"], error["type"]) == (504, "request_timeout", "server_error"), error
+        assert took < TIMEOUT_S + 5, took
+        deadline = time.monotonic() + 10
+        while (s := stats.remote().result())["num_running"] + s["num_waiting"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s["num_running"] == s["num_waiting"] == 0, s
+        assert s["num_steps"] > before  # it had started on them
+    ok = sdk.embeddings.create(model=model_name, input="still serving")  # the engine is free again
+    assert len(ok.data[0].embedding) > 0

@@ -5,6 +5,7 @@ max_tokens are clipped to a few tokens so that a valid body does not generate fo
 
 from __future__ import annotations
 
+import re
 import time
 
 import hypothesis
@@ -13,17 +14,19 @@ import schemathesis
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
-# Only the routes that reach the model and the tokenizer: the others read and write storage and
-# admin state (other tests cover them).
-FUZZED = r"^/(v1/chat/completions|v1/completions|tokenize|detokenize)$"
+# Only the routes that reach the model and the tokenizer (each alias too: its own entry in the schema): the
+# others read and write storage and admin state (other tests cover them).
+FUZZED_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/v1/embeddings",
+                "/v1/rerank", "/v2/rerank", "/rerank", "/v1/score", "/score")
+FUZZED = "^(" + "|".join(map(re.escape, FUZZED_PATHS)) + ")$"
 DOCUMENTED_503 = {"server_overloaded", "grammar_compiler_busy", "chat_template_busy"}
 MAX_TOKENS = 4
 # Wall-clock budget for all fuzzed calls: on shared CPUs a case can take seconds (a grammar compile, a
 # queue); past the budget the remaining examples are not sent, so the test stays about this long. It is
 # shared out route by route (what a fast route leaves goes to the routes after it), so that every route
 # is fuzzed however slow the others are.
-BUDGET_S = 30.0
-ROUTES = FUZZED.count("|") + 1  # the paths FUZZED matches
+BUDGET_S = 40.0
+ROUTES = len(FUZZED_PATHS)
 _started: dict[str, float] = {}  # route -> when its first example was sent
 _sent: dict[str, int] = {}  # route -> examples sent
 
@@ -111,3 +114,18 @@ def test_replica_survived_the_fuzz(server, auth, llm_stats, replica_before):
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=auth, timeout=60)
     assert r.status_code == 200
     assert r.headers["x-replica-id"] == replica_before[0] and llm_stats()["num_steps"] > replica_before[1]
+
+
+def test_every_post_route_documents_its_body():
+    """Every POST route, each alias of one too, has its requestBody in the OpenAPI schema (the routes parse
+    their bodies themselves, so FastAPI cannot list them): the fuzz above sends a body only where the schema
+    has one, and clients generated from the schema need it. An alias's body is its route's."""
+    from rayllm.serve.routes.http_app import app
+
+    posts = {path: ops["post"] for path, ops in app.openapi()["paths"].items() if "post" in ops}
+    assert {"/v1/rerank", "/v2/rerank", "/rerank", "/v1/score", "/score"} <= set(posts)
+    assert [path for path, op in posts.items() if "requestBody" not in op] == []
+    body = {path: op["requestBody"]["content"]["application/json"]["schema"]["$ref"] for path, op in posts.items()}
+    assert body["/v2/rerank"] == body["/rerank"] == body["/v1/rerank"] == "#/components/schemas/RerankRequest"
+    assert body["/score"] == body["/v1/score"] == "#/components/schemas/ScoreRequest"
+    assert set(FUZZED_PATHS) <= set(posts)

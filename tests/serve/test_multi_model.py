@@ -7,6 +7,7 @@ is the session server's answer (a single-model app) to the same request."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -142,3 +143,46 @@ def test_an_adapter_may_not_take_a_models_name_or_alias(multi, tiny_path):
         r = admin(multi, "load_lora_adapter", body | ({"model": model} if model else {}))
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "lora_name" and f"of model {owner!r}" in error["message"]
+
+
+def test_models_without_a_running_replica_are_listed_at_once(server, apps, tiny_path):
+    """/v1/models is what clients poll for readiness. Two models whose replicas cannot be placed (they ask
+    for a resource no node has: Serve keeps them starting, UPDATING with none running) are listed at once with
+    their configured max_model_len, without a call that would wait for a replica (it waited for Serve's
+    request timeout); so is each one's own card."""
+    from openai import OpenAI
+    from ray import serve
+
+    from tests.serve.ops_apps import SMALL_ENGINE, small_app
+
+    nowhere = {"ray_actor_options": {"num_cpus": 0, "resources": {"rayllm_test_absent": 1}}}
+    tiny = {"model": {"model": tiny_path, "dtype": "float32", "max_model_len": 256}}
+    app = small_app({"api_keys": [API_KEY], "models": [
+        {"engine": SMALL_ENGINE, "aliases": ["smol"], "deployment": nowhere},
+        {"served_model_name": TINY, "engine": tiny, "deployment": nowhere}]})
+    # Not serve.run: it waits for the app to be RUNNING, which it never is.
+    serve.run_many([serve.RunTarget(app, name="unplaced", route_prefix="/unplaced")],
+                   wait_for_applications_running=False)
+    apps.append("unplaced")
+    base = f"{server}/unplaced"
+    c = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    deadline = time.monotonic() + 300
+    while True:  # the ingress is up once an unknown model is its 404 (a route that calls no model), not Serve's
+        try:
+            r = httpx.get(f"{base}/v1/models/nope", headers={"Authorization": f"Bearer {API_KEY}"})
+            if r.status_code == 404 and "model_not_found" in r.text:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the app's ingress did not start"
+        time.sleep(0.5)
+    deployments = serve.status().applications["unplaced"].deployments
+    for name in ("llm", "llm-tiny-llama"):
+        assert deployments[name].status == "UPDATING" and not deployments[name].replica_states.get("RUNNING")
+    t0 = time.monotonic()
+    cards = {m.id: m for m in c.models.list().data}
+    assert time.monotonic() - t0 < 10
+    assert {k: (m.root, m.max_model_len) for k, m in cards.items()} == {
+        MODEL: (MODEL, 1024), "smol": (MODEL, 1024), TINY: (TINY, 256)}
+    assert (c.models.retrieve("smol").max_model_len, c.models.retrieve(TINY).max_model_len) == (1024, 256)
+    assert time.monotonic() - t0 < 15

@@ -58,7 +58,10 @@ def test_page_is_served_and_self_contained(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         # No CDN: nothing is loaded from another origin.
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", r.text)
-        assert "default-src 'self'" in r.text
+        # The policy is a header (frame-ancestors has no effect in a <meta>); no other site may frame the page.
+        policy = {d.split()[0]: d.split()[1:] for d in r.headers["content-security-policy"].split("; ")}
+        assert policy["default-src"] == ["'self'"] and policy["frame-ancestors"] == ["'none'"]
+        assert r.headers["x-frame-options"] == "DENY"
 
 
 def _open(browser, server, model_name):
@@ -130,3 +133,33 @@ def test_json_schema_and_errors_in_the_page(browser, server, model_name):
     assert "API key" in page.inner_text(".msg.error")
     assert not errors
     page.close()
+
+
+def test_the_key_stays_in_its_tab_and_no_other_site_can_frame_the_page(browser, server, model_name):
+    """The API key is kept in the tab's sessionStorage: a reload keeps it, another tab of the same browser
+    profile does not get it, and nothing holds it in localStorage (a key an older page left there is removed
+    unread). The other settings are shared through localStorage. A page of another origin cannot frame it."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{server}/playground")
+    page.evaluate("() => localStorage.setItem('playground.api-key', 'left-by-an-older-page')")
+    page.reload()
+    assert page.input_value("#api-key") == ""
+    page.fill("#api-key", API_KEY)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector(f"#model option[value='{model_name}']", state="attached")  # the key works
+    page.fill("#max-tokens", "33")
+    page.dispatch_event("#max-tokens", "change")
+    page.reload()
+    assert page.input_value("#api-key") == API_KEY and page.input_value("#max-tokens") == "33"
+    stored = page.evaluate("() => [localStorage.getItem('playground.api-key'), sessionStorage.getItem('playground.api-key')]")
+    assert stored == [None, API_KEY]
+    other = context.new_page()  # a second tab: the settings, not the key
+    other.goto(f"{server}/playground")
+    assert other.input_value("#api-key") == "" and other.input_value("#max-tokens") == "33"
+    # Framed by a page of another origin (here about:blank with the playground in an iframe): refused.
+    framer = context.new_page()
+    framer.set_content(f'<iframe id="f" src="{server}/playground"></iframe>')
+    frame = framer.query_selector("#f").content_frame()
+    assert frame is None or frame.query_selector("#api-key") is None
+    context.close()

@@ -5,6 +5,7 @@ cosine similarity of two texts' vectors (rayllm.protocol.scores)."""
 
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
+import asyncio
 import sys
 import time
 import uuid
@@ -18,7 +19,7 @@ from rayllm.protocol import scores as S
 from rayllm.protocol.errors import APIError
 from rayllm.protocol.protocol import truncate_prompt
 from rayllm.serve.auth import cache_salt
-from rayllm.serve.request_guards import call_model
+from rayllm.serve.request_guards import call_model, cancel, request_timeout
 from rayllm.serve.routes.http_app import app, parse
 
 # Serve ships the ingress class by value with its rewritten route signatures; this mixin must travel too.
@@ -97,4 +98,12 @@ class EmbeddingsRoutes:
         total = E.check_tokens(prompts, per_input, (await self.tokenizer_info())["vocab_size"])
         # The key's owner is the tenant: scheduler.max_running_share caps its pooling sequences as its generations
         embed = self.llm.embed.remote(f"embd-{uuid.uuid4().hex}", prompts, cache_salt(owner, None), owner or None)
-        return await call_model(embed, self.config.retry_after_s), total
+        timeout_s = self.config.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):  # as generation's: the model call, from its dispatch
+                return await call_model(embed, self.config.retry_after_s), total
+        except TimeoutError:
+            err = request_timeout(timeout_s or 0)  # raised outside the except block, as request_guards' errors
+        finally:
+            cancel(embed)  # a no-op once answered; else (timeout, client gone) LLMServer.embed aborts them
+        raise err

@@ -11,10 +11,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from rayllm.protocol import conversations as C
 from rayllm.protocol import embeddings as E
 from rayllm.protocol import protocol as P
 from rayllm.protocol import scores as S
 from rayllm.protocol.errors import APIError, from_validation_error
+from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from rayllm.protocol.responses_api import ResponseCreate
 from rayllm.serve.request_guards import body_limit, too_large
 from rayllm.serve.tracing import span
 from rayllm.serve.tracing_spans import TracingMiddleware
@@ -31,15 +34,26 @@ app.add_middleware(TracingMiddleware)
 
 # Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
 # the OpenAPI schema gets them from the same models here (clients, docs, and the schemathesis fuzz).
+# Every POST route, each alias too (tests/serve/test_fuzz.py checks that none is left out).
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": P.ChatCompletionRequest,
     "/v1/completions": P.CompletionRequest,
+    "/v1/responses": ResponseCreate,
     "/tokenize": P.TokenizeRequest,
     "/detokenize": P.DetokenizeRequest,
     "/v1/embeddings": E.EmbeddingRequest,
     "/v1/rerank": S.RerankRequest,
+    "/v2/rerank": S.RerankRequest,
+    "/rerank": S.RerankRequest,
     "/v1/score": S.ScoreRequest,
+    "/score": S.ScoreRequest,
+    "/v1/conversations": C.ConversationCreate,
+    "/v1/conversations/{cid}": C.ConversationUpdate,
+    "/v1/conversations/{cid}/items": C.ItemsCreate,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
+OPTIONAL_BODIES = frozenset({"/v1/conversations"})  # an empty body creates an empty conversation
 
 
 def openapi_with_bodies() -> dict:
@@ -53,7 +67,7 @@ def openapi_with_bodies() -> dict:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
             components[model.__name__] = body
-            op["requestBody"] = {"required": True, "content": {"application/json": {
+            op["requestBody"] = {"required": path not in OPTIONAL_BODIES, "content": {"application/json": {
                 "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
         app.openapi_schema = schema
     return app.openapi_schema

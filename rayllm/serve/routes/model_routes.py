@@ -8,6 +8,7 @@ reach that model without every call passing it along. Requests that name no mode
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -20,7 +21,12 @@ from rayllm.protocol.responses import ModelCard
 from rayllm.serve.config import ModelEntry
 from rayllm.serve.lora.adapter_table import AdapterTable
 from rayllm.serve.render_batcher import RenderBatcher
+from rayllm.serve.request_guards import Overloaded, call_model, cancel
 from rayllm.serve.stores.adapter_store import StoredAdapter
+
+# Clients poll /v1/models for readiness: a model card waits at most this long for its replica's context
+# length (a full queue, a busy replica) before it shows the configured one.
+CARD_INFO_WAIT_S = 2.0
 
 
 class _TokenizerCall:
@@ -90,15 +96,27 @@ class ModelRoute:
             self._tok_info = await self.tokenizer.info.remote()
         return self._tok_info
 
-    async def card(self, model_id: str | None = None, asleep: bool = False) -> dict:
-        """The model's card; an alias's card has the alias as id and the model as root. A sleeping model
-        (scaled to zero) is not called: its length is the last one seen, else the configured one."""
-        if asleep and self._info is None:
-            max_len = self.configured_max_model_len
-        else:
-            max_len = (await self.info())["max_model_len"]
+    async def card(self, model_id: str | None = None, idle: bool = False) -> dict:
+        """The model's card; an alias's card has the alias as id and the model as root."""
+        return self.card_with(await self.card_max_model_len(idle), model_id)
+
+    def card_with(self, max_model_len: int | None, model_id: str | None = None) -> dict:
         return ModelCard(id=model_id or self.name, created=self.created, root=self.name,
-                         max_model_len=max_len).model_dump()
+                         max_model_len=max_model_len).model_dump()
+
+    async def card_max_model_len(self, idle: bool) -> int | None:
+        """The replica's context length, once it has answered. An `idle` model (no running replica: scaled to
+        zero, starting, failed) is not called: the call would wake it, or wait for a replica that may never
+        come. Nor is one waited for past CARD_INFO_WAIT_S. Either shows the configured length meanwhile; a
+        replica that died under the call is a 503 (model_replica_failed)."""
+        if self._info is None and not idle:
+            call = self.llm.model_info.remote()
+            try:
+                async with asyncio.timeout(CARD_INFO_WAIT_S):
+                    self._info = await call_model(call, retry_after_s=0)
+            except (TimeoutError, Overloaded):  # a busy model: the card does not wait for it
+                cancel(call)  # not left queued for a replica: the next listing asks again
+        return self.configured_max_model_len if self._info is None else self._info["max_model_len"]
 
 
 _current: ContextVar[ModelRoute | None] = ContextVar("rayllm_model_route", default=None)
@@ -207,9 +225,11 @@ class ModelRoutes:
         _current.set(route)
         return route
 
-    async def cards(self, asleep: frozenset[str] = frozenset()) -> list[dict]:
+    async def cards(self, idle: frozenset[str] = frozenset()) -> list[dict]:
         """Every model, then every alias, then every adapter (its parent is its base model); the models
-        named in `asleep` (scaled to zero) are listed without waking them."""
-        cards = [await r.card(asleep=r.name in asleep) for r in self.routes]
-        cards += [await r.card(alias, asleep=r.name in asleep) for r in self.routes for alias in r.aliases]
+        named in `idle` (no running replica) are listed without a call to them, the others' lengths asked
+        for together (each wait bounded: ModelRoute.card_max_model_len)."""
+        lengths = await asyncio.gather(*(r.card_max_model_len(r.name in idle) for r in self.routes))
+        cards = [r.card_with(n) for r, n in zip(self.routes, lengths, strict=True)]
+        cards += [r.card_with(n, alias) for r, n in zip(self.routes, lengths, strict=True) for alias in r.aliases]
         return cards + [r.adapters.card(n) for r in self.routes for n in r.adapters]
