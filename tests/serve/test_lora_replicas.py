@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from rayllm.serve.lora.shared_adapters import FRESH_S
 from tests.serve.conftest import ADMIN_KEY, API_KEY
-from tests.serve.ops_apps import QUESTION, SMALL_ENGINE, run_app, wait_healthy
+from tests.serve.ops_apps import QUESTION, SESSION, SMALL_ENGINE, run_app, wait_healthy
 
 pytestmark = pytest.mark.slow  # Ray Serve and the real model: `make test-fast` skips it
 
@@ -42,7 +43,8 @@ def ingress_targets() -> dict[str, str]:
     from ray.serve.context import _get_global_client
 
     groups = ray.get(_get_global_client()._controller.get_target_groups.remote(APP, True))
-    return {t.name: f"http://{t.ip}:{t.port}/{APP}" for g in groups if g.protocol == RequestProtocol.HTTP
+    host = urlsplit(SESSION["url"]).hostname  # replicas listen on http_options.host, not the node's address
+    return {t.name: f"http://{host}:{t.port}/{APP}" for g in groups if g.protocol == RequestProtocol.HTTP
             for t in g.targets}
 
 
@@ -104,7 +106,12 @@ def test_an_adapter_loaded_through_one_replica_serves_through_the_other_until_un
     base = text(chat(b, model_name))
     r = admin(a, "load_lora_adapter", {"lora_name": "one", "lora_path": adapters["one"]})
     assert r.status_code == 200, r.text
-    one = text(chat(b, "one"))  # b never saw the load: it finds the adapter in the store at once
+    # b never saw the load: it finds the adapter in the store at once (embeddings: refused as an adapter,
+    # the base model's vector is not the adapter's; before any chat there taught b the name)
+    r = httpx.post(f"{b}/v1/embeddings", json={"model": "one", "input": "x"},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    one = text(chat(b, "one"))
     assert one != base and text(chat(b, f"{model_name}:one")) == one == text(chat(a, "one"))
     assert listed(b).count("one") == 1
     card = httpx.get(f"{b}/v1/models/one", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).json()

@@ -33,7 +33,7 @@ class EmbeddingsRoutes:
     async def embeddings(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, E.EmbeddingRequest)
-        self.check_pooling_model(req.model)
+        await self.check_pooling_model(req.model)
         items = E.raw_inputs(req, self.config.max_sequences_per_request)
         info = await self.info()
         if req.dimensions is not None and req.dimensions > info["hidden_size"]:
@@ -49,7 +49,7 @@ class EmbeddingsRoutes:
     async def rerank(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, S.RerankRequest)
-        self.check_pooling_model(req.model)
+        await self.check_pooling_model(req.model)
         texts = S.document_texts(req)
         self.check_fanout(len(texts) + 1, "documents")
         vectors, total = await self.embed_items(owner, [req.query, *texts], req.truncate_prompt_tokens)
@@ -62,7 +62,7 @@ class EmbeddingsRoutes:
     async def score(self, request: Request):
         owner = self.check_auth(request)
         req = await parse(request, S.ScoreRequest)
-        self.check_pooling_model(req.model)
+        await self.check_pooling_model(req.model)
         left, right = S.score_pairs(req)
         unique = list(dict.fromkeys(left + right))  # each text embedded once
         self.check_fanout(len(unique), "text_2")
@@ -72,8 +72,8 @@ class EmbeddingsRoutes:
         return JSONResponse(S.score_body(scores, f"score-{uuid.uuid4().hex}", req.model or self.model_name,
                                          int(time.time()), total))
 
-    def check_pooling_model(self, model: str | None) -> None:
-        self.check_model(model)
+    async def check_pooling_model(self, model: str | None) -> None:
+        await self.select_model(model)  # an adapter loaded through another ingress replica is known too
         if model is not None and self.routes.current.adapters.name_of(model) is not None:
             raise APIError(400, f"embeddings come from the base model; a LoRA adapter ({model!r}) does not "
                            "apply to them: name the base model", param="model")
