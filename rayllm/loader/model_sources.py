@@ -18,6 +18,8 @@ Object-store URIs go to RAYLLM_MODEL_CACHE (default ~/.cache/rayllm/models): the
 `<entry>.partial` (rayllm.loader.object_store: parallel ranges, checked), and the directory is renamed into
 place only when complete, so a crashed download never looks complete and is redone. A file lock makes
 replicas on one node download once; the others wait and use the result.
+
+LoRA adapters are fetched by rayllm.loader.adapter_sources (their own files only, into the same cache).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rayllm.common.errors import describe
@@ -265,9 +267,9 @@ def _hf_listing(repo: str, revision: str | None) -> tuple[str, list[str], str | 
     return os.path.basename(folder), names, folder
 
 
-def _entry_dir(uri: str) -> str:
+def _entry_dir(uri: str, folder: str = "") -> str:
     name = re.sub(r"[^\w.-]", "_", uri.rstrip("/").rsplit("/", 1)[-1])[:64]
-    return os.path.join(cache_root(), f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:16]}")
+    return os.path.join(cache_root(), folder, f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:16]}")
 
 
 def _complete(entry: str) -> bool:
@@ -309,7 +311,13 @@ def fetch_uri(uri: str, part: str) -> Fetched | None:
     except ValueError as exc:
         raise ModelSourceError(f"model source {uri!r}: {exc}") from None
     entry = whole if part == "model" or sel.gguf else meta
-    return _cached(uri, fs, entry, {rel: listing[rel] for rel in files}, sel.weights[0] if sel.gguf else ".")
+    return _cached(uri, entry, {rel: listing[rel] for rel in files}, sel.weights[0] if sel.gguf else ".",
+                   _store_get(fs))
+
+
+def _store_get(fs) -> Callable[[str, dict, str], None]:
+    """_cached's download of one listed object of `fs` (its info from the listing) into a local path."""
+    return lambda rel, info, dest: download(fs, info["name"], int(info["size"]), store_md5(fs, info), dest)
 
 
 def _listing(fs, root: str, single: bool) -> dict[str, dict]:
@@ -319,8 +327,9 @@ def _listing(fs, root: str, single: bool) -> dict[str, dict]:
     return {os.path.basename(i["name"].rstrip("/")): i for i in fs.ls(root, detail=True) if i.get("type") == "file"}
 
 
-def _cached(uri: str, fs, entry: str, files: dict[str, dict], use: str) -> Fetched:
-    """`files` downloaded into `entry` under the node's lock, unless another process did it meanwhile."""
+def _cached(uri: str, entry: str, files: dict[str, dict], use: str, get: Callable[[str, dict, str], None]) -> Fetched:
+    """`files` ({name: info with its size}) downloaded by `get(name, info, dest)` into `entry` under the node's
+    lock, unless another process did it meanwhile."""
     from filelock import FileLock, Timeout
 
     os.makedirs(os.path.dirname(entry), exist_ok=True)
@@ -340,7 +349,7 @@ def _cached(uri: str, fs, entry: str, files: dict[str, dict], use: str) -> Fetch
         t0, total = time.monotonic(), sum(int(i["size"]) for i in files.values())
         log.info("model source %s: downloading %d files, %.1f MB", uri, len(files), total / 1e6)
         for rel, info in files.items():
-            download(fs, info["name"], int(info["size"]), store_md5(fs, info), os.path.join(partial, rel))
+            get(rel, info, os.path.join(partial, rel))
         with open(os.path.join(partial, MANIFEST), "w") as f:
             json.dump({"source": uri, "use": use, "files": {r: {"size": int(i["size"])} for r, i in files.items()}}, f)
         os.rename(partial, entry)  # atomic: the entry exists only complete

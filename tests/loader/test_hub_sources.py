@@ -69,12 +69,22 @@ def _tokenizer_files(gguf_path: str) -> dict[str, bytes]:
         return {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)}
 
 
+def _adapter_files(gguf_path: str, folder: str) -> dict[str, bytes]:
+    """A PEFT adapter (random weights) for the default model."""
+    from rayllm.loader.loader import read_arch
+    from rayllm.lora.files import random_peft_adapter
+
+    random_peft_adapter(folder, read_arch(gguf_path), rank=4, seed=1, targets=("q_proj",))
+    return {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, gguf_path):
     extra = {"README.md": b"# tiny", "pytorch_model.bin": b"\0" * 1024, "original/consolidated.00.pth": b"x"}
     gguf = open(gguf_path, "rb").read()
     sharded_dir = tmp_path_factory.mktemp("sharded")
     sharded = _llama_files(2, str(sharded_dir), max_shard_size="20KB")
+    adapter = _adapter_files(gguf_path, str(tmp_path_factory.mktemp("adapter")))
     server = HubServer(
         {"acme/tiny-llama": {"main": _llama_files(2) | extra, "v1": _llama_files(1) | extra},
          "acme/smol-gguf": {"main": {os.path.basename(gguf_path): gguf, "other.Q8_0.gguf": b"GGUF" + b"\0" * 64,
@@ -84,6 +94,8 @@ def hub(tmp_path_factory, gguf_path):
          "acme/sharded": {"main": sharded | {"consolidated.safetensors": _mistral_consolidated(sharded),
                                              "original/model.safetensors": b"x", "model.Q8_0.gguf": b"GGUF"}},
          "acme/chat-llama": {"main": _llama_files(2) | _tokenizer_files(gguf_path)},
+         "acme/adapter": {"main": adapter | {"README.md": b"# adapter", "extra.safetensors": sharded[min(sharded)],
+                                             "sub/adapter_model.safetensors": b"x"}},
          "acme/private": {"main": _llama_files(1)}},
         private={"acme/private": TOKEN})
     server.sharded_dir = str(sharded_dir)
@@ -227,16 +239,52 @@ def test_sharded_repo_fetches_the_shards_its_index_names_and_loads(hub, tmp_path
 def test_ids_huggingface_hub_refuses_are_source_errors(hub, tmp_path, name):
     """Names the id pattern lets through but huggingface_hub refuses (HFValidationError, a ValueError): the
     error naming the source, as every other; a client's lora_path naming one is the 404 naming lora_path."""
-    from rayllm.protocol.errors import APIError
-    from rayllm.schema.config import LoRAConfig
-    from rayllm.serve.lora.lora_registry import LoRARegistry
+    from rayllm.loader.adapter_sources import fetch_adapter
+    from rayllm.loader.model_sources import ModelSourceError
+    from rayllm.serve.lora.lora_registry import source_failure
 
     got = load(hub, tmp_path, name)
     assert got["error"].startswith("ModelSourceError") and repr(name) in got["error"], got
-    registry = LoRARegistry(LoRAConfig(max_loras=1, allowed_roots=("hf://acme/",)), engine=None)  # its file side
-    with pytest.raises(APIError) as err:
-        registry._local("a", "hf://" + name)
-    assert err.value.status_code == 404 and err.value.param == "lora_path" and name in err.value.message
+    with pytest.raises(ModelSourceError) as failed:  # a replica's fetch of a client's `lora_path: hf://<name>`
+        fetch_adapter(name, {"adapter_config.json": 1 << 20}, keep=1)
+    err = source_failure("a", failed.value)
+    assert err.status_code == 404 and err.param == "lora_path" and name in err.message
+
+
+ADAPTER = """
+import json, os, sys
+from rayllm.loader import adapter_sources
+limits = {"adapter_config.json": 1 << 20, "adapter_model.safetensors": int(sys.argv[2])}
+try:
+    path = adapter_sources.fetch_adapter(sys.argv[1], limits, keep=4).path
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+else:
+    print(json.dumps({"path": path, "files": sorted(f for f in os.listdir(path) if not f.startswith("."))}))
+"""
+
+
+def test_an_adapter_is_its_two_files_and_a_model_repo_is_refused_before_any_download(hub, tmp_path):
+    """Under `hf://acme/` a client may name any repository of the org, a whole model's too: refused from its
+    file list (nothing downloaded), as is an adapter over the size limit; an adapter is its two top-level
+    files alone, one copy per commit whatever the spelling."""
+    files = hub.repos["acme/adapter"]["main"]
+    size = len(files["adapter_model.safetensors"])
+    cache = {"RAYLLM_MODEL_CACHE": str(tmp_path / "cache")}
+    hub.downloads.clear()
+    for source, limit in (("acme/tiny-llama", 1 << 30), ("acme/adapter", size - 1)):
+        refused = run(hub, tmp_path, ADAPTER, source, str(limit), **cache)
+        assert refused["error"].startswith(f"NotAnAdapter: adapter source {source!r}"), refused
+    assert hub.downloads == [] and not os.path.exists(tmp_path / "cache")
+    got = run(hub, tmp_path, ADAPTER, "acme/adapter", str(size), **cache)
+    assert got["files"] == sorted(p for _, _, p in hub.downloads) == ["adapter_config.json", "adapter_model.safetensors"]
+    for f in got["files"]:
+        assert open(os.path.join(got["path"], f), "rb").read() == files[f]
+    hub.downloads.clear()
+    sha = hub.commits[("acme/adapter", "main")]
+    for spelling in ("acme/adapter", "acme/adapter@main", f"acme/adapter@{sha}"):
+        assert run(hub, tmp_path, ADAPTER, spelling, str(size), **cache)["path"] == got["path"]
+    assert hub.downloads == []
 
 
 

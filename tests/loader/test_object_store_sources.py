@@ -9,6 +9,7 @@ nothing that looks complete and is redone; two loaders on one node started toget
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -39,9 +41,10 @@ main(sys.argv[1:])
 """
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """{endpoint, env, files}: a moto server with a model under s3://models/llama/ and a big GGUF-named blob."""
+@contextlib.contextmanager
+def moto_s3(cache: str) -> Iterator[dict[str, str]]:
+    """A moto server (MOTO) as this process's S3 (AWS_* pointed at it) and `cache` as its model cache: yields
+    that environment (also for subprocesses)."""
     pytest.importorskip("moto.server", reason="moto_server is missing: pip install 'moto[server]' (the test extra)")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", MOTO, "-H", "127.0.0.1", "-p", str(port)],
@@ -56,29 +59,42 @@ def s3(tmp_path_factory):
             assert time.time() < deadline, "moto_server did not start"
             time.sleep(0.1)
     env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": endpoint, "RAYLLM_MODEL_CACHE": str(tmp_path_factory.mktemp("cache"))}
+           "AWS_ENDPOINT_URL": endpoint, "RAYLLM_MODEL_CACHE": cache}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    import boto3
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from s3fs import S3FileSystem
 
-    model_dir = tmp_path_factory.mktemp("llama")
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)  # random weights
-    (model_dir / "optimizer.pt").write_bytes(os.urandom(4096))  # not needed: must not be downloaded
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    files = {}
-    for f in sorted(model_dir.iterdir()):
-        client.upload_file(str(f), BUCKET, f"llama/{f.name}")
-        files[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
-    client.put_object(Bucket=BUCKET, Key="big/blob.gguf", Body=os.urandom(BIG))
-    yield {"endpoint": endpoint, "env": env, "files": files, "client": client, "dir": model_dir}
-    proc.terminate()
-    proc.wait(10)
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    S3FileSystem.clear_instance_cache()  # fsspec keeps filesystems, each with the endpoint it was made with
+    try:
+        yield env
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """{endpoint, env, files}: a moto server with a model under s3://models/llama/ and a big GGUF-named blob."""
+    with moto_s3(str(tmp_path_factory.mktemp("cache"))) as env:
+        import boto3
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model_dir = tmp_path_factory.mktemp("llama")
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        LlamaForCausalLM(cfg).save_pretrained(model_dir, safe_serialization=True)  # random weights
+        (model_dir / "optimizer.pt").write_bytes(os.urandom(4096))  # not needed: must not be downloaded
+        client = boto3.client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        files = {}
+        for f in sorted(model_dir.iterdir()):
+            client.upload_file(str(f), BUCKET, f"llama/{f.name}")
+            files[f.name] = hashlib.sha256(f.read_bytes()).hexdigest()
+        client.put_object(Bucket=BUCKET, Key="big/blob.gguf", Body=os.urandom(BIG))
+        yield {"endpoint": env["AWS_ENDPOINT_URL"], "env": env, "files": files, "client": client, "dir": model_dir}
 
 
 def _sha(path) -> str:
@@ -150,37 +166,6 @@ def test_missing_object_is_a_clear_error_naming_the_source(s3):
         resolve_model_path(uri)
     with pytest.raises(model_sources.ModelSourceError, match="s3://no-such-bucket/m"):
         resolve_model_path("s3://no-such-bucket/m")
-
-
-def test_lora_adapter_from_s3_under_an_allowed_root_and_a_bad_uri(s3, tmp_path, gguf_path):
-    """A PEFT adapter (random weights) in the bucket: a client may name it only under an s3:// root of
-    lora.allowed_roots; the replica's registry fetches it into the cache and reads it; a missing one is a
-    404 naming it, one outside the roots the uniform 400."""
-    from rayllm.loader.loader import read_arch
-    from rayllm.lora.files import random_peft_adapter, read_peft_adapter
-    from rayllm.protocol.errors import APIError
-    from rayllm.schema.config import LoRAConfig
-    from rayllm.serve.lora.adapter_paths import REFUSED, resolve_allowed
-    from rayllm.serve.lora.lora_registry import LoRARegistry
-
-    arch = read_arch(gguf_path)
-    local = random_peft_adapter(str(tmp_path / "a"), arch, rank=4, seed=3)
-    for f in os.listdir(local):
-        s3["client"].upload_file(os.path.join(local, f), BUCKET, f"adapters/a/{f}")
-    roots = ("s3://models/adapters/",)
-    assert resolve_allowed("s3://models/adapters/a", roots) == "s3://models/adapters/a"
-    for outside in ("s3://models/llama", "s3://models/adapters/../llama", "s3://models/adaptersX/a"):
-        with pytest.raises(APIError, match=REFUSED):
-            resolve_allowed(outside, roots)
-    registry = LoRARegistry(LoRAConfig(max_loras=1, allowed_roots=roots), engine=None)  # only its file side
-    assert registry.check_path("s3://models/adapters/a") == "s3://models/adapters/a"
-    fetched = registry._local("a", "s3://models/adapters/a")
-    assert read_peft_adapter(fetched, arch, 16).rank == read_peft_adapter(local, arch, 16).rank == 4
-    for f in os.listdir(local):
-        assert _sha(os.path.join(fetched, f)) == _sha(os.path.join(local, f))
-    with pytest.raises(APIError) as err:
-        registry._local("b", "s3://models/adapters/b")
-    assert err.value.status_code == 404 and "s3://models/adapters/b" in err.value.message
 
 
 def _put(s3, prefix: str, files: dict[str, bytes], **put) -> None:

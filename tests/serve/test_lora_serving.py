@@ -17,6 +17,7 @@ from tests.serve.ops_apps import run_app
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+REMOTE_ROOT = "s3://lora-tests/adapters/"
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +52,10 @@ def lora_server(server, adapters, tmp_path_factory) -> str:
         "engine": {"model": {"dtype": "float32", "max_model_len": 1024},
                    "cache": {"kv_cache_bytes": 48 << 20},
                    "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
-                   # The tests' temporary directories hold the adapters clients name (lora_path, load route).
+                   # The tests' temporary directories hold the adapters clients name (lora_path, load route);
+                   # REMOTE_ROOT only for what is refused before any fetch (no S3 here).
                    "lora": {"max_loras": 2, "max_lora_rank": 8, "adapters": {"pre": adapters["pre"]},
-                            "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
+                            "allowed_roots": [str(tmp_path_factory.getbasetemp()), REMOTE_ROOT]}},
     })
     yield run_app(server, build_app_with(config, llm_options={"num_replicas": 2}), "lora")
     serve.delete("lora", _blocking=False)
@@ -141,6 +143,21 @@ def test_bad_adapters_are_400_and_the_server_keeps_serving(lclient, lora_server,
     with pytest.raises(openai.BadRequestError):  # the same files named on a request
         chat(lclient, model_name, extra_body={"lora_path": path})
     assert "Paris" in chat(lclient, model_name)
+
+
+def test_a_remote_root_itself_is_refused_as_a_path_outside_the_roots(lclient, lora_server, model_name, tmp_path):
+    """`<root>/` and `<root>//` (which fsspec reads as the root: every adapter under it) and other spellings
+    that are no one adapter: the same 400 as a path outside the roots, on a request and on the load route."""
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(lclient, model_name, extra_body={"lora_path": "/etc"})
+    outside = err.value.body
+    assert outside["message"] == REFUSED and outside["param"] == "lora_path"
+    for path in (REMOTE_ROOT, REMOTE_ROOT + "/", REMOTE_ROOT.rstrip("/"), REMOTE_ROOT + "/x", REMOTE_ROOT + "x/../y"):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(lclient, model_name, extra_body={"lora_path": path})
+        assert err.value.body == outside, path
+        r = post(lora_server, "load_lora_adapter", {"lora_name": "remote", "lora_path": path})
+        assert r.status_code == 400 and r.json()["error"] == outside, r.text
 
 
 def test_adapter_requests_stick_to_the_replica_that_loaded_it(lclient, lora_server, adapters, model_name):

@@ -1,7 +1,9 @@
 """Which adapter directories a client may name (`lora_path`, the load route): only those under `lora.allowed_roots`.
 
 Every refusal is the same error, whatever the reason (outside the roots, a symlink or `..` leading out,
-missing, not a directory), so a client learns nothing about the server's filesystem. With no roots
+missing, not a directory; a remote source that is a root itself or has an empty, `.` or `..` segment, and,
+found by the replica before it downloads anything, one without the adapter files at its top level or with
+files larger than an adapter for this server can be), so a client learns nothing about the server's files. With no roots
 configured, paths from clients are refused outright; the adapters the operator lists in
 `lora.adapters` are loaded whatever the roots.
 """
@@ -44,14 +46,29 @@ def remote_source(path: str) -> bool:
     return path.startswith("hf://") or model_sources.is_remote(path)
 
 
+def canonical_remote(source: str) -> str | None:
+    """A remote source in its one spelling, `scheme://a/b` (a bare Hugging Face id `org/name` as `hf://org/name`,
+    no trailing `/`), or None when a segment is empty, `.` or `..`, or it holds `?` or `#`: fsspec reads
+    `x/`, `x//` and `x` as one prefix, and `root//` as the root itself, so each spelling would be another
+    cache entry of the same files (or the root's listing)."""
+    scheme, sep, rest = source.partition("://")
+    if not sep:
+        scheme, rest = "hf", source
+    segments = rest.rstrip("/").split("/")
+    if not scheme or any(s in ("", ".", "..") or "?" in s or "#" in s for s in segments):
+        return None
+    return f"{scheme.lower()}://{'/'.join(segments)}"
+
+
 def allowed_remote(source: str, roots: tuple[str, ...] | list[str], param: str = "lora_path") -> str:
-    """A remote adapter source under a remote root (`s3://bucket/adapters/`, `hf://org/`): the source,
-    unchanged (the replica fetches it into its node's cache), or the uniform 400."""
-    canonical = source if "://" in source else "hf://" + source
-    if ".." in canonical.split("://", 1)[1].split("/"):
+    """A remote adapter source strictly under a remote root (`s3://bucket/adapters/`, `hf://org/`), in its
+    canonical spelling (the replica fetches it into its node's cache), or the uniform 400: the root itself
+    is no adapter (fetching it would list every adapter under it)."""
+    canonical = canonical_remote(source)
+    if canonical is None:
         raise refused(param)
     for root in roots:
-        prefix = root.rstrip("/") + "/"
-        if "://" in root and canonical.startswith(prefix) and len(canonical) > len(prefix):
-            return source
+        base = canonical_remote(root) if "://" in root else None
+        if base is not None and canonical.startswith(base + "/"):
+            return canonical
     raise refused(param)

@@ -6,29 +6,41 @@ adapter requests to replicas that already hold the adapter.
 
 Each load gets a fresh integer id (never reused). Sequences carry that id as their `lora_slot`, so a
 slot refilled with another adapter can never match prefix-cache blocks computed with the old one.
+
+A remote adapter (a client's `lora_path` may name one) is fetched outside the registry's lock, once for
+concurrent loads of it, only its two files and only when they are no larger than an adapter for this model
+can be (rayllm.loader.adapter_sources); its copy is held on disk while it loads, and the node keeps the
+copies of the most recently used few.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rayllm.loader import model_sources
-from rayllm.lora.files import LoRAError, read_peft_adapter
+from rayllm.loader import adapter_sources
+from rayllm.loader.model_sources import ModelSourceError
+from rayllm.lora.files import MAX_HEADER_BYTES, LoRAError, max_adapter_bytes, read_peft_adapter
 from rayllm.protocol.errors import APIError
 from rayllm.schema.config import LoRAConfig
-from rayllm.serve.lora.adapter_paths import remote_source, resolve_allowed
+from rayllm.serve.lora.adapter_paths import canonical_remote, refused, remote_source, resolve_allowed
 
 if TYPE_CHECKING:
     from rayllm.engine.client.engine_client import EngineClient
 
 log = logging.getLogger("ray.serve")
+
+IDLE_COPIES = 2  # remote adapters' copies kept beyond one per slot: a node keeps max_loras + this many
+# Remote adapters fetched or loading at once on a replica: each holds its copy on disk until it is loaded, so
+# this bounds what a burst of requests naming new adapters can make the node download and keep.
+REMOTE_LOADS = 2
 
 
 @dataclass
@@ -64,9 +76,30 @@ def adapter_unavailable(name: str) -> APIError:
 _FILE_ERRORS = frozenset({"invalid_lora_adapter", "lora_adapter_not_found"})
 
 
+def source_failure(name: str, exc: ModelSourceError) -> APIError:
+    """A remote source that cannot be fetched: not there (404 naming it, as the client spelled it), or no
+    adapter this server takes (the uniform 400 of adapter_paths; the reason goes to the log)."""
+    if isinstance(exc, adapter_sources.NotAnAdapter):
+        log.warning("LoRA adapter %r refused: %s", name, exc)
+        return refused()
+    return APIError(404, f"LoRA adapter {name!r}: {exc}", param="lora_path", code="lora_adapter_not_found")
+
+
+def copy_removed(name: str) -> APIError:
+    return APIError(503, f"LoRA adapter {name!r}: its copy on this node was removed before it was read; retry",
+                    type="server_error", code="lora_adapter_unavailable")
+
+
 def unloaded(name: str) -> APIError:
     return APIError(409, f"The lora adapter '{name}' was unloaded while this request ran.", type="conflict_error",
                     param="model", code="lora_adapter_unloaded")
+
+
+def key(path: str) -> str:
+    """A path as the registry holds it: a remote source in its canonical spelling, a local one resolved."""
+    if remote_source(path):
+        return canonical_remote(path) or path  # a malformed one: refused by check_path unless the operator's
+    return os.path.realpath(path)
 
 
 class LoRARegistry:
@@ -83,9 +116,11 @@ class LoRARegistry:
         self.engine = engine
         self.on_evict = on_evict  # tells Serve's multiplexing cache that the name is gone
         self.entries: OrderedDict[str, AdapterEntry] = OrderedDict()  # least recently used first
-        # the operator's: no root needed (a remote source as written, a local one canonical)
-        self.trusted = {p if remote_source(p) else os.path.realpath(p) for _, p in config.adapters}
-        self._fetched: dict[str, str] = {}  # remote source -> this node's copy
+        self.trusted = {key(p) for _, p in config.adapters}  # the operator's: no root needed
+        self.keep = config.max_loras + IDLE_COPIES  # remote adapters' copies remembered here and kept on the node
+        self._fetched: OrderedDict[str, str] = OrderedDict()  # remote source -> its copy; least recently used first
+        self._fetching: dict[str, asyncio.Future[str]] = {}  # downloads in flight, shared by loads of one source
+        self._remote_loads = asyncio.Semaphore(REMOTE_LOADS)
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load at a time: slot choice and weight copies do not interleave
 
@@ -94,20 +129,57 @@ class LoRARegistry:
 
     def check_path(self, path: str) -> str:
         """The canonical path of an adapter a client named; the uniform 400 outside lora.allowed_roots."""
-        real = path if remote_source(path) else os.path.realpath(path)
-        return real if real in self.trusted else resolve_allowed(path, self.config.allowed_roots)
+        canonical = key(path)
+        return canonical if canonical in self.trusted else resolve_allowed(path, self.config.allowed_roots)
 
-    def _local(self, name: str, path: str) -> str:
-        """A remote source's copy in this node's cache (fetched once); a local path as it is."""
+    def _fetch(self, source: str) -> str:
+        """Blocking: this node's copy of a remote source, downloaded if the node lacks it (ModelSourceError)."""
+        tensors = max_adapter_bytes(self.engine.arch, self.config.max_lora_rank)
+        # The largest files read_peft_adapter could accept: a config and a safetensors header of at most
+        # MAX_HEADER_BYTES each, and the tensors of every target module at max_lora_rank.
+        limits = {"adapter_config.json": MAX_HEADER_BYTES, "adapter_model.safetensors": 8 + MAX_HEADER_BYTES + tensors}
+        return adapter_sources.fetch_adapter(source.removeprefix("hf://"), limits, self.keep).path
+
+    def _hold(self, name: str, local: str) -> contextlib.AbstractContextManager:
+        """A hold on a copy just fetched (prune_adapters leaves it while this load reads it)."""
+        hold = adapter_sources.hold_adapter(local)
+        if hold is None:  # another replica of the node removed it between the fetch and the hold
+            raise copy_removed(name)
+        return hold
+
+    def _remember(self, source: str, local: str) -> None:
+        self._fetched[source] = local
+        self._fetched.move_to_end(source)
+        while len(self._fetched) > self.keep:
+            self._fetched.popitem(last=False)
+
+    async def _download(self, name: str, source: str) -> str:
+        """The copy, fetched in a thread, once for every load of `source` that asks while it is fetched."""
+        task = self._fetching.get(source)
+        if task is None:
+            task = self._fetching[source] = asyncio.ensure_future(asyncio.to_thread(self._fetch, source))
+            task.add_done_callback(lambda t: (self._fetching.pop(source, None), t.cancelled() or t.exception()))
+        try:
+            return await asyncio.shield(task)  # a request that leaves does not cancel the others' download
+        except ModelSourceError as exc:
+            raise source_failure(name, exc) from None
+
+    @contextlib.asynccontextmanager
+    async def _copy(self, name: str, path: str) -> AsyncIterator[str]:
+        """The files of `path` while the block runs: a local path as it is; a remote source's copy in this
+        node's cache, fetched outside the registry's lock and held on disk."""
         if not remote_source(path):
-            return path
-        if path not in self._fetched:
-            try:
-                self._fetched[path] = model_sources.fetch(path.removeprefix("hf://")).path
-            except model_sources.ModelSourceError as exc:
-                raise APIError(404, f"LoRA adapter {name!r}: {exc}", param="lora_path",
-                               code="lora_adapter_not_found") from None
-        return self._fetched[path]
+            yield path
+            return
+        async with self._remote_loads:
+            local = self._fetched.get(path)
+            hold = adapter_sources.hold_adapter(local) if local is not None else None
+            if hold is None:  # not fetched yet, or another replica of the node removed the copy since
+                local = await self._download(name, path)
+                hold = self._hold(name, local)
+            self._remember(path, local)
+            with hold:
+                yield local
 
     def _take_slot(self) -> int | None:
         """A free slot, evicting the least recently used idle adapter if none is."""
@@ -124,19 +196,19 @@ class LoRARegistry:
                 return entry.slot
         return None
 
-    def _validate(self, name: str, path: str) -> int:
+    def _validate(self, name: str, local: str) -> int:
         """Read and check the files here first (clear errors, and nothing is evicted for a bad adapter)."""
         try:
-            return read_peft_adapter(self._local(name, path), self.engine.arch, self.config.max_lora_rank).rank
+            return read_peft_adapter(local, self.engine.arch, self.config.max_lora_rank).rank
         except LoRAError as exc:
             raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
 
-    def _write(self, name: str, path: str, slot: int, rank: int) -> AdapterEntry:
-        """Every TP rank reads its own shard of the files into `slot`."""
+    def _write(self, name: str, path: str, local: str, slot: int, rank: int) -> AdapterEntry:
+        """Every TP rank reads its own shard of the files (`local`, `path`'s) into `slot`."""
         lora_id = self._next_id
         self._next_id += 1
         try:
-            self.engine.load_lora(slot, lora_id, self._local(name, path))
+            self.engine.load_lora(slot, lora_id, local)
         except LoRAError as exc:  # the files changed since _validate
             raise invalid_adapter(f"LoRA adapter {name!r}: {exc}") from None
         return AdapterEntry(name, path, lora_id, slot, rank)
@@ -144,11 +216,21 @@ class LoRARegistry:
     def load_now(self, name: str, path: str) -> AdapterEntry:
         """Synchronous load at replica start (adapters named in cluster.yaml); errors fail the replica."""
         path = self.check_path(path)  # canonical, as requests' paths are checked against it (_resident)
-        rank = self._validate(name, path)
-        slot = self._take_slot()
-        if slot is None:
-            raise ValueError(f"no free LoRA slot for {name!r} (lora.max_loras={self.config.max_loras})")
-        entry = self._write(name, path, slot, rank)
+        local = path
+        hold: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if remote_source(path):
+            try:
+                local = self._fetch(path)
+            except ModelSourceError as exc:
+                raise source_failure(name, exc) from None
+            hold = self._hold(name, local)
+            self._remember(path, local)
+        with hold:
+            rank = self._validate(name, local)
+            slot = self._take_slot()
+            if slot is None:
+                raise ValueError(f"no free LoRA slot for {name!r} (lora.max_loras={self.config.max_loras})")
+            entry = self._write(name, path, local, slot, rank)
         self.entries[name] = entry
         return entry
 
@@ -164,11 +246,13 @@ class LoRARegistry:
         the files are now: its weights are in memory). `client_path`: the request itself named `path` (the
         load route, a request's lora_path), so a file problem is its 400 on lora_path; else the server
         registered the adapter and cannot read it here: a 503 naming the adapter (details in the log)."""
-        entry = self._resident(name, path if remote_source(path) else os.path.realpath(path))
+        entry = self._resident(name, key(path))
         if entry is not None:
             return entry
         try:
-            return await self._load(name, self.check_path(path))
+            path = self.check_path(path)
+            async with self._copy(name, path) as local:
+                return await self._load(name, path, local)
         except APIError as exc:
             if client_path or exc.code not in _FILE_ERRORS:
                 raise
@@ -176,7 +260,7 @@ class LoRARegistry:
                         exc.message)
             raise adapter_unavailable(name) from None
 
-    async def _load(self, name: str, path: str) -> AdapterEntry:
+    async def _load(self, name: str, path: str, local: str) -> AdapterEntry:
         async with self._lock:
             entry = self._resident(name, path)
             if entry is not None:
@@ -185,7 +269,7 @@ class LoRARegistry:
             if old is not None and old.unloading and old.dropped is not None:
                 await asyncio.shield(old.dropped)  # an unload of the same name is finishing
                 old = None
-            rank = await asyncio.to_thread(self._validate, name, path)
+            rank = await asyncio.to_thread(self._validate, name, local)
             if old is not None:  # same name, new files
                 if old.active:
                     raise APIError(409, f"LoRA adapter {name!r} is in use with other files; retry later",
@@ -197,7 +281,7 @@ class LoRARegistry:
             if slot is None:
                 raise APIError(503, f"all {self.config.max_loras} LoRA adapter slots are in use by running "
                                "requests; retry later", type="server_error", code="lora_slots_busy")
-            new = await asyncio.to_thread(self._write, name, path, slot, rank)
+            new = await asyncio.to_thread(self._write, name, path, local, slot, rank)
             self.entries[name] = new
             log.info("LoRA adapter %r (rank %d) loaded into slot %d", name, new.rank, slot)
             return new

@@ -98,3 +98,24 @@ def test_runtime_adapters_come_and_go_beside_the_configured_ones(table):
     with pytest.raises(APIError) as err:
         table.resolve("poet", None)
     assert err.value.status_code == 404 and err.value.code == "model_not_found"
+
+
+def test_a_remote_source_has_one_spelling_and_must_be_strictly_under_a_root():
+    """fsspec reads `x`, `x/` and `x//` as one prefix, and `root//` as the root (tests/loader/test_adapter_sources.py
+    shows it against S3): each spelling of an adapter is its canonical one, so one adapter, one download; the
+    root itself, an empty, `.` or `..` segment, a query: the uniform 400."""
+    table = AdapterTable(BASE, {}, created=1, allowed_roots=("s3://b/adapters/", "hf://my-org/"))
+    for spelling in ("s3://b/adapters/x", "s3://b/adapters/x/", "s3://b/adapters/x//", "S3://b/adapters/x///"):
+        assert table.resolve(BASE, spelling) == ("s3://b/adapters/x", "s3://b/adapters/x")
+    for spelling in ("my-org/y", "hf://my-org/y", "hf://my-org/y/"):
+        assert table.resolve(BASE, spelling) == ("hf://my-org/y", "hf://my-org/y")
+    assert table.resolve(BASE, "hf://my-org/y@v1")[1] == "hf://my-org/y@v1"
+    bodies = set()
+    for path in ("s3://b/adapters//", "s3://b/adapters/", "s3://b/adapters", "s3://b/adapters//x", "s3://b/adapters/./x",
+                 "s3://b/adapters/x/..", "s3://b/adapters/x?versionId=1", "s3://b/adapters/x#y", "s3://b/adaptersX/x",
+                 "hf://my-org/", "hf://my-org//", "hf://my-org/../other/y", "hf://other/y", "my-org", "/etc"):
+        with pytest.raises(APIError) as err:
+            table.resolve(BASE, path)
+        assert err.value.status_code == 400 and err.value.param == "lora_path", path
+        bodies.add(repr(err.value.to_dict()))
+    assert len(bodies) == 1
