@@ -28,7 +28,7 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS lora_adapters (
 class StoredAdapter:
     name: str
     model: str  # the base model's served name
-    path: str  # canonical (adapter_paths.resolve_allowed), or a remote source as the client wrote it
+    path: str  # canonical (adapter_paths.resolve_allowed): a local real path, or a remote source in its one spelling
     loaded_at: int  # unix seconds
 
 
