@@ -179,6 +179,7 @@ class LLMServer:
             include_stop_str_in_output=stop.include_stop_str_in_output,
             skip_special_tokens=stop.skip_special_tokens,
             spaces_between_special_tokens=stop.spaces_between_special_tokens,
+            min_tokens=params.min_tokens,
         )
         completion_tokens, matched = 0, None
         first = True

@@ -33,6 +33,23 @@ def test_min_tokens_and_ignore_eos(client, model_name):
     assert forced.usage.completion_tokens == 50 and forced.choices[0].finish_reason == "length"
 
 
+def test_min_tokens_holds_stop_strings_back(client, model_name):
+    """As vLLM: a stop string counts only once it ends after the first min_tokens tokens' text; the same
+    request without `stop` (greedy, same min_tokens, its tokens from logprobs) is the reference."""
+    kw = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=64, extra_body={"min_tokens": 20})
+    ref = client.chat.completions.create(logprobs=True, **kw)
+    full = ref.choices[0].message.content
+    boundary = len("".join(t.token for t in ref.choices[0].logprobs.content[:20]))
+    assert 0 <= full.find(".") < boundary  # without min_tokens, the first "." would end it
+    cut = full.find(".", boundary)
+    r = client.chat.completions.create(stop=["."], **kw)
+    assert r.choices[0].message.content == (full[:cut] if cut >= 0 else full)
+    assert r.choices[0].finish_reason == ("stop" if cut >= 0 else ref.choices[0].finish_reason)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stop=["."], stream=True, **kw)
+                       if c.choices)
+    assert streamed == r.choices[0].message.content
+
+
 def test_chat_logprobs_shape_and_greedy_consistency(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=6,
                                        logprobs=True, top_logprobs=3)
@@ -169,17 +186,19 @@ def test_suffix_needs_fill_in_the_middle_tokens(server, auth, model_name):
     assert "fill-in-the-middle" in r.json()["error"]["message"]
 
 
-def test_special_tokens_in_output(client, model_name):
+def test_special_tokens_in_output(client, model_name, hf_tokenizer):
     # +100 on <|im_end|> (id 2) with ignore_eos: the output is that special token three times.
     kw = dict(model=model_name, prompt="Hi", max_tokens=3, temperature=0, logit_bias={"2": 100})
     skipped = client.completions.create(extra_body={"ignore_eos": True}, **kw)
     assert skipped.choices[0].text == "" and skipped.usage.completion_tokens == 3
-    kept = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False,
-                                                 "spaces_between_special_tokens": False}, **kw)
-    assert kept.choices[0].text == "<|im_end|>" * 3
-    spaced = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False}, **kw)
-    # Spaced as slow tokenizers (and vLLM) do: added tokens and text runs joined by single spaces.
-    assert spaced.choices[0].text == " <|im_end|>" * 3
+    # Kept as transformers' fast decode (and vLLM) writes them: spaces_between_special_tokens is accepted but,
+    # as there, has no effect on a fast tokenizer.
+    ref = hf_tokenizer.decode([2, 2, 2], skip_special_tokens=False)
+    assert ref == "<|im_end|>" * 3
+    for spaces in (False, True):
+        kept = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False,
+                                                     "spaces_between_special_tokens": spaces}, **kw)
+        assert kept.choices[0].text == ref
 
 
 def test_chat_template_override(client, model_name, server, auth):

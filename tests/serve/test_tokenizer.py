@@ -138,13 +138,19 @@ def test_a_long_run_that_never_completes_a_character_keeps_the_window_bounded(sv
     assert widest <= 2 * MAX_UNREAD_TOKENS + PROMPT_CONTEXT_TOKENS
 
 
-def test_special_tokens_skipped_or_kept(svc):
-    ids = svc.encode("Hi<|im_end|>", add_special_tokens=False)
-    assert feed(IncrementalDetokenizer(svc.tokenizer, []), ids)[0] == "Hi"
-    kept = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False)
-    assert feed(kept, ids)[0] + kept.flush() == "Hi <|im_end|>"  # spaces_between_special_tokens (default)
-    tight = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=False)
-    assert feed(tight, ids)[0] + tight.flush() == "Hi<|im_end|>"
+def test_special_tokens_skipped_or_kept(svc, hf_tokenizer):
+    """As transformers' fast decode (and vLLM's fast detokenizer): kept special tokens get no spaces around
+    them, whatever spaces_between_special_tokens says (a slow-tokenizer option)."""
+    ids = svc.encode("Hello there<|im_end|>\n<|im_start|>user", add_special_tokens=False)
+    assert feed(IncrementalDetokenizer(svc.tokenizer, []), ids)[0] == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    kept = hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert kept == "Hello there<|im_end|>\n<|im_start|>user"
+    for spaces in (True, False):
+        det = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert feed(det, ids)[0] + det.flush() == kept
+    # A stop string spanning a kept special token matches.
+    det = IncrementalDetokenizer(svc.tokenizer, [], skip_special_tokens=False, stop=("<|im_end|>\n<|im_start|>",))
+    assert feed(det, ids) == ("Hello there", "<|im_end|>\n<|im_start|>")
 
 
 def test_stop_string_spanning_tokens_is_caught_and_never_leaked(svc):
