@@ -289,5 +289,5 @@ class TokenizerDeployment:
         with remote_span("tokenizer.render", traceparent, **{"gen_ai.request.model": model}):
             if chat_template is None:
                 return await _off_loop(json_size([messages, kw]) > LARGE_INPUT, service.render_chat, messages, **kw)
-            text = await asyncio.to_thread(self.sandboxes[model].render, messages, chat_template=chat_template, **kw)
+            text = await self.sandboxes[model].render_async(messages, chat_template=chat_template, **kw)
             return text, await _off_loop(len(text) > LARGE_INPUT, service.encode, text, False)
