@@ -2,6 +2,8 @@
 
 Not fork (the replica runs Ray's and torch's threads) nor multiprocessing's spawn (which re-runs the
 parent's __main__ script, Ray's worker), as rayllm.engine.client.engine_process does for the engine.
+On Linux the child dies with its parent (a SIGKILL from the kernel): a runaway render or compile never reads
+the socket's end, and nothing here outlives the replica that asked for it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def cpu_seconds(pid: int) -> float | None:
 def start(module: str, init: Any, ready_timeout_s: float) -> tuple[subprocess.Popen, Connection]:
     """Starts `module`, sends it `init`, and waits for its "ready"; RuntimeError if it does not come."""
     parent_sock, child_sock = socket.socketpair()
-    proc = subprocess.Popen([sys.executable, "-m", module, str(child_sock.fileno())], pass_fds=(child_sock.fileno(),))
+    proc = subprocess.Popen([sys.executable, "-m", module, str(child_sock.fileno()), str(os.getpid())],
+                            pass_fds=(child_sock.fileno(),))
     child_sock.close()
     conn = Connection(os.dup(parent_sock.fileno()))
     parent_sock.close()
@@ -50,8 +53,25 @@ def start(module: str, init: Any, ready_timeout_s: float) -> tuple[subprocess.Po
 
 
 def connect() -> Connection:
-    """The child's end (its command line names the descriptor)."""
+    """The child's end (its command line names the descriptor, then the parent's pid)."""
+    if len(sys.argv) > 2:
+        _die_with_parent(int(sys.argv[2]))
     return Connection(int(sys.argv[1]))
+
+
+def _die_with_parent(parent: int) -> None:
+    """Asks the kernel for a SIGKILL when the parent goes (Linux's PR_SET_PDEATHSIG; it fires when the thread that
+    started this child ends: ChildWorker starts it from the pool threads that call it, which live as long as the
+    replica)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent went before the request took effect: no signal will come
+        os._exit(1)
 
 
 def stop(proc: subprocess.Popen | None, conn: Connection | None) -> None:

@@ -144,7 +144,8 @@ _TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refu
 
 
 def text_of(content: Any) -> str:
-    """OpenAI content as text: a string, None (""), or a list of parts whose texts are joined.
+    """OpenAI content as text: a string, None (""), or a list of parts whose texts are joined with newlines
+    (vLLM's "string" content format: the model reads two parts as two lines, as there).
 
     A part this text-only model cannot read (an image, audio...) is a ValueError naming its type.
     """
@@ -164,4 +165,4 @@ def text_of(content: Any) -> str:
         if key is None:
             raise ValueError(f"{kind} content is not supported by this text-only model")
         parts.append(str(part.get(key) or ""))
-    return "".join(parts)
+    return "\n".join(parts)

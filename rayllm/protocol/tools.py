@@ -147,7 +147,9 @@ def _choice(req: ChatCompletionRequest, legacy: bool) -> tuple[ToolMode, str | N
         return "auto", None
     if isinstance(choice, str):
         return choice, None  # type: ignore[return-value]
-    name = choice.get("name") if legacy else (choice.get("function") or {}).get("name")
+    if not legacy and not isinstance(choice.get("function"), dict):  # a str or list here: a 400, not a 500
+        raise bad_request("tool_choice.function must be an object naming a function", param=param)
+    name = choice.get("name") if legacy else choice["function"].get("name")
     if not legacy and choice.get("type", "function") != "function":
         raise bad_request("tool_choice.type must be 'function'", param=param)
     if not isinstance(name, str):

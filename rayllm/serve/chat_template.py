@@ -34,8 +34,10 @@ FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
 # End-of-turn tokens of common chat formats, stopped on besides the tokenizer's EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>")
 
-# Marks the end of the final message's content when continuing it (cut point in the rendered text).
-_CONTINUE_SENTINEL = "\x00<continue-final-message>\x00"
+# Marks the end of the final message's content when continuing it (cut point in the rendered text): transformers'
+# own tag, plain ASCII (a `tojson` template writes it as is) with a trailing space that shows whether the template
+# trimmed the content (then the content's trailing whitespace goes too, as in transformers).
+_CONTINUE_SENTINEL = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _gguf_tokenizer_cache(model_path: str) -> str:
@@ -143,7 +145,29 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | RustTokenizer):
         self.tokenizer = tokenizer
-        self.default_template: str | None = getattr(tokenizer, "chat_template", None) or None
+        # A string, or named templates ({"default": ..., "tool_use": ...}: Hermes-2-Pro, Command-R).
+        self.default_template: str | dict[str, str] | None = getattr(tokenizer, "chat_template", None) or None
+
+    def template(self, chat_template: str | None = None, tools: list[dict] | None = None) -> str | None:
+        """The template a request renders with, chosen as transformers' get_chat_template does: the request's
+        own (or the model's template of that name), else of named ones `tool_use` when tools are given (even
+        none), else `default`."""
+        own = self.default_template
+        if not isinstance(own, dict):
+            return chat_template or own
+        if chat_template:
+            return own.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in own:
+            return own["tool_use"]
+        if "default" not in own:
+            raise ValueError(f"this model has several chat templates and none is the default: name one of "
+                             f"{sorted(own)} in chat_template")
+        return own["default"]
+
+    def templates(self) -> list[str]:
+        """Every template of the model (one, several named ones, or none)."""
+        own = self.default_template
+        return list(own.values()) if isinstance(own, dict) else [own] if own else []
 
     @staticmethod
     def _known_roles(template: str) -> set[str]:
@@ -185,7 +209,7 @@ class ChatRenderer:
                 chat_template: str | None, chat_template_kwargs: dict | None, tools: list[dict] | None) -> str:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        template = chat_template or self.default_template
+        template = self.template(chat_template, tools)
         if not template:
             raise ValueError("this model has no chat template; pass chat_template or use /v1/completions")
         if not messages:
@@ -199,8 +223,7 @@ class ChatRenderer:
         if continue_final_message:
             if msgs[-1]["role"] != "assistant":
                 raise ValueError("continue_final_message needs the last message to be from the assistant")
-            final = msgs[-1]["content"]
-            msgs[-1] = {**msgs[-1], "content": final + _CONTINUE_SENTINEL}
+            msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + _CONTINUE_SENTINEL}
         kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
         try:
             text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -210,10 +233,11 @@ class ChatRenderer:
         if not isinstance(text, str):
             raise ValueError("chat template did not render to text")
         if continue_final_message:
-            # Cut right after the final content, dropping the template's end-of-turn tokens (as vLLM);
-            # the sentinel survives templates that rewrite content (strip, split on think tags).
-            cut = text.rfind(_CONTINUE_SENTINEL)
+            # Cut right after the final content, dropping the template's end-of-turn tokens (as transformers and
+            # vLLM); the tag survives templates that rewrite content (strip, split on think tags).
+            cut = text.rfind(_CONTINUE_SENTINEL.rstrip())
             if cut < 0:
                 raise ValueError("the chat template dropped the final assistant message; cannot continue it")
-            text = text[:cut]
+            # A template that trimmed the content (its tag lost the space) loses the content's trailing spaces too.
+            text = text[:cut] if text.startswith(_CONTINUE_SENTINEL, cut) else text[:cut].rstrip()
         return text

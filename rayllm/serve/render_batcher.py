@@ -4,7 +4,8 @@ node (rayllm.serve.render_channel), else coalesced into `render_chat_batch` call
 A call through a Serve handle costs many times the render in latency and in CPU on both sides
 (docs/benchmarks.md): renders that arrive while `max_in_flight` calls are out go together in the next call,
 so the number of calls grows with the load only up to `max_in_flight` at a time (a lone request still makes
-one call of its own at once). Each request gets its own result or its own error: the client's (a `ValueError`,
+one call of its own at once). A large render (past LARGE_INPUT) makes a call of its own beside those: in a batch
+it would hold one of the `max_in_flight` calls for the seconds it takes, and small renders would wait. Each request gets its own result or its own error: the client's (a `ValueError`,
 a 400) or the tokenizer replica's for that request alone (any other exception, a 500).
 """
 
@@ -18,7 +19,8 @@ from typing import Any, Protocol
 
 import ray
 
-from rayllm.serve.render_channel import RenderChannel, RenderResult
+from rayllm.protocol.request_models import json_size
+from rayllm.serve.render_channel import LARGE_INPUT, RenderChannel, RenderResult
 
 log = logging.getLogger("ray.serve")
 RECONNECT_S = 10.0  # after the channel could not be had (or broke), the handle serves this long before a retry
@@ -85,6 +87,12 @@ class RenderBatcher:
         return self._channel
 
     async def _batched(self, messages: list[dict], kw: dict[str, Any]) -> RenderResult:
+        if json_size([messages, kw]) > LARGE_INPUT:  # its own call, outside the batches and their slots
+            self.calls += 1
+            [result] = await self.tokenizer.render_chat_batch.remote([(messages, kw)])
+            if isinstance(result, Exception):
+                raise result
+            return result
         future = asyncio.get_running_loop().create_future()
         self._pending.append((messages, kw, future))
         if self._in_flight < self.max_in_flight:

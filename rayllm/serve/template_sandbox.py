@@ -10,6 +10,7 @@ child is killed and replaced. The model's own template never goes through here.
 
 from __future__ import annotations
 
+import asyncio
 import resource
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,6 +22,7 @@ RENDER_TIMEOUT_S = 2.0
 MAX_OUTPUT_CHARS = 1 << 20  # a rendered prompt longer than this is refused (the context is far shorter)
 MEMORY_BYTES = 1 << 30  # address space the child may add beyond what the loaded tokenizer takes
 START_TIMEOUT_S = 120.0  # loading the tokenizer in the child (the first start may build its snapshot)
+MAX_WAITING = 4  # renders that wait for the child beside the one it renders; more are answered busy at once
 
 
 def _vm_bytes() -> int:
@@ -62,6 +64,11 @@ def _child(conn: Connection) -> None:
             conn.send((False, str(exc)))
 
 
+def _busy() -> APIError:
+    return APIError(503, "the chat template renderer is busy; retry the request", type="server_error",
+                    code="chat_template_busy")
+
+
 def _refused(message: str, code: str = "invalid_chat_template") -> APIError:
     return APIError(400, f"chat_template: {message}", param="chat_template", code=code)
 
@@ -79,15 +86,36 @@ class TemplateSandbox:
         self._child = child.ChildWorker("rayllm.serve.template_sandbox", (model_path, max_output_chars, memory_bytes),
                                         START_TIMEOUT_S)
 
+        self._waiting = 0
+        self._turn = asyncio.Lock()  # the one render whose thread waits on the child
+
     def close(self) -> None:
         self._child.close()
+
+    async def render_async(self, messages: list[dict], **kwargs: Any) -> str:
+        """render() in a thread, one at a time: the others wait on the event loop, not in threads of the default
+        executor (the replica's large encodes and renders need those), up to the wall cap of their time limit
+        (child.WALL_FACTOR); past MAX_WAITING waiting, a 503 chat_template_busy at once."""
+        if self._waiting >= MAX_WAITING:
+            raise _busy()
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(child.WALL_FACTOR * self.timeout_s):
+                await self._turn.acquire()
+        except TimeoutError:
+            raise _busy() from None
+        finally:
+            self._waiting -= 1
+        try:
+            return await asyncio.to_thread(self.render, messages, **kwargs)
+        finally:
+            self._turn.release()
 
     def render(self, messages: list[dict], **kwargs: Any) -> str:
         try:
             ok, value = self._child.call((messages, kwargs), self.timeout_s)
         except child.ChildBusy:
-            raise APIError(503, "the chat template renderer is busy; retry the request", type="server_error",
-                           code="chat_template_busy") from None
+            raise _busy() from None
         except child.ChildTimeout:  # the only way to stop a render: its process goes
             raise _refused(f"rendering took more than {self.timeout_s:g} s of CPU time", "chat_template_timeout") from None
         except child.ChildDied:  # killed by the memory limit

@@ -113,13 +113,17 @@ class TokenizerService:
         return self.tokenizer
 
     def info(self) -> dict:
-        template = self.renderer.default_template or ""
+        templates = self.renderer.templates()
+        try:  # the calls a model writes are those of the template that offers it tools (tool_use, of named ones)
+            tool_template = self.renderer.template(tools=[])
+        except ValueError:  # named templates without a default nor tool_use
+            tool_template = None
         return {"vocab_size": self.vocab_size, "eos_token_ids": self.eos_token_ids,
                 "bos_token_id": self.bos_token_id, "has_fim_tokens": self.has_fim_tokens,
                 "fim_tokens": self.fim_tokens,
                 # A template that writes <think> belongs to a reasoning model: parse its thoughts out.
-                "reasoning": "<think>" in template,
-                "tool_format": detect_tool_format(template)}
+                "reasoning": any("<think>" in t for t in templates),
+                "tool_format": detect_tool_format(tool_template)}
 
     def render_chat(
         self,
@@ -285,5 +289,5 @@ class TokenizerDeployment:
         with remote_span("tokenizer.render", traceparent, **{"gen_ai.request.model": model}):
             if chat_template is None:
                 return await _off_loop(json_size([messages, kw]) > LARGE_INPUT, service.render_chat, messages, **kw)
-            text = await asyncio.to_thread(self.sandboxes[model].render, messages, chat_template=chat_template, **kw)
+            text = await self.sandboxes[model].render_async(messages, chat_template=chat_template, **kw)
             return text, await _off_loop(len(text) > LARGE_INPUT, service.encode, text, False)

@@ -102,3 +102,54 @@ def test_concurrent_http_requests_render_through_the_batcher(server, model_name,
             assert r.json()["tokens"] == expected
         else:
             assert r.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class _InProcess:
+    """The tokenizer replica's own class called in this process (what its handle would reach): no Ray here."""
+
+    def __init__(self, deployment, model: str):
+        self.model = model
+        self.render_chat_batch = _Method(lambda calls: deployment.render_chat_batch(model, calls))
+        self.render_endpoint = _Method(lambda: deployment.render_endpoint(model))
+
+
+def test_large_renders_do_not_hold_the_small_ones_back(gguf_path, hf_tokenizer):
+    """Two large renders in flight (the batcher's two slots) and small ones after them: the small ones are
+    answered first, each one transformers' ids."""
+    from rayllm.serve.render_batcher import RenderBatcher
+    from rayllm.serve.tokenizer import TokenizerDeployment
+
+    deployment = TokenizerDeployment.func_or_class({"m": gguf_path})  # the replica's class, without Serve
+    batcher = RenderBatcher(_InProcess(deployment, "m"), direct=False)
+    big = [{"role": "user", "content": "Ça va? 東京 🎉 " * 300_000}]
+    done: list[str] = []
+
+    async def render(name: str, messages: list[dict]) -> tuple:
+        result = await batcher.render(messages)
+        done.append(name)
+        return result
+
+    async def main() -> list:
+        larges = []
+        for i in range(2):  # one after the other: two calls, one in each slot
+            larges.append(asyncio.ensure_future(render(f"large{i}", big)))
+            await asyncio.sleep(0.01)
+        smalls = [render(f"small{i}", m) for i, m in enumerate(CONVERSATIONS[:4])]
+        return await asyncio.gather(*larges, *smalls)
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        deployment.channel.close()
+    assert set(done[:4]) == {"small0", "small1", "small2", "small3"}, done
+    assert out[0][1] == reference_ids(hf_tokenizer, big)
+    for messages, (_, ids) in zip(CONVERSATIONS, out[2:], strict=False):
+        assert ids == reference_ids(hf_tokenizer, messages)

@@ -57,8 +57,10 @@ def test_chat_template_renders_chatml(svc):
 
 
 def test_text_parts_are_joined(svc):
-    parts = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
-    assert svc.render_chat([{"role": "user", "content": parts}]) == svc.render_chat([{"role": "user", "content": "Hi"}])
+    # Joined with a newline, as vLLM's "string" content format joins them.
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    expected = svc.render_chat([{"role": "user", "content": "Hello\nworld"}])
+    assert svc.render_chat([{"role": "user", "content": parts}]) == expected
     with pytest.raises(ValueError, match="image_url"):
         svc.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 

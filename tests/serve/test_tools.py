@@ -129,6 +129,7 @@ def test_tool_history_round_trip(client, model_name):
 @pytest.mark.parametrize("body,param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
      "tools.0.function.parameters"),
