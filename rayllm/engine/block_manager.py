@@ -1,8 +1,11 @@
 """Logical KV blocks: allocation, reference counts and chained-hash prefix reuse. No torch.
 
-A full block is identified by the hash of (previous block's hash, adapter key, its token ids), so a
-hit on block i implies blocks 0..i-1 match too; the first block hashes the request's cache salt in
-place of a previous hash. Freed blocks keep their hash and stay reusable until
+A full block is identified by a keyed hash (blake2b, a random key per process) of the previous block's
+digest, adapter key and its token ids, so a hit on block i implies blocks 0..i-1 match too; the first
+block hashes the request's cache salt in place of a previous digest. A hit also checks the block's own
+tokens and parent digest. Python's hash() would not do: tuples of ints hash alike in every process and
+collide by construction (hash(t) == hash(t + 2**61 - 1)), so a chosen prompt could land on a block
+computed after another prefix and read its KV (vLLM's CVE-2025-25183). Freed blocks keep their hash and stay reusable until
 the allocator needs them again, oldest-freed first (LRU).
 
 A block is registered when it is scheduled to be filled, not after: within one forward pass every
@@ -18,20 +21,26 @@ cached content like any freed block. The model runner gathers context from the f
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 
 from rayllm.engine.sequence import Sequence
 
 FREED = -1  # a block table entry whose block fell behind every layer's window and went back to the pool
+# Keyed per process, so digests cannot be precomputed elsewhere; copied per block (cheaper than keying anew).
+_KEYED = hashlib.blake2b(key=os.urandom(32), digest_size=16)
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
+        self.parent: bytes | None = None  # the previous block's digest (None: the first block)
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -47,7 +56,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently freed first; cached content is evicted from the front.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up, for the hit-rate metric
         self.prefix_hits = 0
 
@@ -59,11 +68,20 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
-    def _block_hash(self, prev: int | None, seq: Sequence, tokens: tuple[int, ...]) -> int:
+    @staticmethod
+    def _block_hash(prev: bytes | None, seq: Sequence, tokens: tuple[int, ...]) -> bytes:
         # The first block carries the sequence's cache salt (its tenant); later blocks inherit it through
         # the chain, so sequences with different salts never share a block and cannot probe each other's
-        # prompts through cached-token counts or timing.
-        return hash((seq.params.cache_salt if prev is None else prev, seq.lora_slot, tokens))
+        # prompts through cached-token counts or timing. Each field is tagged or fixed-size: no two
+        # different inputs serialise alike.
+        if prev is None:
+            salt = None if seq.params.cache_salt is None else seq.params.cache_salt.encode()
+            head = b"\0" if salt is None else b"\1" + len(salt).to_bytes(8, "little") + salt
+        else:
+            head = b"\2" + prev
+        h = _KEYED.copy()
+        h.update(head + seq.lora_slot.to_bytes(8, "little", signed=True) + array("q", tokens).tobytes())
+        return h.digest()
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence; returns tokens reused.
@@ -76,14 +94,16 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         self.prefix_queries += seq.num_tokens
-        prev: int | None = None
+        prev: bytes | None = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self._block_hash(prev, seq, tokens)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
             block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != prev:
+                break
             if block.ref_count == 0:
                 del self.free_blocks[block_id]
             block.ref_count += 1
@@ -151,6 +171,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.hash_to_block:
                 block.hash = h
+                block.parent = prev
                 block.token_ids = tokens
                 self.hash_to_block[h] = block.block_id
             seq.block_hashes.append(h)

@@ -255,8 +255,10 @@ class LLMEngine:
         seq = sc.seq
         seq.num_computed_tokens += sc.num_tokens
         prompt_lps = None
-        if seq.request_id in result.prompt_logprobs:
-            seq.prompt_logprobs.extend(result.prompt_logprobs[seq.request_id])
+        if seq.params.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            # A chunk holding only the last prompt token (a 1-token prompt too) has no targets and no entry
+            # in the result, yet it completes the prompt: the logprobs go out all the same.
+            seq.prompt_logprobs.extend(result.prompt_logprobs.get(seq.request_id, ()))
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 prompt_lps = seq.prompt_logprobs
                 seq.prompt_logprobs_sent = True

@@ -208,10 +208,8 @@ class Scheduler:
                 break
             if not seq.block_table:
                 # Prompt logprobs and mean pooling need every prompt position computed: they skip the cache.
-                full = seq.params.prompt_logprobs is not None or seq.pooling == "mean"
-                cached = 0 if full else self.block_manager.match_prefix(seq)
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+                if seq.params.prompt_logprobs is None and seq.pooling != "mean":
+                    self.block_manager.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, n):
                 if not self.running:
@@ -227,6 +225,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.num_waiting -= 1
+            if seq.num_cached_tokens < 0:  # its first admission: a failed one above freed the prefix it matched
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             # Registered now, so the next waiting request can share these blocks in this same step.
             self.block_manager.commit_full_blocks(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING

@@ -28,8 +28,8 @@ class Sequence:
     # Prompt tokens served from the prefix cache at first scheduling (reported to the user).
     num_cached_tokens: int = -1
     block_table: list[int] = field(default_factory=list)
-    # Chain hashes of the leading full blocks already registered in the prefix cache.
-    block_hashes: list[int] = field(default_factory=list)
+    # Chain digests of the leading full blocks already registered in the prefix cache.
+    block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     stop_token_id: int | None = None
     prompt_logprobs: list = field(default_factory=list)  # accumulated over prefill chunks

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Protocol
 
-from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, StopOptions
+from rayllm.protocol.errors import APIError
+from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, LogprobEntry, StopOptions
 from rayllm.protocol.structured import pick_choice
 from rayllm.schema.sampling_params import SamplingParams
 from rayllm.serve.tokenizer import TokenizerService
@@ -60,6 +61,16 @@ def scoring_fits(req: GenerateRequest, choices: list[str]) -> bool:
     return len(choices) * sum(len(p) for p in req.prompts) <= MAX_SCORING_TOKENS
 
 
+def scored(delta: GenerationDelta, prompt_len: int, choice_len: int) -> list[LogprobEntry]:
+    """A choice's logprob entries after the prompt. Missing ones fail the request: a choice scored 0 (the
+    best possible score) would be picked whatever the model thinks of it."""
+    rest = [e for e in (delta.prompt_logprobs or [])[prompt_len:] if e is not None]
+    if len(rest) != choice_len:
+        raise APIError(500, f"scoring a guided choice returned {len(rest)} logprobs for its {choice_len} tokens",
+                       code="choice_scoring_failed")
+    return rest
+
+
 async def choose(server: Generator, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
     """Literals: each scored by the raw model's logprob of its canonical tokens after the prompt (one prefill
     each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization."""
@@ -75,8 +86,8 @@ async def choose(server: Generator, req: GenerateRequest, choices: list[str]) ->
             first.setdefault(d.index, d)
     out: list[GenerationDelta] = []
     for p, prompt in enumerate(req.prompts):
-        entries = [(first[p * len(canon) + k].prompt_logprobs or [])[len(prompt):] for k in range(len(canon))]
-        scores = [sum(e["logprob"] for e in lps if e) for lps in entries]
+        entries = [scored(first[p * len(canon) + k], len(prompt), len(canon[k])) for k in range(len(canon))]
+        scores = [sum(e["logprob"] for e in lps) for lps in entries]
         for j in range(req.n):
             k = pick_choice(scores, req.params.temperature, None if req.params.seed is None else req.params.seed + j)
             ids = canon[k][: req.params.max_tokens]

@@ -150,3 +150,30 @@ def test_cache_salts_never_share_blocks_and_equal_salts_do():
         bm.free(s)
     # Freed blocks stay cached per salt.
     assert run(salted("b2", "tenant-b")) == 12 and run(salted("none2", None)) == 12
+
+
+def test_prefixes_whose_python_hashes_collide_are_cached_apart():
+    """hash() of an int is the int modulo 2**61 - 1, so two prompts differing by that in one token had equal
+    chain keys: the second's blocks never entered the cache (the key was taken), and a key alone could not
+    tell the prefixes apart. The keyed digests are distinct: each prompt's repeat reuses its own blocks."""
+    m = 2**61 - 1
+    a_ids, b_ids = [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4 + m, 5, 6, 7, 8, 9]
+    assert hash((None, 0, tuple(a_ids[:4]))) == hash((None, 0, tuple(b_ids[:4])))  # the old keys collide
+    bm = BlockManager(num_blocks=32, block_size=4)
+
+    def run(s: Sequence) -> int:
+        reused = bm.match_prefix(s)
+        assert bm.allocate_slots(s, s.num_tokens - reused)
+        s.num_computed_tokens = s.num_tokens
+        bm.commit_full_blocks(s, s.num_tokens)
+        return reused
+
+    a, b = seq("a", a_ids), seq("b", b_ids)
+    assert run(a) == 0 and run(b) == 0
+    a_blocks, b_blocks = a.block_table[:2], b.block_table[:2]
+    assert not set(a.block_table) & set(b.block_table)
+    bm.free(a)
+    bm.free(b)
+    a2, b2 = seq("a2", a_ids), seq("b2", b_ids)
+    assert run(a2) == 8 and a2.block_table[:2] == a_blocks
+    assert run(b2) == 8 and b2.block_table[:2] == b_blocks

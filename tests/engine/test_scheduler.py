@@ -80,3 +80,45 @@ def test_a_preempted_sequence_can_be_aborted_while_it_waits():
     assert sched.num_waiting == 0
     sched.finish(a, "stop")
     assert not sched.has_work() and bm.num_free_blocks == 4
+
+
+def run_step(sched: Scheduler, max_tokens: dict[str, int]) -> list[tuple[Sequence, int]]:
+    """One step as the engine records it: the chunks computed, a token sampled at each sequence's end, and
+    the sequences at their max_tokens finished. Returns each scheduled sequence with its tokens computed before."""
+    scheduled = []
+    for sc in sched.schedule():
+        s, samples = sc.seq, sc.samples
+        scheduled.append((s, s.num_computed_tokens))
+        s.num_computed_tokens += sc.num_tokens
+        if samples:
+            s.token_ids.append(99)
+            if s.num_output_tokens >= max_tokens[s.request_id]:
+                sched.finish(s, "length")
+    return scheduled
+
+
+def test_cached_tokens_are_those_of_the_admission_that_succeeded():
+    """A request matches a cached prefix but cannot get its other blocks; while it waits, a running one's growth
+    evicts that prefix. It is admitted with nothing cached and must report 0, not the first match's 8."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    prefix = [5, 6, 7, 8, 9, 10, 11, 12]  # two full blocks
+    limits = {"warm": 1, "hit": 1, "R": 35, "H": 1}
+    sched.add(seq("warm", prefix + [13]))
+    while sched.has_work():
+        run_step(sched, limits)
+    hit = seq("hit", prefix + [14])
+    sched.add(hit)
+    while sched.has_work():
+        run_step(sched, limits)
+    assert hit.num_cached_tokens == 8  # the prefix, reused at once
+    sched.add(seq("R", [20, 21, 22, 23, 24]))  # grows to 40 tokens: every block
+    run_step(sched, limits)
+    late = seq("H", prefix + list(range(25, 53)))  # 9 blocks: 2 cached + 7 more never free while R runs
+    sched.add(late)
+    run_step(sched, limits)
+    assert bm.prefix_hits == 8 + 8 and late.num_computed_tokens == 0  # its prefix matched, its admission failed
+    while sched.has_work():
+        for s, before in run_step(sched, limits):
+            assert s is not late or before == 0  # computed from scratch: the prefix was evicted meanwhile
+    assert late.finish_reason == "length" and late.num_cached_tokens == 0

@@ -142,3 +142,24 @@ def test_choices_past_the_scoring_budget_are_sampled_under_the_grammar(client, m
     assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
     # Scoring would take >= 70,000 / 512 prefill steps (the app's step budget); the grammar path a few.
     assert llm_stats()["num_steps"] - steps < 40
+
+
+def test_a_choice_whose_last_prefill_chunk_is_one_token_is_scored(client, model_name, hf_model, hf_tokenizer):
+    """The shared app prefills 512 tokens a step: a 512-token prompt plus a one-token choice leaves that choice's
+    last chunk a single token, which predicts no prompt token yet must still return the choice's logprob (once
+    lost, the choice scored 0, the best score, and was picked whatever the model thought of it)."""
+    text = "The capital of France is Paris. " * 80 + "The capital of France is"
+    prompt = hf_tokenizer.encode(text)[-512:]
+    choices = [" zebra", " Paris"]  # the unlikely one first: it is the one whose last chunk is one token
+    assert all(canonical_len(hf_tokenizer, c) == 1 for c in choices)
+    import torch
+
+    with torch.no_grad():
+        lps = hf_model(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+    scores = [lps[hf_tokenizer.encode(c, add_special_tokens=False)[0]].item() for c in choices]
+    assert scores[1] - scores[0] > 5  # far apart: bf16 serving cannot reorder them
+    r = client.completions.create(model=model_name, prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+                                  extra_body={"guided_choice": choices})
+    c = r.choices[0]
+    assert c.text == " Paris" and c.finish_reason == "stop"
+    assert c.logprobs.token_logprobs == pytest.approx([scores[1]], abs=0.5)  # bf16 serving (BF16_TOL)
