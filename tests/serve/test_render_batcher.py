@@ -129,7 +129,7 @@ def test_large_renders_do_not_hold_the_small_ones_back(gguf_path, hf_tokenizer):
 
     deployment = TokenizerDeployment.func_or_class({"m": gguf_path})  # the replica's class, without Serve
     batcher = RenderBatcher(_InProcess(deployment, "m"), direct=False)
-    big = [{"role": "user", "content": "Ça va? 東京 🎉 " * 300_000}]
+    big = [{"role": "user", "content": "Ça va? 東京 🎉 " * 60_000}]  # ~1 MB: 60 times LARGE_INPUT, a render of ~1 s
     done: list[str] = []
 
     async def render(name: str, messages: list[dict]) -> tuple:
