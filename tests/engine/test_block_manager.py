@@ -131,11 +131,7 @@ def test_cache_salts_never_share_blocks_and_equal_salts_do():
         return Sequence(rid, list(prompt), len(prompt), SamplingParams(max_tokens=4, cache_salt=salt))
 
     def run(s: Sequence) -> int:
-        reused = bm.match_prefix(s)
-        assert bm.allocate_slots(s, s.num_tokens - reused)
-        s.num_computed_tokens = s.num_tokens
-        bm.commit_full_blocks(s, s.num_tokens)
-        return reused
+        return _prefill(bm, s)
 
     a = salted("a", "tenant-a")
     assert run(a) == 0
@@ -162,11 +158,7 @@ def test_prefixes_whose_python_hashes_collide_are_cached_apart():
     bm = BlockManager(num_blocks=32, block_size=4)
 
     def run(s: Sequence) -> int:
-        reused = bm.match_prefix(s)
-        assert bm.allocate_slots(s, s.num_tokens - reused)
-        s.num_computed_tokens = s.num_tokens
-        bm.commit_full_blocks(s, s.num_tokens)
-        return reused
+        return _prefill(bm, s)
 
     a, b = seq("a", a_ids), seq("b", b_ids)
     assert run(a) == 0 and run(b) == 0
@@ -177,3 +169,13 @@ def test_prefixes_whose_python_hashes_collide_are_cached_apart():
     a2, b2 = seq("a2", a_ids), seq("b2", b_ids)
     assert run(a2) == 8 and a2.block_table[:2] == a_blocks
     assert run(b2) == 8 and b2.block_table[:2] == b_blocks
+
+
+def _prefill(bm: BlockManager, s: Sequence) -> int:
+    """Admit `s` (its prefix-cache hit, then slots for the rest), compute it all and commit its full blocks;
+    the number of tokens the cache gave."""
+    reused = bm.match_prefix(s)
+    assert bm.allocate_slots(s, s.num_tokens - reused)
+    s.num_computed_tokens = s.num_tokens
+    bm.commit_full_blocks(s, s.num_tokens)
+    return reused

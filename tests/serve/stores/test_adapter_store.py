@@ -10,16 +10,12 @@ import pytest
 
 from rayllm.serve.stores.adapter_store import AdapterStore, StoredAdapter
 from rayllm.serve.stores.conversation_store import ConversationStore, StorageUnavailable
+from tests.serve.stores.store_urls import fresh_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/state/conv.db"
-    pg = request.getfixturevalue("postgres_url")
-    with __import__("psycopg").connect(pg, autocommit=True) as conn:  # each test gets an empty schema
-        conn.execute("DROP TABLE IF EXISTS lora_adapters")
-    return pg
+    return fresh_url(request, tmp_path, "lora_adapters")
 
 
 def store(url: str, app: str = "app") -> AdapterStore:

@@ -17,18 +17,14 @@ from rayllm.serve.auth import KeyRing
 from rayllm.serve.config import ServerConfig
 from rayllm.serve.routes.conversation_routes import client_items
 from rayllm.serve.stores.conversation_store import ConversationStore
+from tests.serve.stores.store_urls import fresh_url
 
 ALICE, BOB = "a" * 64, "b" * 64
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path}/state/conv.db"
-    pg = request.getfixturevalue("postgres_url")
-    with __import__("psycopg").connect(pg, autocommit=True) as conn:  # each test gets an empty schema
-        conn.execute("DROP TABLE IF EXISTS conversations, conversation_items, completions")
-    return pg
+    return fresh_url(request, tmp_path, "conversations, conversation_items, completions")
 
 
 def turn(q: str, a: str, reasoning: str | None = None) -> list[dict]:
