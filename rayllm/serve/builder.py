@@ -17,6 +17,7 @@ from rayllm.loader import model_sources
 from rayllm.loader.model_files import resolve_model_path
 from rayllm.schema.config import cpu_only_settings, for_device
 from rayllm.serve.config import ModelEntry, ServerConfig, deployment_name
+from rayllm.serve.deployment_options import layered, with_autoscaling_checked
 from rayllm.serve.ingress import Ingress
 from rayllm.serve.llm_server import LLMDeployment
 from rayllm.serve.prefix_router import request_router_config
@@ -139,7 +140,7 @@ def build_app(args: dict[str, Any]) -> Application:
 def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Serve options of the (first) model's deployment for a config whose device is resolved: placement,
     then `extra`, the server-wide llm_deployment_options, and the model's own `deployment` options."""
-    options: dict[str, Any] = {"ray_actor_options": replica_actor_options(config)} | (extra or {})
+    options = layered({"ray_actor_options": replica_actor_options(config)}, extra or {})
     bundles = placement_bundles(config)
     if bundles:
         options |= {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}
@@ -147,7 +148,10 @@ def llm_deployment_options(config: ServerConfig, extra: dict[str, Any] | None = 
     if config.router.policy == "prefix" and cache.enable_prefix_caching:  # no cache: nothing to be near
         options["request_router_config"] = request_router_config(config.router, cache.block_size)
     # queue bounds, autoscaling, drain (cluster.yaml's `deployments` section overrides all of these)
-    return options | config.llm_deployment_options | config.models[0].deployment
+    options = layered(options, config.llm_deployment_options, config.models[0].deployment)
+    return with_autoscaling_checked(options, max_num_seqs=config.engine.scheduler.max_num_seqs,
+                                    default_max_ongoing=LLMDeployment.max_ongoing_requests,
+                                    where=f"model {config.served_model_name!r}: deployment")
 
 
 def checked_source(entry: ModelEntry) -> tuple[ModelEntry, str]:

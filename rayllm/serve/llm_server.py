@@ -28,6 +28,7 @@ from rayllm.sample.guided import CompilerBusyError, GrammarCompiler
 from rayllm.schema.config import EngineConfig
 from rayllm.schema.outputs import RequestOutput, SequenceError, TokenLogprob
 from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
+from rayllm.serve.deployment_options import warn_of_scaling
 from rayllm.serve.detokenizer import IncrementalDetokenizer
 from rayllm.serve.engine_errors import engine_failure, refusal, step_failure
 from rayllm.serve.generation_modes import best_of, choose, scoring_fits
@@ -110,6 +111,7 @@ class LLMServer:
         if self.engine.in_child_process:  # after its start: the engine child keeps normal priority
             (priority or ServingPriority()).step_back()
         self.config = engine_config
+        warn_of_scaling(engine_config.scheduler.max_num_seqs)  # a Serve config's `deployments` section, as merged
         self.grammar_compile_timeout_s = grammar_compile_timeout_s
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()

@@ -146,3 +146,19 @@ def test_every_pod_of_the_gated_model_reads_hf_token():
     for _, container in pods(doc):
         ref = env_of(container)["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == ("rayllm-tp-hf-token", "token"), container["name"]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_the_api_on_all_interfaces_answers_only_keys_from_a_required_secret(name, monkeypatch):
+    """The pods listen on 0.0.0.0: every Ray container (the app is built on any pod) reads API_KEYS from a
+    secret that is not optional (without it the pod does not start, rather than serving an open API), and the
+    config reader turns it into the app's keys."""
+    doc = manifest(name)
+    assert yaml.safe_load(doc["spec"]["serveConfigV2"])["http_options"]["host"] == "0.0.0.0"
+    for _, container in pods(doc):
+        ref = env_of(container)["API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"], ref.get("optional", False)) == ("rayllm-tp-api-keys", "keys", False)
+    args = app_args(doc)
+    assert args["api_keys"] == []
+    monkeypatch.setenv("API_KEYS", "sk-one,sha256:" + "ab" * 32)
+    assert len(ServerConfig.from_args(dict(args)).api_keys) == 2
