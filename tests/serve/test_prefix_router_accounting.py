@@ -41,8 +41,7 @@ class Replica:
 def router(config: RouterConfig, *replicas: Replica, cls: type[PrefixRouter] = PrefixRouter) -> PrefixRouter:
     """As Serve builds a deployment's router from `request_router_config` (queue-length cache on, as with
     max_ongoing_requests enforced)."""
-    r = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA,
-                     use_replica_queue_len_cache=True)
+    r = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
     r.initialize_state(block_size=B, min_match_tokens=config.min_match_tokens, max_imbalance=config.max_imbalance,
                        max_load_ratio=config.max_load_ratio)
     r.update_replicas(list(replicas))
@@ -53,9 +52,9 @@ def router(config: RouterConfig, *replicas: Replica, cls: type[PrefixRouter] = P
 
 def request(method: str, prompt: list[int] | None = None, lora: str | None = None) -> PendingRequest:
     """A handle call as the ingress makes it: `generate` with a GenerateRequest of token ids, or another method."""
-    args = [GenerateRequest(request_id=uuid.uuid4().hex, prompts=[prompt], params=SamplingParams(),
-                            stop=StopOptions(), lora=lora)] \
-        if method == "generate" else []
+    args: list = []
+    if method == "generate":
+        args = [GenerateRequest(uuid.uuid4().hex, [prompt], SamplingParams(), StopOptions(), lora=lora)]
     meta = RequestMetadata(request_id=uuid.uuid4().hex, internal_request_id=uuid.uuid4().hex, call_method=method,
                            multiplexed_model_id=lora or "")
     return PendingRequest(args=args, kwargs={}, metadata=meta)
@@ -94,7 +93,8 @@ class Serve:
 
 
 async def home_of(serve: Serve, prompt: list[int]) -> Replica:
-    """A replica that holds `prompt` (one generate request there, answered and finished)."""
+    """A replica that holds `prompt` (one generate request there, answered and finished; all in one step of
+    the event loop, before the router's callback on its routing future runs: the hooks settle it first)."""
     pr = request("generate", prompt)
     home = await serve.route(pr)
     serve.answer(pr, home)
