@@ -12,9 +12,11 @@ that carry no prompt (stats, model_info, embeddings, adapter loads) go through S
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections import deque
+from collections import Counter
+from functools import partial
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -32,6 +34,86 @@ from rayllm.serve.prefix_affinity import PrefixTable, RouterConfig, block_chain,
 
 ROUTER_CLASS = "rayllm.serve.prefix_router:PrefixRouter"
 RESERVATION_S = 1.0  # a choice not sent (the replica was full), or a send not answered, stops counting after this
+
+
+class Ledger:
+    """The generate requests this router counts per replica, each by its Serve request id: chosen and not yet
+    sent (reservations, which Serve's cache cannot count yet), sent and not yet answered, accepted and not
+    yet finished. Keyed by request, so that a call without a prompt (stats, adapter loads), a request sent
+    to another replica than the one chosen, or a request chosen again never moves another request's count."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.reserved: dict[ReplicaID, dict[str, float]] = {}  # replica -> request -> when chosen, oldest first
+        self.sent: dict[ReplicaID, dict[str, float]] = {}  # replica -> request -> when sent, oldest first
+        self.accepted: dict[ReplicaID, set[str]] = {}
+        self.chosen: dict[str, ReplicaID] = {}  # request -> the replica of its reservation
+        self.placed: dict[str, ReplicaID] = {}  # request -> the replica it was sent to (sent or accepted)
+        # A refused attempt's completion may reach the router after the retry was sent (to any replica):
+        # it must not end the retry's count.
+        self.stale: Counter[tuple[ReplicaID, str]] = Counter()
+
+    def reserve(self, request: str, replica: ReplicaID, now: float) -> None:
+        self.release(request)
+        self.reserved.setdefault(replica, {})[request] = now
+        self.chosen[request] = replica
+
+    def release(self, request: str) -> None:
+        replica = self.chosen.pop(request, None)
+        if replica is not None:
+            self.reserved.get(replica, {}).pop(request, None)
+
+    def send(self, request: str, replica: ReplicaID, now: float) -> None:
+        self.release(request)
+        earlier = self.placed.pop(request, None)
+        if earlier is not None:  # a refused attempt, its completion still due
+            self._unplace(request, earlier)
+            self.stale[earlier, request] += 1
+        self.sent.setdefault(replica, {})[request] = now
+        self.placed[request] = replica
+
+    def accept(self, request: str, replica: ReplicaID) -> None:
+        self._unplace(request, replica)
+        self.accepted.setdefault(replica, set()).add(request)
+        self.placed[request] = replica
+
+    def complete(self, request: str, replica: ReplicaID) -> None:
+        if self.stale[replica, request]:
+            self.stale[replica, request] -= 1
+            if not self.stale[replica, request]:
+                del self.stale[replica, request]
+        elif self.placed.get(request) == replica:
+            del self.placed[request]
+            self._unplace(request, replica)
+
+    def counts(self, replica: ReplicaID, now: float) -> tuple[int, int]:
+        """(sent or accepted, reserved) for the replica, once the entries older than `ttl_s` are dropped."""
+        for own, index in ((self.reserved, self.chosen), (self.sent, self.placed)):
+            times = own.get(replica, {})
+            while times:
+                request, t = next(iter(times.items()))
+                if now - t <= self.ttl_s:
+                    break
+                del times[request]
+                if index.get(request) == replica:
+                    del index[request]
+        return len(self.accepted.get(replica, ())) + len(self.sent.get(replica, ())), \
+            len(self.reserved.get(replica, ()))
+
+    def forget(self, keep: set[ReplicaID]) -> None:
+        """Replicas not in `keep` left: nothing counts for them any more."""
+        for own in (self.reserved, self.sent, self.accepted):
+            for gone in set(own) - keep:
+                del own[gone]
+        for index in (self.chosen, self.placed):
+            for request in [q for q, replica in index.items() if replica not in keep]:
+                del index[request]
+        for key in [k for k in self.stale if k[0] not in keep]:
+            del self.stale[key]
+
+    def _unplace(self, request: str, replica: ReplicaID) -> None:
+        self.sent.get(replica, {}).pop(request, None)
+        self.accepted.get(replica, set()).discard(request)
 
 
 def request_router_config(router: RouterConfig, block_size: int) -> dict[str, Any]:
@@ -60,14 +142,11 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.config = RouterConfig.from_value({"policy": "prefix", **kwargs})
         self.table = PrefixTable(self.config.max_blocks_per_replica)
         self.rng = random.Random()
-        # This router's own count per replica, so that a burst routed at once sees itself: choices not yet
-        # sent, requests sent but not yet accepted (times; dropped after RESERVATION_S, as when Serve sent
-        # it elsewhere or the replica refused it), and accepted requests not yet finished. Serve's cache
-        # alone undercounts a burst: a replica's answer to one request overwrites it with the count the
-        # replica saw then, without the requests still on their way to it.
-        self.reserved: dict[ReplicaID, deque[float]] = {}
-        self.sent: dict[ReplicaID, deque[float]] = {}
-        self.accepted: dict[ReplicaID, int] = {}
+        # This router's own count per replica, so that a burst routed at once sees itself. Serve's cache alone
+        # undercounts a burst: it counts a request from its send on, and a replica's answer to one request
+        # overwrites it with the count the replica saw then, without the requests still on their way to it.
+        self.ledger = Ledger(RESERVATION_S)
+        self.watched: dict[str, asyncio.Future] = {}  # request -> the routing future its reservation waits on
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -86,60 +165,76 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [candidates]
         matched = self.table.match(chain, list(loads))
         chosen = pick(matched, loads, self.block_size, self.config, self.rng)
-        # Counted from now, not from when it is sent: requests routed in between must see it.
-        self.reserved.setdefault(chosen, deque()).append(time.monotonic())
+        self._reserve(pending_request, chosen)
         rest = sorted((r for r in candidates if r.replica_id != chosen), key=lambda r: loads.get(r.replica_id, 1 << 30))
         return [[self._replicas[chosen]], rest] if rest else [[self._replicas[chosen]]]
 
     async def _loads(self, candidates: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Ongoing requests per candidate with room for one more: the router's cache (updated as requests
-        are sent, finish and are accepted), probing those it has no fresh entry for."""
-        loads: dict[ReplicaID, int] = {}
-        unknown: list[RunningReplica] = []
-        for r in candidates:
-            q = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
-            if q is None:
-                unknown.append(r)
-            elif q < r.max_ongoing_requests:
-                loads[r.replica_id] = q
-        if unknown:
-            for r, q in await self._probe_queue_lens(unknown, 0):
-                if q is not None and q < r.max_ongoing_requests:
-                    loads[r.replica_id] = q
+        are sent, finish and are accepted), probing those it has no fresh entry for, plus this router's
+        own counts. All read after the probes, at one moment: requests sent or finished while a probe was
+        on its way count as they stand when the choice is made."""
+        cache = self._replica_queue_len_cache
+        use_cache = self._use_replica_queue_len_cache
+        unknown = [r for r in candidates if not use_cache or cache.get(r.replica_id) is None]
+        probed = {r.replica_id: q for r, q in await self._probe_queue_lens(unknown, 0)} if unknown else {}
         now = time.monotonic()
-        for rid in loads:
-            own = self.accepted.get(rid, 0) + len(_fresh(self.sent.get(rid), now))
-            loads[rid] = max(loads[rid], own) + len(_fresh(self.reserved.get(rid), now))
-        return {rid: q for rid, q in loads.items() if rid in self._replicas}
+        loads: dict[ReplicaID, int] = {}
+        for r in candidates:
+            rid = r.replica_id
+            q = cache.get(rid) if use_cache else None
+            q = probed.get(rid) if q is None else q
+            if q is None or q >= r.max_ongoing_requests or rid not in self._replicas:
+                continue
+            own, reserved = self.ledger.counts(rid, now)
+            loads[rid] = max(q, own) + reserved
+        return loads
 
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        """Sent: its reservation becomes a send awaiting the replica's answer."""
-        pending = self.reserved.get(replica_id)
-        if pending:
-            pending.popleft()
-        self.sent.setdefault(replica_id, deque()).append(time.monotonic())
-        super().on_send_request(replica_id)
+    def _reserve(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        """Counted from now, not from when it is sent: requests routed in between must see it. Serve resolves
+        the request's routing future with the replica it sends it to: the caller awaiting the future sends it
+        (on_send_request, Serve's count) in the event loop's callback just before `_routed` (this router's),
+        so no choice in between sees the request counted twice or not at all."""
+        request = pending_request.metadata.internal_request_id
+        self.ledger.reserve(request, replica_id, time.monotonic())
+        if self.watched.get(request) is not pending_request.future:  # once per routing attempt
+            self.watched[request] = pending_request.future
+            pending_request.future.add_done_callback(partial(self._routed, request))
+
+    def _routed(self, request: str, future: asyncio.Future) -> None:
+        """Serve assigned the request a replica (the chosen one or, if that was full, another), or gave up."""
+        if self.watched.get(request) is not future:  # settled already, or a later attempt's
+            return
+        del self.watched[request]
+        replica = None if future.cancelled() or future.exception() is not None else future.result()
+        if replica is not None and replica.replica_id in self._replica_id_set:
+            self.ledger.send(request, replica.replica_id, time.monotonic())
+        else:
+            self.ledger.release(request)
+
+    def _settle(self, request: str) -> None:
+        """A replica answered a request whose future's callback has not run yet: it was sent, count it first."""
+        future = self.watched.get(request)
+        if future is not None and future.done():
+            self._routed(request, future)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
-        """The replica accepted the request: it counts until it finishes, and the replica will hold the
-        prompt's blocks (until its cache evicts them)."""
-        sent = self.sent.get(replica_id)
-        if sent:
-            sent.popleft()
-        self.accepted[replica_id] = self.accepted.get(replica_id, 0) + 1
+        """The replica accepted the request: a generate request counts until it finishes, and the replica will
+        hold the prompt's blocks (until its cache evicts them). Other calls count in Serve's cache only."""
         chain = routing_key(pending_request, self.block_size, self.config.max_prompt_blocks)
+        if chain is None:
+            return
+        self._settle(pending_request.metadata.internal_request_id)
+        self.ledger.accept(pending_request.metadata.internal_request_id, replica_id)
         if chain:
             self.table.insert(replica_id, chain)
 
-    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
-        """A sent request finished (Serve calls this for accepted requests, and for every request where
-        replicas cannot refuse one, which never reach on_request_routed)."""
-        if self.accepted.get(replica_id, 0) > 0:
-            self.accepted[replica_id] -= 1
-        elif self.sent.get(replica_id):
-            self.sent[replica_id].popleft()
-        super().decrement_queue_len_cache(replica_id)
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Serve reports every sent request's end (finished, failed, cancelled, or refused by the replica)."""
+        if hasattr(self, "ledger"):
+            self._settle(internal_request_id)
+            self.ledger.complete(internal_request_id, replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -147,22 +242,10 @@ class PrefixRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         for gone in set(self.table.lru) - self._replica_id_set:
             self.table.remove(gone)
-        for own in (self.reserved, self.sent, self.accepted):
-            for gone in set(own) - self._replica_id_set:
-                del own[gone]
+        self.ledger.forget(self._replica_id_set)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         if hasattr(self, "table"):
             self.table.remove(replica_id)
-            for own in (self.reserved, self.sent, self.accepted):
-                own.pop(replica_id, None)
-
-
-def _fresh(times: deque[float] | None, now: float) -> deque[float]:
-    """Drops the entries older than RESERVATION_S; returns what is left."""
-    if times is None:
-        return deque()
-    while times and now - times[0] > RESERVATION_S:
-        times.popleft()
-    return times
+            self.ledger.forget(self._replica_id_set)
