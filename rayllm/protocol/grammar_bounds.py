@@ -4,10 +4,11 @@ repetitions nested in counted ones.
 The last is what costs: xgrammar keeps a counter per open `{m,n}`, so when a repetition of variable count sits
 inside (or around) a counted one, the matcher's states, and the time to fill each token's mask, grow as a power
 of the output's length: `([a-z]{1,1000}){1,1000}` (23 characters) compiles in 0.4 s, then takes over a second to
-fill one token's mask by the 46th token and 4 s soon after (xgrammar 0.2.8; docs/security.md). Nested `*` and `+` alone (`(\\d+,)*`), a count around fixed-count items (`(\\d{3}-){1,1000}`)
-or around a group that starts or ends with a delimiter nothing else in it matches (`(,[a-z]+){1,1000}`: where
-each repetition ends is then plain) and a count inside `?` stay cheap. The check is conservative: a group with
-alternatives, or a rule that refers to itself, has no delimiter it sees.
+fill one token's mask by the 46th token and 4 s soon after (xgrammar 0.2.8; docs/security.md). Nested `*` and
+`+` alone (`(\\d+,)*`), a count around fixed-count items (`(\\d{3}-){1,1000}`) or around a group that starts or
+ends with a delimiter nothing else in it matches (`(,[a-z]+){1,1000}`: where each repetition ends is then
+plain), and a count inside `?` stay cheap. The check is conservative: a group with alternatives, or a rule that
+refers to itself, has no delimiter it sees.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ class Rep(NamedTuple):
     product: float = 1  # the largest product of upper counts along a chain of repetitions in it (inf: unbounded)
     counted: bool = False  # that chain has a `{m,n}`
     variable: bool = False  # it repeats something a variable number of times
+    run: int = 0  # the most long counted repetitions of variable count in a row in it (no delimiter between)
 
     def join(self, other: Rep) -> Rep:
         if other == self or other == NONE:
             return self
-        return Rep(max(self.product, other.product), self.counted or other.counted, self.variable or other.variable)
+        return Rep(max(self.product, other.product), self.counted or other.counted, self.variable or other.variable,
+                   max(self.run, other.run))
 
 
 NONE = Rep()
@@ -55,16 +58,23 @@ def repeat(item: Rep, lo: float, hi: float, counted: bool, where: str) -> Rep:
             f"{L.MAX_NESTED_REPEAT} are allowed (`*`, `+`, `{{m,}}` and recursion count as unbounded), as the work "
             f"to constrain each token grows with it (unless each repetition starts or ends with a character nothing "
             f"else in it matches, as `(,[a-z]+){{1,50}}`; or use `*`)")
+    run = max(item.run, int(counted and lo != hi and hi > L.MAX_NESTED_REPEAT))
     if item.variable:
-        return Rep(max(hi, 1) * item.product, counted or item.counted, True)
-    return Rep(hi, counted, True) if lo != hi else NONE
+        return Rep(max(hi, 1) * item.product, counted or item.counted, True, run)
+    return Rep(hi, counted, True, run) if lo != hi else NONE
 
 
 def _count(digits: str, where: str) -> int:
     if len(digits) > 9 or int(digits) > L.MAX_REPEAT_COUNT:
-        raise GrammarTooComplex(f"repeats something {digits} times ({where}), at most {L.MAX_REPEAT_COUNT} "
+        times = digits if len(digits) <= 9 else f"more than {L.MAX_REPEAT_COUNT}"
+        raise GrammarTooComplex(f"repeats something {times} times ({where}), at most {L.MAX_REPEAT_COUNT} "
                                 "are allowed")
     return int(digits)
+
+
+def _quote(text: str) -> str:
+    """A piece of the client's text for a message, cut short."""
+    return f"`{text}`" if len(text) <= 24 else f"`{text[:20]}...`"
 
 
 def _skip_class(text: str, i: int) -> int:
@@ -107,7 +117,7 @@ def tokens(text: str, ebnf: bool) -> Iterator[tuple]:
             i += 1
             yield ("rep", 0 if ch != "+" else 1, 1 if ch == "?" else math.inf, False, f"`{ch}` at character {start}")
         elif ch == "{" and (m := _COUNT.match(text, i)) and (m[1] or m[3]):
-            i, where = m.end(), f"`{m[0]}` at character {start}"
+            i, where = m.end(), f"{_quote(m[0])} at character {start}"
             lo = _count(m[1], where) if m[1] else 0
             hi = lo if not m[2] else _count(m[3], where) if m[3] else math.inf
             yield ("rep", lo, hi, True, where)
@@ -136,8 +146,13 @@ def tokens(text: str, ebnf: bool) -> Iterator[tuple]:
                 yield ("atom", ch) if ch in ".^$" else ("lit", ch)
 
 
-@functools.lru_cache(maxsize=4096)
 def _may_match(atom: str, char: str) -> bool:
+    """Whether a class or escape may match `char`; a long one (cached, it would hold the client's text) may."""
+    return len(atom) > 64 or _may_match_short(atom, char)
+
+
+@functools.lru_cache(maxsize=4096)
+def _may_match_short(atom: str, char: str) -> bool:
     try:
         return re.fullmatch(atom, char) is not None
     except re.error:  # a class Python's re does not read (\p{L}, ...): it may
@@ -154,6 +169,7 @@ class _Group:
         self.last: str | None = None  # the character it ends with so far, when its last item is a literal
         self.items = 0
         self.alternatives = False
+        self.sequences: list[list[tuple[int, str]]] = [[]]  # per alternative: (its items' run, literal or "")
 
     def add_atoms(self, atoms: list[str] | None) -> None:
         if self.atoms is not None and atoms is not None and len(self.atoms) + len(atoms) <= _MAX_ATOMS:
@@ -167,6 +183,32 @@ class _Group:
         if self.alternatives or self.atoms is None:
             return False
         return any(c is not None and sum(_may_match(a, c) for a in self.atoms) == 1 for c in (self.first, self.last))
+
+
+    def longest_run(self) -> int:
+        """The most long counted repetitions of variable count in a row, a literal nothing else in the group
+        matches ending a row. In a row (`[a-z]{0,1000}` three times) they cost as nested ones: 170 ms a token by
+        the 120th, where two take 7 ms."""
+        longest = 0
+        for seq in self.sequences:
+            if sum(run for run, _ in seq) <= L.MAX_ADJACENT_REPEATS:
+                longest = max(longest, sum(run for run, _ in seq))
+                continue
+            ends: dict[str, bool] = {}
+            row = 0
+            for run, literal in seq:
+                if literal and self.atoms is not None and any(
+                        ends.setdefault(c, not any(_may_match(a, c) for a in self.atoms if a != re.escape(c)))
+                        for c in literal):
+                    row = 0
+                row += run
+                longest = max(longest, row)
+        if longest > L.MAX_ADJACENT_REPEATS:
+            raise GrammarTooComplex(
+                f"has {longest} counted repetitions of variable count up to more than {L.MAX_NESTED_REPEAT} in a row, "
+                f"at most {L.MAX_ADJACENT_REPEATS} are allowed, as the work to constrain each token grows with them "
+                "(unless a character between them that nothing else in their group matches ends the row)")
+        return longest
 
 
 _MAX_ATOMS = 256  # past this many classes and literals in a group its delimiters are not looked for
@@ -188,18 +230,22 @@ def evaluate(parts: list[tuple], ref: Callable[[str], tuple[Rep, list[str] | Non
             continue
         if kind == "or":
             group.alternatives, last = True, None
+            group.sequences.append([])
             continue
         if kind == "rep":
             if last is not None:
                 last = repeat(last, *args)
                 group.rep = group.rep.join(last)
+                group.sequences[-1][-1] = (last.run, "")
                 group.last = None
                 if group.items == 1:
                     group.first = None
             continue
         if kind == "close" and stack:
             inner, group = group, stack.pop()
-            last = Rep(inner.rep.product, inner.rep.counted, False) if inner.delimited() else inner.rep
+            last = inner.rep._replace(run=inner.longest_run())
+            if inner.delimited():
+                last = last._replace(variable=False)
             group.add_atoms(inner.atoms)
             edge = None
         elif kind == "ref":
@@ -215,7 +261,8 @@ def evaluate(parts: list[tuple], ref: Callable[[str], tuple[Rep, list[str] | Non
             group.first = edge[0] if edge else None
         group.last = edge[-1] if edge else None
         group.rep = group.rep.join(last)
-    return group.rep, group.atoms
+        group.sequences[-1].append((last.run, edge or ""))
+    return group.rep._replace(run=group.longest_run()), group.atoms
 
 
 def check_regex(pattern: str) -> Rep:

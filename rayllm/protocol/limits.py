@@ -45,6 +45,7 @@ MAX_GRAMMAR_RULES = 1024  # rules of an EBNF grammar (a hand-written one has ten
 MAX_REPEAT_COUNT = 1 << 20
 # Counts multiplied along nested repetitions when one is `{m,n}` (grammar_bounds: the mask cost grows with it).
 MAX_NESTED_REPEAT = 16
+MAX_ADJACENT_REPEATS = 2  # such counts past MAX_NESTED_REPEAT in a row, no delimiter between (grammar_bounds)
 
 
 def json_depth(value: Any) -> int:

@@ -21,9 +21,11 @@ from tests.protocol.test_grammar_bounds import (
 )
 
 REGEX_OUTPUTS = ["jo.doe@example.com", "2026-11-29T17:12:26.5", "123e4567-e89b-12d3-a456-426614174000",
-                 "555-555-555-1234", "1.2.3-rc.1", "a,bc,def", "abba", "192.168.0.1", "Ada Lovelace King", "foo bar baz", "a"]
+                 "555-555-555-1234", "1.2.3-rc.1", "a,bc,def", "abba", "192.168.0.1", "Ada Lovelace King", "foo bar baz", "1.22.333.4", "abc123",
+                 "abcdefghijklmnopq", "a"]
 GRAMMAR_OUTPUTS = {JSON_GRAMMAR: '{"a":[1,-2.5,"x",true,null]}', GRAMMARS[1]: "ab, cd, e", GRAMMARS[2]: "- a b\n- c\n",
-                   GRAMMARS[3]: "no", GRAMMARS[4]: "555-1234"}
+                   GRAMMARS[3]: "no", GRAMMARS[4]: "555-1234",
+                   GRAMMARS[5]: "ab,c,d"}
 SCHEMA_OUTPUTS = [
     (MATH, {"steps": [{"explanation": "add", "output": "2"}], "final_answer": "2"}),
     (UI, {"type": "form", "label": "f", "children": [{"type": "button", "label": "ok", "children": [],
