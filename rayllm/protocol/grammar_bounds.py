@@ -17,7 +17,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from rayllm.protocol import limits as L
@@ -64,7 +64,7 @@ def repeat(item: Rep, lo: float, hi: float, counted: bool, where: str) -> Rep:
     return Rep(hi, counted, True, run) if lo != hi else NONE
 
 
-def _count(digits: str, where: str) -> int:
+def check_count(digits: str, where: str) -> int:
     if len(digits) > 9 or int(digits) > L.MAX_REPEAT_COUNT:
         times = digits if len(digits) <= 9 else f"more than {L.MAX_REPEAT_COUNT}"
         raise GrammarTooComplex(f"repeats something {times} times ({where}), at most {L.MAX_REPEAT_COUNT} "
@@ -118,8 +118,8 @@ def tokens(text: str, ebnf: bool) -> Iterator[tuple]:
             yield ("rep", 0 if ch != "+" else 1, 1 if ch == "?" else math.inf, False, f"`{ch}` at character {start}")
         elif ch == "{" and (m := _COUNT.match(text, i)) and (m[1] or m[3]):
             i, where = m.end(), f"{_quote(m[0])} at character {start}"
-            lo = _count(m[1], where) if m[1] else 0
-            hi = lo if not m[2] else _count(m[3], where) if m[3] else math.inf
+            lo = check_count(m[1], where) if m[1] else 0
+            hi = lo if not m[2] else check_count(m[3], where) if m[3] else math.inf
             yield ("rep", lo, hi, True, where)
         elif ebnf and ch == '"':
             i += 1
@@ -170,6 +170,7 @@ class _Group:
         self.items = 0
         self.alternatives = False
         self.sequences: list[list[tuple[int, str]]] = [[]]  # per alternative: (its items' run, literal or "")
+        self._ends: dict[str, bool] = {}  # per literal character: whether it ends a row
 
     def add_atoms(self, atoms: list[str] | None) -> None:
         if self.atoms is not None and atoms is not None and len(self.atoms) + len(atoms) <= _MAX_ATOMS:
@@ -184,7 +185,6 @@ class _Group:
             return False
         return any(c is not None and sum(_may_match(a, c) for a in self.atoms) == 1 for c in (self.first, self.last))
 
-
     def longest_run(self) -> int:
         """The most long counted repetitions of variable count in a row, a literal nothing else in the group
         matches ending a row. In a row (`[a-z]{0,1000}` three times) they cost as nested ones: 170 ms a token by
@@ -194,12 +194,9 @@ class _Group:
             if sum(run for run, _ in seq) <= L.MAX_ADJACENT_REPEATS:
                 longest = max(longest, sum(run for run, _ in seq))
                 continue
-            ends: dict[str, bool] = {}
             row = 0
             for run, literal in seq:
-                if literal and self.atoms is not None and any(
-                        ends.setdefault(c, not any(_may_match(a, c) for a in self.atoms if a != re.escape(c)))
-                        for c in literal):
+                if literal and any(self._ends_row(c) for c in literal):
                     row = 0
                 row += run
                 longest = max(longest, row)
@@ -209,6 +206,13 @@ class _Group:
                 f"at most {L.MAX_ADJACENT_REPEATS} are allowed, as the work to constrain each token grows with them "
                 "(unless a character between them that nothing else in their group matches ends the row)")
         return longest
+
+    def _ends_row(self, char: str) -> bool:
+        if self.atoms is None:
+            return False
+        if char not in self._ends:
+            self._ends[char] = not any(_may_match(a, char) for a in self.atoms if a != re.escape(char))
+        return self._ends[char]
 
 
 _MAX_ATOMS = 256  # past this many classes and literals in a group its delimiters are not looked for
@@ -342,76 +346,3 @@ def _components(graph: dict[str, list[str]]) -> list[list[str]]:
                 parent = work[-1][0]
                 low[parent] = min(low[parent], low[node])
     return out
-
-
-# A schema's counts (xgrammar writes each as a `{m,n}`) and a structural tag's `repeat` bounds.
-_COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
-                   "minContains", "maxContains")
-
-
-def check_schema_bounds(schema: object) -> None:
-    """A JSON schema's (or a structural tag's) regexes, `pattern` and `patternProperties`, and its counts.
-    Its nesting is bounded already (MAX_JSON_DEPTH); the objects and arrays it describes are delimited, so nested
-    counts there stay cheap (an array of 1000 strings of 1000 characters: under 1 ms a token)."""
-    level: list[tuple[str, object]] = [("", schema)]
-    while level:
-        nxt: list[tuple[str, object]] = []
-        for path, node in level:
-            where = f" (at {path.lstrip('/')})" if path else ""
-            if isinstance(node, dict):
-                if isinstance(node.get("pattern"), str):
-                    _at(check_regex, node["pattern"], f"{path}/pattern")
-                if isinstance(node.get("patternProperties"), dict):
-                    for key in node["patternProperties"]:
-                        _at(check_regex, key, f"{path}/patternProperties")
-                for key in _COUNT_KEYWORDS:
-                    if isinstance(node.get(key), int) and node[key] > L.MAX_REPEAT_COUNT:
-                        raise GrammarTooComplex(f"has {key} {node[key]}{where}, at most {L.MAX_REPEAT_COUNT} "
-                                                "are allowed")
-                nxt.extend((f"{path}/{k}", v) for k, v in node.items())
-            elif isinstance(node, list):
-                nxt.extend((f"{path}/{i}", v) for i, v in enumerate(node))
-        level = nxt
-
-
-def _at(check: Callable[[str], Rep], text: str, path: str) -> Rep:
-    try:
-        return check(text)
-    except GrammarTooComplex as exc:
-        raise GrammarTooComplex(f"{exc} (at {path.lstrip('/')})") from None
-
-
-def structural_rep(fmt: object, path: str = "format") -> Rep:
-    """What an xgrammar structural-tag format repeats (its `repeat`, `star`, `plus` and `optional` around the
-    regexes and grammars inside), with each regex, grammar and schema in it checked. Recursive: a tag nests at
-    most MAX_JSON_DEPTH levels (checked before)."""
-    if isinstance(fmt, list):
-        return _join_all(structural_rep(f, f"{path}/{i}") for i, f in enumerate(fmt))
-    if not isinstance(fmt, dict):
-        return NONE
-    kind = fmt.get("type")
-    if kind == "regex" and isinstance(fmt.get("pattern"), str):
-        return _at(check_regex, fmt["pattern"], f"{path}/pattern")
-    if kind == "grammar" and isinstance(fmt.get("grammar"), str):
-        return _at(check_ebnf, fmt["grammar"], f"{path}/grammar")
-    if kind in ("json_schema", "qwen_xml_parameter"):
-        check_schema_bounds(fmt.get("json_schema"))
-        return NONE
-    if kind == "any_text":
-        return Rep(math.inf, False, True)
-    inner = _join_all(structural_rep(v, f"{path}/{k}") for k, v in fmt.items() if isinstance(v, dict | list))
-    where = f"`{kind}` at {path}"
-    if kind == "optional":
-        return repeat(inner, 0, 1, False, where)
-    if kind in ("star", "plus"):
-        return repeat(inner, int(kind == "plus"), math.inf, False, where)
-    if kind == "repeat" and isinstance(fmt.get("min"), int) and isinstance(fmt.get("max"), int):
-        lo, hi = fmt["min"], fmt["max"]
-        for count in (lo, hi):
-            _count(str(abs(count)), where)
-        return repeat(inner, lo, math.inf if hi < 0 else hi, True, where)
-    return inner
-
-
-def _join_all(reps: Iterable[Rep]) -> Rep:
-    return functools.reduce(Rep.join, reps, NONE)

@@ -18,14 +18,9 @@ from typing import Any
 
 from rayllm.protocol import limits as L
 from rayllm.protocol.errors import APIError, bad_request
-from rayllm.protocol.grammar_bounds import (
-    GrammarTooComplex,
-    check_ebnf,
-    check_regex,
-    check_schema_bounds,
-    structural_rep,
-)
+from rayllm.protocol.grammar_bounds import GrammarTooComplex, check_ebnf, check_regex
 from rayllm.protocol.request_models import SamplingFields, json_size
+from rayllm.protocol.schema_bounds import check_schema_bounds, structural_rep
 from rayllm.schema.sampling_params import GuidedSpec
 
 # Any JSON object (OpenAI's json_object mode promises an object, not any JSON value).
