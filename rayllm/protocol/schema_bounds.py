@@ -23,11 +23,11 @@ _COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minPropert
                    "minContains", "maxContains")
 
 
-def check_schema_bounds(schema: object) -> None:
-    """A JSON schema's (or a structural tag's) regexes, `pattern` and `patternProperties`, and its counts.
+def check_schema_bounds(schema: object, path: str = "") -> None:
+    """A JSON schema's regexes (`pattern`, `patternProperties`) and counts; `path`: where it is in a structural tag.
     Its nesting is bounded already (MAX_JSON_DEPTH); the objects and arrays it describes are delimited, so nested
     counts there stay cheap (an array of 1000 strings of 1000 characters: under 1 ms a token)."""
-    level: list[tuple[str, object]] = [("", schema)]
+    level: list[tuple[str, object]] = [(path, schema)]
     while level:
         nxt: list[tuple[str, object]] = []
         for path, node in level:
@@ -69,7 +69,7 @@ def structural_rep(fmt: object, path: str = "format") -> Rep:
     if kind == "grammar" and isinstance(fmt.get("grammar"), str):
         return _at(check_ebnf, fmt["grammar"], f"{path}/grammar")
     if kind in ("json_schema", "qwen_xml_parameter"):
-        check_schema_bounds(fmt.get("json_schema"))
+        check_schema_bounds(fmt.get("json_schema"), f"{path}/json_schema")
         return NONE
     if kind == "any_text":
         return Rep(math.inf, False, True)

@@ -131,7 +131,8 @@ def test_nested_repetitions_in_a_grammar_are_400s_across_rules(grammar):
     ({"structured_outputs": {"structural_tag": json.dumps({"format": {"type": "star", "content": {
         "type": "grammar", "grammar": 'root ::= [a-z]{1,30}'}}})}}, "structured_outputs.structural_tag", "`star`"),
     ({"structured_outputs": {"structural_tag": json.dumps({"format": {"type": "json_schema", "json_schema": {
-        "type": "string", "pattern": "(a*){100}"}}})}}, "structured_outputs.structural_tag", "(at pattern)"),
+        "type": "string", "pattern": "(a*){100}"}}})}}, "structured_outputs.structural_tag",
+     "(at format/json_schema/pattern)"),
     ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>", "schema": {
         "type": "array", "maxItems": HUGE}}], "triggers": ["<a>"]}}, "response_format.structures.schema", "maxItems"),
 ])
