@@ -38,7 +38,14 @@ MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # chat_template_kwargs, as JSON
 MAX_DOCUMENTS = 256  # documents for a retrieval-augmented chat template
 MAX_DOCUMENTS_BYTES = 1 << 20  # all of them, as JSON (the rendered prompt is bounded by the context after)
 MAX_JSON_DEPTH = 64  # nesting of JSON a client sends inside a string or as a schema (parsers, validators recurse)
-MAX_REGEX_NESTING = 64  # parenthesis depth of a guided regex
+MAX_REGEX_NESTING = 64  # parenthesis depth of a guided regex (a schema's `pattern` too)
+MAX_GRAMMAR_NESTING = 64  # parenthesis depth of an EBNF grammar (xgrammar's own parser stops near 1000)
+MAX_GRAMMAR_RULES = 1024  # rules of an EBNF grammar (a hand-written one has tens, a full SQL grammar a few hundred)
+# A `{m,n}` count in a regex or grammar, and a schema's minItems, maxLength, ...: past any context's output.
+MAX_REPEAT_COUNT = 1 << 20
+# Counts multiplied along nested repetitions when one is `{m,n}` (grammar_bounds: the mask cost grows with it).
+MAX_NESTED_REPEAT = 16
+MAX_ADJACENT_REPEATS = 2  # such counts past MAX_NESTED_REPEAT in a row, no delimiter between (grammar_bounds)
 
 
 def json_depth(value: Any) -> int:

@@ -4,7 +4,8 @@ Accepted spellings: OpenAI's `response_format` (json_object, json_schema; also v
 and structural_tag types), SGLang's `regex`, `ebnf` and completions' `json_schema` string, and vLLM's
 `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` and their newer `structured_outputs` object.
 A request may use one of them.
-Schemas are checked here (a 400 naming the problem); regexes and grammars are checked by the compiler
+Schemas are checked here (a 400 naming the problem), and every constraint against the bounds of limits.py
+and grammar_bounds (size, nesting, repetition counts); regexes and grammars are then checked by the compiler
 in the model replica, still before any token is generated.
 """
 
@@ -16,8 +17,10 @@ import random
 from typing import Any
 
 from rayllm.protocol import limits as L
-from rayllm.protocol.errors import bad_request
+from rayllm.protocol.errors import APIError, bad_request
+from rayllm.protocol.grammar_bounds import GrammarTooComplex, check_ebnf, check_regex
 from rayllm.protocol.request_models import SamplingFields, json_size
+from rayllm.protocol.schema_bounds import check_schema_bounds, structural_rep
 from rayllm.schema.sampling_params import GuidedSpec
 
 # Any JSON object (OpenAI's json_object mode promises an object, not any JSON value).
@@ -46,6 +49,10 @@ def check_json_schema(schema: Any, param: str) -> str:
                           param=param) from None
     except RecursionError:  # several frames per subschema level: a backstop for a call stack already deep
         raise bad_request(f"{param} nests too deeply to check", param=param) from None
+    try:
+        check_schema_bounds(schema)
+    except GrammarTooComplex as exc:
+        raise too_complex(param, exc) from None
     return json.dumps(schema, separators=(",", ":"))
 
 
@@ -174,44 +181,36 @@ def guided_spec(req: SamplingFields) -> GuidedSpec | None:
         raise bad_request(f"use one output constraint per request, got: {names}", param=specs[1].param)
     if specs:
         check_spec_size(specs[0])
+        check_spec_shape(specs[0])
     return specs[0] if specs else None
 
 
 def check_spec_size(spec: GuidedSpec) -> None:
-    """Grammar compilation time grows with the spec: bound its size (and a regex's nesting) before it reaches
-    the compiler."""
+    """Grammar compilation time grows with the spec: bound its size before it reaches the compiler."""
     limit = L.MAX_SCHEMA_BYTES if spec.kind in ("json_schema", "structural_tag") else L.MAX_GRAMMAR_CHARS
     size = len(spec.value.encode()) if spec.kind in ("json_schema", "structural_tag") else len(spec.value)
     if size > limit:
         unit = "bytes as JSON" if spec.kind in ("json_schema", "structural_tag") else "characters"
         raise bad_request(f"{spec.param} is too large: {size} {unit}, at most {limit} are allowed",
                           param=spec.param, code="constraint_too_large")
-    if spec.kind == "regex" and (depth := regex_nesting(spec.value)) > L.MAX_REGEX_NESTING:
-        raise bad_request(f"{spec.param} nests {depth} groups deep, at most {L.MAX_REGEX_NESTING} are allowed",
-                          param=spec.param)
 
 
-def regex_nesting(pattern: str) -> int:
-    """The deepest nesting of a regex's groups: unescaped `(`, outside character classes (parsers recurse per group)."""
-    depth = deepest = i = 0
-    in_class = False
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\":
-            i += 1  # the escaped character is a literal
-        elif in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-            i += pattern.startswith("^", i + 1)
-            i += pattern.startswith("]", i + 1)  # `[]...]` and `[^]...]`: a leading `]` is a member
-        elif ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth = max(depth - 1, 0)
-        i += 1
-    return deepest
+def check_spec_shape(spec: GuidedSpec) -> None:
+    """Matching time grows with the repetitions nested in a constraint, parsing with its groups' nesting: bound
+    them, and its repetition counts (grammar_bounds), before it reaches the compiler."""
+    try:
+        if spec.kind == "regex":
+            check_regex(spec.value)
+        elif spec.kind == "ebnf":
+            check_ebnf(spec.value)
+        elif spec.kind == "structural_tag":  # built here from the client's: valid JSON, MAX_JSON_DEPTH deep at most
+            structural_rep(json.loads(spec.value).get("format"))
+    except GrammarTooComplex as exc:
+        raise too_complex(spec.param, exc) from None
+
+
+def too_complex(param: str, exc: GrammarTooComplex) -> APIError:
+    return bad_request(f"{param} {exc}", param=param, code="constraint_too_complex")
 
 
 _REGEX_META = set(".^$*+?{}[]|()\\")

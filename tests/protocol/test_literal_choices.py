@@ -1,5 +1,5 @@
-"""rayllm.protocol.structured's literal-choice recognition, its bound on a regex's nesting, and choice picking (the
-serve path: tests/serve/test_guided_choice.py)."""
+"""rayllm.protocol.structured's literal-choice recognition, the bound on a regex's nesting (grammar_bounds), and
+choice picking (the serve path: tests/serve/test_guided_choice.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from rayllm.protocol import limits as L
 from rayllm.protocol.errors import APIError
+from rayllm.protocol.grammar_bounds import GrammarTooComplex, check_regex
 from rayllm.protocol.limits import MAX_REGEX_NESTING
 from rayllm.protocol.protocol import ChatCompletionRequest
 from rayllm.protocol.structured import (
@@ -18,7 +19,6 @@ from rayllm.protocol.structured import (
     guided_spec,
     literal_choices,
     pick_choice,
-    regex_nesting,
 )
 from rayllm.schema.sampling_params import GuidedSpec
 
@@ -56,9 +56,12 @@ def nest(depth: int) -> str:
 
 
 @pytest.mark.parametrize(("pattern", "depth"), [("a|b", 0), ("(a(b)c)(d)", 2), (r"\((a)\)", 1), ("[(]([^)(]|[]()])", 1),
-                                                (r"[\](]", 0), (nest(3000), 3000)])
+                                                (r"[\](]", 0), ("(?:(?P<x>a))", 2), (nest(MAX_REGEX_NESTING), 64)])
 def test_regex_nesting_counts_groups_not_escapes_or_classes(pattern, depth):
-    assert regex_nesting(pattern) == depth
+    more = MAX_REGEX_NESTING - depth
+    check_regex("(" * more + pattern + ")" * more)  # at the bound
+    with pytest.raises(GrammarTooComplex, match="nests groups more than 64 deep"):
+        check_regex("(" * (more + 1) + pattern + ")" * (more + 1))
 
 
 def test_a_deeply_nested_regex_is_no_literal_and_a_400_naming_the_field():
