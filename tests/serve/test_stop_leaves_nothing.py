@@ -193,11 +193,11 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
                     p.send_signal(signal.SIGKILL)
     else:
         # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end, while
-        # new requests get a 503 (and /health too). The stream lasts ~8 s at this machine's pace: open
+        # new requests get a 503 (and /health too). The stream lasts ~6 s at this machine's pace: open
         # through the drain's start (the ingress reads its flag every second) and the requests below.
         base = f"http://{run.host}:{run.port}"
         pace = Pace(base)
-        tokens = pace.tokens_for(8, cap=4096)
+        tokens = pace.tokens_for(6, cap=4096)
         stream = Stream(f"{base}/v1", max_tokens=tokens)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
