@@ -25,6 +25,8 @@ from rayllm.protocol.structured import guided_spec
 from rayllm.protocol.tools import ToolPlan, plan_tools
 from rayllm.serve.auth import Access, cache_salt
 from rayllm.serve.config import ServerConfig
+from rayllm.serve.drain import STATE as DRAIN
+from rayllm.serve.drain import watch as watch_drain
 from rayllm.serve.generation_stream import Generation, OnComplete
 from rayllm.serve.lora.shared_adapters import SharedAdapters
 from rayllm.serve.metrics import server_metrics
@@ -65,7 +67,13 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         self.keys = Access.from_entries(config.api_keys, config.admin_api_keys, config.metrics_require_key,
                                        config.allow_runtime_lora_updating)
         self.store = ConversationStore(config.storage_url, config.storage_timeout_s, config.storage_pool_size)
-        app_name = serve.get_replica_context().app_name
+        context = serve.get_replica_context()
+        app_name = context.app_name
+        # make serve's graceful stop: 503 to new requests while those in flight finish (rayllm/serve/drain.py)
+        DRAIN.retry_after_s = config.retry_after_s
+        # The bound the launcher waits for this replica's open requests: its own drain time (cluster.yaml's
+        # value where it overrides the code's; the replica context is where Serve keeps the merged config).
+        watch_drain(app_name, context.replica_tag, context._deployment_config.graceful_shutdown_timeout_s)
         # Adapters loaded at runtime: in the store, for every ingress replica (rayllm/serve/lora/shared_adapters.py)
         self.shared_adapters = SharedAdapters(AdapterStore(self.store, app_name), self.routes)
         self.metrics = server_metrics()

@@ -10,11 +10,13 @@ Ray Serve's own `serve run`, unchanged (the same config, application build and e
   exporter of docs/operations.md) runs either way. Where `serve run` would not start a local Ray (RAY_ADDRESS
   set, or `--address`) or would start it with a runtime environment (`--runtime-env`, `--runtime-env-json`,
   `--working-dir`), it runs as it is.
-- A graceful stop: the first SIGTERM (`docker stop`, systemd, `kill`) or Ctrl-C deletes every application, which
-  stops routing new requests to it and lets the requests in flight finish (each replica drains for up to its
-  `graceful_shutdown_timeout_s`), then ends Serve and Ray as `serve run`'s Ctrl-C does. A second signal ends
-  them at once. (`serve run` alone would cut open streams: Ray's driver exits on SIGTERM, and Serve's shutdown
-  stops the HTTP proxy with the replicas.)
+- A graceful stop: the first SIGTERM (`docker stop`, systemd, `kill`) or Ctrl-C drains the ingress replicas
+  (rayllm/serve/drain.py: new requests, /health too, get an OpenAI-shaped 503 with Retry-After while the
+  requests in flight finish, for up to their `graceful_shutdown_timeout_s`), then deletes every application
+  (its replicas stop), then ends Serve and Ray as `serve run`'s Ctrl-C does. A second signal ends them at
+  once. (`serve run` alone would cut open streams: Ray's driver exits on SIGTERM, and Serve's shutdown stops
+  the HTTP proxy with the replicas. Serve's `serve.delete` alone drains the replicas but takes the route out
+  of the proxy at once: new requests would get its plain-text 404.)
 - `serve run` returns to its log once the config is submitted, before any replica is up, so the launcher also
   says when the app answers: it polls each application's `/health` (every 0.5 s, one cheap request) and prints
   `rayllm: ready in N s: URL/v1` on stderr at its first 200, or a line every 30 s while it does not.
@@ -91,17 +93,57 @@ def client_connections(ports: set[int], proc_net: str = "/proc/net") -> set[tupl
     return found
 
 
+def ingress_replicas(app: str) -> int:
+    """The application's running ingress replicas in Serve's status (0: it has no `ingress` deployment)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    ingress = status.deployments.get("ingress") if status is not None else None
+    return ingress.replica_states.get("RUNNING", 0) if ingress is not None else 0
+
+
+def wait_for_open_requests(apps: list[str], ack_s: float = 5.0, poll_s: float = 0.5,
+                           clock: Callable[[], float] = time.monotonic) -> int:
+    """After begin_drain: wait until every running ingress replica of `apps` reported no open request, each
+    at most its graceful_shutdown_timeout_s; one that has not reported within ack_s (its watcher reads the
+    flag every drain.WATCH_S) is not waited for. Returns the requests still open when it stopped waiting."""
+    from rayllm.serve.drain import open_requests
+
+    start = clock()
+    while True:
+        still, waiting = 0, False
+        for app in apps:
+            reports = open_requests(app)
+            still += sum(int(r["open"]) for r in reports.values())
+            grace_s = max((float(r["grace_s"]) for r in reports.values()), default=0.0)
+            unacked = len(reports) < ingress_replicas(app) and clock() - start < ack_s
+            waiting |= unacked or (any(r["open"] for r in reports.values()) and clock() - start < grace_s)
+        if not waiting:
+            return still
+        time.sleep(poll_s)
+
+
 def drain_applications(ports: set[int], wait_s: float = 180.0, flush_s: float = 30.0, poll_s: float = 0.5,
                        out: TextIO = sys.stderr) -> None:
-    """Delete every Serve application and wait until they are gone: each stops taking requests at once, and
-    Serve stops its replicas once their requests finished (within each deployment's
-    graceful_shutdown_timeout_s; `wait_s` bounds the whole wait beyond that). Then wait (up to `flush_s`) for
-    the client connections open at the start to close: a finished response can still sit in the proxies'
-    buffers for a slow client, and stopping Serve stops the proxies."""
+    """Drain, then delete every Serve application and wait until they are gone. Draining (rayllm.serve.drain):
+    the ingress replicas answer new requests with a 503 (OpenAI-shaped, Retry-After; /health too, so a load
+    balancer takes this instance out) until the requests in flight have finished, each replica waiting at
+    most its graceful_shutdown_timeout_s. Deleting an application takes its route out of the proxy (new
+    requests: Serve's 404), and Serve stops its replicas once their requests finished (within the same
+    timeout; `wait_s` bounds the whole wait beyond that). Then wait (up to `flush_s`) for the client
+    connections open at the start to close: a finished response can still sit in the proxies' buffers for a
+    slow client, and stopping Serve stops the proxies."""
     from ray import serve
+
+    from rayllm.serve.drain import begin_drain
 
     held = client_connections(ports)
     names = list(serve.status().applications)
+    begin_drain(names)
+    start = time.monotonic()
+    cut = wait_for_open_requests(names, poll_s=poll_s)
+    print(f"rayllm: {f'{cut} requests still in flight' if cut else 'the requests in flight finished'} after "
+          f"{time.monotonic() - start:.1f} s of draining; deleting the applications", file=out, flush=True)
     for name in names:
         serve.delete(name, _blocking=False)
     deadline = time.monotonic() + wait_s

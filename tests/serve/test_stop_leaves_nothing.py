@@ -1,5 +1,6 @@
 """Stopping `serve run cluster.yaml` leaves no process behind and frees the HTTP port, whatever the signal; SIGTERM
-and Ctrl-C first let a stream in flight finish (the launcher's graceful stop).
+and Ctrl-C first let a stream in flight finish while new requests, and /health, get an OpenAI-shaped 503 (the
+launcher's graceful stop: rayllm/serve/drain.py).
 
 The real `serve run` on the shipped cluster.yaml (default model). The SIGINT (Ctrl-C, what `make serve`'s users
 send) and "force" runs start as `make serve` starts it (`python -m rayllm.serve.launch serve run`, serving.env
@@ -30,10 +31,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rayllm.serve.launch import health_status
 from rayllm.serve.serving_env import serving_env
 from tests.deploy.image_layout import image_workdir, network_address, path
 from tests.deploy.test_deploy import image_cmd
-from tests.serve.ops_apps import free_port, own_haproxy_env
+from tests.serve.ops_apps import Pace, free_port, own_haproxy_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_ray]  # `make test-fast` skips it; its own Ray: the first pass
 
@@ -190,16 +192,22 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
                 with contextlib.suppress(psutil.NoSuchProcess):  # gone on its own meanwhile
                     p.send_signal(signal.SIGKILL)
     else:
-        # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end.
-        stream = Stream(f"http://{run.host}:{run.port}/v1", max_tokens=64)
+        # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end, while
+        # new requests get a 503 (and /health too). The stream lasts ~6 s at this machine's pace: open
+        # through the drain's start (the ingress reads its flag every second) and the requests below.
+        base = f"http://{run.host}:{run.port}"
+        pace = Pace(base)
+        tokens = pace.tokens_for(6, cap=4096)
+        stream = Stream(f"{base}/v1", max_tokens=tokens)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
         if how == "SIGINT":  # Ctrl-C in a terminal signals the whole foreground group (Ray's daemons too)
             os.killpg(proc.pid, signal.SIGINT)
         else:  # docker stop, kill: the launcher alone
             proc.send_signal(signal.SIGTERM)
-        stream.join(120)
-        assert (stream.error, stream.finish, stream.tokens) == (None, "length", 64), run.log.read_text()[-2000:]
+        _check_refused_while_draining(base, stream, run)
+        stream.join(pace.bound(tokens) + 60)
+        assert (stream.error, stream.finish, stream.tokens) == (None, "length", tokens), run.log.read_text()[-2000:]
     gone, alive = psutil.wait_procs(tree, timeout=60)
     for p in alive:  # leave the machine clean before failing
         p.kill()
@@ -211,12 +219,34 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
     if stream is not None:
         assert proc.returncode == 0, run.log.read_text()[-2000:]  # the graceful stop ends as Ctrl-C does
         assert f"rayllm: {how}: stopping" in run.log.read_text()
+        assert "rayllm: the requests in flight finished after" in run.log.read_text()  # before the deletion
     assert not alive, (f"after {how}: still running {[(p.pid, names[p.pid]) for p in alive]}; serve run's "
                        f"stdout: {run.log.with_name('serve.out').read_text(errors='replace')[-2000:]}")
     # haproxy_guard's watchers leave the tree (double fork): none of this run's may outlive it.
     watchers = _watchers(run.stats_port)
     assert not psutil.wait_procs(watchers, timeout=10)[1], f"after {how}: haproxy_guard watchers remain"
     assert _port_free(run.port), f"after {how}: port {run.port} still bound by {_holders(run.port)}"
+
+
+def _check_refused_while_draining(base: str, stream: Stream, run: Run) -> None:
+    """After the stop signal, with `stream` still open: /health turns 503 (a load balancer takes the instance
+    out), and a new request gets a 503 that the OpenAI SDK reads as a retryable server error, not Serve's 404."""
+    from openai import APIStatusError, OpenAI
+
+    deadline = time.monotonic() + 20
+    while (status := health_status(base)) == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert status == 503, (status, run.log.read_text()[-2000:])
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(APIStatusError) as refused:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hello"}])
+    err = refused.value
+    assert (err.status_code, err.code, err.type) == (503, "server_shutting_down", "server_error"), err.body
+    # cluster.yaml's retry_after_s. (The ingress's `Connection: close` ends at HAProxy, which keeps the client's
+    # connection: tests/serve/test_drain.py checks it at the ingress.)
+    assert err.response.headers["retry-after"] == "1", err.response.headers
+    assert stream.is_alive() and stream.error is None, "the stream ended before the refusals were checked"
 
 
 def _holders(port: int) -> list[tuple[int | None, str]]:

@@ -18,6 +18,7 @@ from rayllm.protocol import scores as S
 from rayllm.protocol.errors import APIError, from_validation_error
 from rayllm.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from rayllm.protocol.responses_api import ResponseCreate
+from rayllm.serve.drain import DrainGate
 from rayllm.serve.request_guards import body_limit, too_large
 from rayllm.serve.tracing import span
 from rayllm.serve.tracing_spans import TracingMiddleware
@@ -30,6 +31,8 @@ app = FastAPI(title="rayllm-tp", docs_url=None, redoc_url=None, openapi_url=None
 # Here, not in the ingress's constructor: serve.ingress serves a copy of this app made at import. It passes
 # requests straight on until the ingress turns tracing on (rayllm.serve.tracing.configure).
 app.add_middleware(TracingMiddleware)
+# Outermost: while the replica drains (make serve's graceful stop) new requests get a 503 before anything runs.
+app.add_middleware(DrainGate)
 
 
 # Routes parse their bodies by hand (`parse`, for OpenAI-shaped errors), so FastAPI does not see them:
