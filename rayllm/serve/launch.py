@@ -156,22 +156,44 @@ def drain_applications(ports: set[int], wait_s: float = 180.0, flush_s: float = 
           + (f" ({len(open_)} client connections still open)" if open_ else ""), file=out, flush=True)
 
 
-def app_urls(run_args: list[str]) -> list[str]:
-    """The base URL of each application `serve run` with run_args serves: the config file's `http_options`
-    and route prefixes (Serve's defaults where it names none); 127.0.0.1:8000/ for an import path."""
+def serve_config(run_args: list[str]) -> dict:
+    """The Serve config file run_args name (empty for an import path)."""
     import yaml
 
     config_path = next((a for a in run_args if a.endswith((".yaml", ".yml")) and os.path.isfile(a)), None)
-    config = {}
-    if config_path is not None:
-        with open(config_path) as f:
-            config = yaml.safe_load(f) or {}
+    if config_path is None:
+        return {}
+    with open(config_path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def app_urls(run_args: list[str]) -> list[str]:
+    """The base URL of each application `serve run` with run_args serves: the config file's `http_options`
+    and route prefixes (Serve's defaults where it names none); 127.0.0.1:8000/ for an import path."""
+    config = serve_config(run_args)
     http = config.get("http_options") or {}
     host = str(http.get("host") or "127.0.0.1")
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # poll locally what listens on all interfaces
     base = f"http://{host}:{int(http.get('port') or 8000)}"
     prefixes = [str(app.get("route_prefix") or "/") for app in config.get("applications") or []] or ["/"]
     return [base + prefix.rstrip("/") for prefix in prefixes]
+
+
+def open_api_warning(run_args: list[str], environ: Mapping[str, str] = os.environ) -> str | None:
+    """A warning line when the config listens beyond loopback while an application takes no API key (the
+    image's config listens on 0.0.0.0): anyone who reaches the port may then use the API."""
+    config = serve_config(run_args)
+    http = config.get("http_options") or {}
+    host = str(http.get("host") or "127.0.0.1")
+    if host in ("127.0.0.1", "localhost", "::1") or environ.get("API_KEYS", "").strip():
+        return None
+    open_apps = [str(app.get("name") or "default") for app in config.get("applications") or []
+                 if not (app.get("args") or {}).get("api_keys")]
+    if not open_apps:
+        return None
+    return (f"rayllm: WARNING: HTTP listens on {host}:{int(http.get('port') or 8000)} and {', '.join(open_apps)} "
+            "takes no API key: anyone who can reach that port can use the API. Set API_KEYS (comma-separated) "
+            "or args.api_keys (docs/security.md).")
 
 
 def health_status(url: str, timeout_s: float = 2.0) -> int | None:
@@ -213,6 +235,9 @@ def main(argv: list[str]) -> None:
     if argv[:2] != ["serve", "run"]:
         sys.exit(USAGE)
     urls = app_urls(argv[2:])
+    warning = open_api_warning(argv[2:])
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     threading.Thread(target=announce_when_ready, args=(urls,), daemon=True,
                      name="rayllm-ready").start()
     if starts_ray_here(argv[2:]):

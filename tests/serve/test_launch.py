@@ -23,6 +23,7 @@ from rayllm.serve.launch import (
     announce_when_ready,
     app_urls,
     client_connections,
+    open_api_warning,
     starts_ray_here,
     with_dashboard,
 )
@@ -154,3 +155,19 @@ def test_no_server_is_reported_as_no_answer_until_stopped():
     watch.join(5)
     assert not watch.is_alive()
     assert "http://127.0.0.1:9/health: no answer" in out.getvalue() and "ready" not in out.getvalue()
+
+
+def test_an_open_api_on_all_interfaces_is_warned_of(tmp_path):
+    """The image's config (cluster.yaml rendered to listen on 0.0.0.0, as the Dockerfile does) with no API key
+    draws the warning; cluster.yaml itself (127.0.0.1) and the same image with API_KEYS set do not."""
+    rendered = subprocess.run([sys.executable, "deploy/render_rayservice.py", "--listen-all", "cluster.yaml"],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    pod = tmp_path / "cluster-pod.yaml"
+    pod.write_text(rendered)
+    warning = open_api_warning([str(pod)], {})
+    assert warning is not None and "0.0.0.0:8000" in warning and "API_KEYS" in warning
+    assert open_api_warning([str(pod)], {"API_KEYS": "sk-a"}) is None
+    assert open_api_warning([str(ROOT / "cluster.yaml")], {}) is None
+    keyed = tmp_path / "keyed.yaml"
+    keyed.write_text(rendered.replace("api_keys: []", "api_keys: [sk-a]", 1))
+    assert "api_keys: [sk-a]" in keyed.read_text() and open_api_warning([str(keyed)], {}) is None
