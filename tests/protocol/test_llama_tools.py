@@ -1,5 +1,5 @@
-"""Llama 3.x's JSON tool calls (`llama3_json`), against Llama 3.1 Instruct's own chat template (data/, the public
-template), transformers' rendering of it and the OpenAI SDK's parsing of what the server answers."""
+"""Llama 3.x's JSON tool calls (`llama3_json`), against Llama 3.1 Instruct's own chat template (the public one, in
+llama31_chat_template.jinja), transformers' rendering of it and the OpenAI SDK's parsing of what the server answers."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.sse import ChatFormat
 from rayllm.protocol.tools import TOOL_FORMATS, detect_tool_format, plan_tools
 
-LLAMA31 = (Path(__file__).parent / "data" / "llama31_chat_template.jinja").read_text()
+LLAMA31 = (Path(__file__).parent / "llama31_chat_template.jinja").read_text()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
            "additionalProperties": False}
 TIME = {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"], "additionalProperties": False}
