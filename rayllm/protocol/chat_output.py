@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rayllm.protocol.holdback import HeldSuffix
+from rayllm.protocol.limits import loads_bounded
+from rayllm.protocol.tool_formats import LlamaJsonFormat
 from rayllm.protocol.tools import ParsedCall, ToolPlan, new_call_id
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,11 @@ class ToolExtractor:
         self.consumed = 0  # characters fed before buf
         self.inside = False
         self.started = False
+        self.decided = False  # Llama's format: whether the answer is calls is known
+        self._scan = 0  # Llama's format: where in buf to look for the next `;` that may end a call
+        # A named call in a format that wraps its arguments (Llama's): the text before and after them.
+        self._wrap = plan.format.named_wrap(plan.named) if plan.named is not None else ("", "")
+        self._named_args = ""  # the arguments passed on so far
 
     def _take(self, n: int) -> None:
         self.buf, self.consumed = self.buf[n:], self.consumed + n
@@ -80,15 +87,9 @@ class ToolExtractor:
     def feed(self, text: str, final: bool = False) -> list[tuple[str, Any, int]]:
         mode = self.plan.mode
         if mode == "named":
-            assert self.plan.named is not None
-            events: list[tuple[str, Any, int]] = []
-            if not self.started:
-                self.started = True
-                events.append(("open", self.plan.named, 0))
-            if text:
-                events.append(("args", text, self.consumed))
-                self.consumed += len(text)
-            return events
+            return self._named(text, final)
+        if isinstance(self.plan.format, LlamaJsonFormat):  # `auto`, and `required` (its grammar writes the same)
+            return self._leading(self.plan.format, text, final)
         if mode == "required":
             self.buf += text
             if not final:
@@ -102,6 +103,57 @@ class ToolExtractor:
             return [("call", ParsedCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)), start)
                     for c in calls]
         return self._tagged(text, final)
+
+    def _named(self, text: str, final: bool) -> list[tuple[str, Any, int]]:
+        """The forced call's arguments as they come, less the text its format writes around them."""
+        assert self.plan.named is not None
+        events: list[tuple[str, Any, int]] = []
+        if not self.started:
+            self.started = True
+            events.append(("open", self.plan.named, 0))
+        prefix, suffix = self._wrap
+        self.buf += text
+        if self.consumed < len(prefix):  # the grammar wrote it: not arguments
+            self._take(min(len(prefix) - self.consumed, len(self.buf)))
+        keep = min(len(suffix), len(self.buf))
+        if final:  # the closing text goes only when the call is whole (not cut by max_tokens)
+            whole = keep > 0 and self.buf.endswith(suffix) and _is_json(self._named_args + self.buf[:-keep])
+            keep = keep if whole else 0
+        args = self.buf[: len(self.buf) - keep]
+        if args:
+            events.append(("args", args, self.consumed))
+            self._named_args += args
+            self._take(len(args))
+        if final:
+            self._take(len(self.buf))
+        return events
+
+    def _leading(self, fmt: LlamaJsonFormat, text: str, final: bool) -> list[tuple[str, Any, int]]:
+        """A format whose calls are the whole answer (Llama's JSON): its first characters tell calls from text;
+        each call goes out once the `;` after it (or the end) shows it whole."""
+        self.buf += text
+        if not self.decided:
+            head = self.buf.lstrip()
+            verdict = fmt.starts_call(head) if head else None
+            if verdict is None and not final:
+                return []
+            self.decided, self.inside = True, bool(verdict)
+        if not self.inside:
+            events = [("content", self.buf, self.consumed)] if self.buf else []
+            self._take(len(self.buf))
+            return events
+        calls, used, scan = fmt.complete_calls(self.buf, self._scan)
+        events = [("call", c, self.consumed) for c in calls]
+        self._take(used)
+        self._scan = scan - used
+        if final and self.buf:
+            rest = fmt.parse(self.buf) if self.buf.strip() else []
+            if rest is None:  # not calls after all (or cut by max_tokens): the text as the model wrote it
+                events.append(("content", self.buf, self.consumed))
+            else:
+                events.extend(("call", c, self.consumed) for c in rest)
+            self._take(len(self.buf))
+        return events
 
     def _tagged(self, text: str, final: bool) -> list[tuple[str, Any, int]]:
         """The model's own format: text, then calls between the format's open (and close) tags."""
@@ -137,6 +189,14 @@ class ToolExtractor:
             self._take(len(self.buf) if end < 0 else end + len(fmt.close or ""))
             self.inside = False
         return events
+
+
+def _is_json(text: str) -> bool:
+    try:
+        loads_bounded(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _reasoning(text: str) -> dict[str, str]:

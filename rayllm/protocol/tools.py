@@ -2,8 +2,11 @@
 
 Modes, as OpenAI defines them: `none` (tools are not offered), `auto` (the model may call; its native
 format is parsed, and once it opens a call the arguments are grammar-constrained to the function's
-schema), `required` (one call, or a list with parallel_tool_calls, guaranteed by a JSON-schema
-grammar) and a named function (the output is that function's arguments, guaranteed likewise).
+schema), `required` (one call, or a list with parallel_tool_calls, guaranteed by a grammar) and a
+named function (the output is that function's arguments, guaranteed likewise); the grammars write the
+model's own format where it has one (Llama's JSON), else a JSON list of calls / the bare arguments.
+With a response format or another guided constraint too, `auto` calls are parsed but not constrained.
+Call formats: rayllm.protocol.tool_formats.
 The deprecated `functions` / `function_call` map onto the same plan and answer with `function_call`.
 """
 
@@ -19,81 +22,23 @@ from rayllm.protocol.errors import bad_request
 from rayllm.protocol.limits import loads_bounded
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.structured import check_json_schema
+from rayllm.protocol.tool_formats import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    TOOL_FORMATS,
+    Function,
+    ParsedCall,
+    ToolFormat,
+    detect_tool_format,
+)
 from rayllm.schema.sampling_params import GuidedSpec
+
+__all__ = ["TOOL_FORMATS", "Function", "ParsedCall", "ToolFormat", "ToolPlan", "detect_tool_format", "inline_tools",
+           "new_call_id", "plan_tools", "template_knows_tools"]
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-# Hermes-style calls (SmolLM2, Qwen2.5, Hermes): <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-# Mistral-style calls: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] to the end of the output.
-MISTRAL_OPEN = "[TOOL_CALLS]"
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    """How one model family writes tool calls: the text that opens a call, what closes it (None: the rest
-    of the output), and a grammar that keeps a call's arguments valid once the model opens one."""
-
-    name: str
-    open: str
-    close: str | None
-
-    def parse(self, body: str) -> list[ParsedCall] | None:
-        """The calls in a body (one JSON object, or a list of them); None if it is not a call."""
-        try:
-            obj = loads_bounded(body.strip())
-        except ValueError:  # malformed or nested past the bound: text, not a call
-            return None
-        items = obj if isinstance(obj, list) else [obj]
-        calls = []
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                return None
-            args = item.get("arguments", item.get("parameters", {}))
-            calls.append(ParsedCall(item["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-        return calls or None
-
-    def structural_tag(self, functions: tuple[Function, ...]) -> str:
-        """Free text, but once the model opens a call it must name a function and give valid arguments."""
-        if self.close is None:  # one list of calls to the end
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(f) for f in functions]}}
-            tags = [{"begin": self.open, "content": {"type": "json_schema", "json_schema": schema}, "end": ""}]
-        else:
-            tags = [{"begin": f'{self.open}\n{{"name": "{f.name}", "arguments": ',
-                     "content": {"type": "json_schema", "json_schema": f.parameters},
-                     "end": f"}}\n{self.close}"} for f in functions]
-        return json.dumps({"type": "structural_tag",
-                           "format": {"type": "triggered_tags", "triggers": [self.open], "tags": tags}})
-
-
-TOOL_FORMATS = {"hermes": ToolFormat("hermes", HERMES_OPEN, HERMES_CLOSE),
-                "mistral": ToolFormat("mistral", MISTRAL_OPEN, None)}
-
-
-def detect_tool_format(chat_template: str | None) -> str:
-    """The format family a chat template writes; Hermes when it names none (and for templates without tools)."""
-    return "mistral" if chat_template and MISTRAL_OPEN in chat_template else "hermes"
-
-
-@dataclass(frozen=True)
-class Function:
-    name: str
-    description: str | None
-    parameters: dict[str, Any]
-
-    def to_tool(self) -> dict[str, Any]:
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description:
-            fn["description"] = self.description
-        return {"type": "function", "function": fn}
 
 
 @dataclass(frozen=True)
@@ -105,7 +50,7 @@ class ToolPlan:
     legacy: bool = False  # functions / function_call: answer with message.function_call
     guided: GuidedSpec | None = None
     template_tools: list[dict[str, Any]] = field(default_factory=list)  # what the chat template is given
-    format: ToolFormat = TOOL_FORMATS["hermes"]  # how `auto` output is parsed
+    format: ToolFormat = TOOL_FORMATS["hermes"]  # how the model writes calls
 
 
 def new_call_id() -> str:
@@ -157,15 +102,10 @@ def _choice(req: ChatCompletionRequest, legacy: bool) -> tuple[ToolMode, str | N
     return "named", name
 
 
-def _call_schema(f: Function) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool, tool_format: str = "hermes") -> ToolPlan | None:
     """None when the request offers no tools. other_constraint: response_format & co. are set too.
 
-    tool_format: the model's call format family (TOOL_FORMATS), for parsing `auto` output.
+    tool_format: the model's call format family (TOOL_FORMATS): how calls are parsed and what the grammars write.
     """
     fmt = TOOL_FORMATS[tool_format]
     functions, legacy = _functions(req)
@@ -186,15 +126,11 @@ def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool, tool_forma
     parallel = req.parallel_tool_calls is not False and not legacy
     template_tools = [f.to_tool() for f in functions]
     if mode == "named":
-        spec = GuidedSpec("json_schema", json.dumps(by_name[named].parameters), "tool_choice")  # type: ignore[index]
-        return ToolPlan("named", functions, named, parallel, legacy, spec, template_tools)
+        spec = fmt.named_spec(by_name[named])  # type: ignore[index]
+        return ToolPlan("named", functions, named, parallel, legacy, spec, template_tools, fmt)
     if mode == "required":
-        items = {"anyOf": [_call_schema(f) for f in functions]}
-        schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
-        return ToolPlan("required", functions, None, parallel, legacy,
-                        GuidedSpec("json_schema", json.dumps(schema), "tool_choice"), template_tools)
+        return ToolPlan("required", functions, None, parallel, legacy, fmt.required_spec(functions, parallel),
+                        template_tools, fmt)
     spec = None if other_constraint else GuidedSpec("structural_tag", fmt.structural_tag(functions), "tools")
     return ToolPlan("auto", functions, None, parallel, legacy, spec, template_tools, fmt)
 

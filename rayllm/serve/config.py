@@ -114,8 +114,9 @@ class ServerConfig:
     serving_nice: Annotated[int, Bounds(ge=0, le=19)] | Literal["auto"] = "auto"
     # How thoughts are split from answers: "auto" (the model's chat template writes <think>), "think", "none".
     reasoning_parser: Literal["auto", "think", "none"] = "auto"
-    # How `auto` tool calls are parsed: "auto" (from the chat template), "hermes" (<tool_call>), "mistral".
-    tool_parser: Literal["auto", "hermes", "mistral"] = "auto"
+    # How tool calls are parsed and constrained: "auto" (from the chat template), "hermes" (<tool_call>),
+    # "mistral" ([TOOL_CALLS]), "llama3_json" (Llama 3.1-3.3's bare {"name": ..., "parameters": ...}).
+    tool_parser: Literal["auto", "hermes", "mistral", "llama3_json"] = "auto"
     # ---- production limits (issue 8); 0 / None = no limit beyond the model's own ------------------------
     # Seconds from dispatch to the model (after tokenizing) to the last token; beyond it a 504, or an
     # error event and [DONE] once a stream has begun (the generation is aborted).

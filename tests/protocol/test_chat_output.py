@@ -172,3 +172,37 @@ def svc_tokenizer(gguf_path):
     from rayllm.serve.chat_template import load_tokenizer
 
     return load_tokenizer(gguf_path)
+
+
+@pytest.mark.parametrize("fmt,template", [
+    ("hermes", '<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{{"name": "get_weather", "arguments": {args}}}]'),
+])
+@pytest.mark.parametrize("args,is_call", [
+    ('"{city: Paris"', False), ('"[\\"Paris\\"]"', False), ('["Paris"]', False), ("7", False),
+    ('"{\\"city\\": \\"Paris\\"}"', True), ('{"city": "Paris"}', True),
+])
+def test_a_call_needs_arguments_that_are_a_json_object(fmt, template, args, is_call):
+    """With a response format the tool grammar is off, so the model may write any arguments: only a JSON object
+    (or a string holding one) makes a call, which the OpenAI SDK then parses for a strict tool."""
+    from openai import omit
+    from openai.lib._parsing._completions import parse_chat_completion
+    from openai.types.chat import ChatCompletion
+
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS,
+                                                "response_format": {"type": "json_object"}})
+    p = plan_tools(req, other_constraint=True, tool_format=fmt)
+    assert p.mode == "auto" and p.guided is None  # the response format's grammar, not the tools'
+    text = template.format(args=args)
+    deltas, parser = run(text, random_chunks(2, 40), tools=p)
+    message = {"role": "assistant", **merge_deltas(deltas)}
+    body = {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": message, "finish_reason": parser.finish_reason("stop")}]}
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    parsed = parse_chat_completion(response_format=omit, input_tools=strict,
+                                   chat_completion=ChatCompletion.model_validate(body)).choices[0]
+    if is_call:
+        assert [c.function.parsed_arguments for c in parsed.message.tool_calls] == [{"city": "Paris"}]
+        assert parsed.finish_reason == "tool_calls"
+    else:
+        assert parsed.message.content == text and not parsed.message.tool_calls and parsed.finish_reason == "stop"

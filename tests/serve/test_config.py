@@ -218,7 +218,7 @@ def test_a_bare_string_is_no_list_of_keys(monkeypatch):
     ('serving_nice: "10"', "serving_nice must be an integer >= 0 and <= 19 or auto, got '10'"),
     ("serving_nice: 20", "serving_nice must be an integer >= 0 and <= 19 or auto, got 20"),
     ("reasoning_parser: deepseek", "reasoning_parser must be one of auto, think, none, got 'deepseek'"),
-    ("tool_parser: true", "tool_parser must be one of auto, hermes, mistral, got True"),
+    ("tool_parser: true", "tool_parser must be one of auto, hermes, mistral, llama3_json, got True"),
     ("storage_url: 5", "storage_url must be a string, got 5"),
     ("llm_deployment_options: [max_queued_requests]", "llm_deployment_options must be a mapping, got"),
     # the engine sections it builds
