@@ -6,7 +6,7 @@
                                       [--shape llama-3.1-8b|tiny]
                                       [--tp 2 --cpu-allreduce gloo,shm]
                                       [--shape S --workload mixed] [--shape S --long-prompts 8000,32000]
-                                      [[--shape S] --workload penalties --new-tokens 64]
+                                      [[--shape S] --workload penalties --new-tokens 64 [--sampler-baseline 327cda2]]
 
 `--shape` benchmarks a model of that shape with random weights instead of the default model (no
 download; every output line says `random_weights`): prompts are random token ids, outputs ignore EOS.
@@ -210,6 +210,9 @@ def main() -> None:
                     "penalised requests with a long history (engine_bench_penalties.py)")
     ap.add_argument("--penalty-requests", type=int, default=16, help="--workload penalties: requests at once")
     ap.add_argument("--penalty-prompt-tokens", type=int, default=1500, help="--workload penalties: prompt length")
+    ap.add_argument("--sampler-baseline", default="", help="--workload penalties: time the sampler alone against "
+                    "rayllm/sample/sampling_inputs.py at this commit (e.g. 327cda2), no model")
+    ap.add_argument("--sampler-vocabs", default="49152,128256", help="--sampler-baseline: vocabulary sizes")
     ap.add_argument("--long-prompts", default="", help="--shape: time to first token of one prompt of each length")
     ap.add_argument("--requests", type=int, default=512, help="--workload mixed: requests, submitted at once")
     ap.add_argument("--prompt-range", default="128,1024", help="--workload mixed: prompt lengths, uniform")
@@ -219,9 +222,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="--workload / --long-prompts")
     args = ap.parse_args()
     if args.workload == "penalties":
-        from engine_bench_penalties import bench_penalties
+        from engine_bench_penalties import bench_penalties, bench_sampler
 
-        return bench_penalties(args)
+        return bench_sampler(args) if args.sampler_baseline else bench_penalties(args)
     if args.shape and (args.workload or args.long_prompts):
         from engine_bench_workloads import bench_workloads
 
