@@ -132,3 +132,22 @@ def test_an_abort_drops_the_penalty_state(engine, chat_prompts):
         assert state.lengths[seq.request_id] == seq.penalty_synced == seq.num_tokens - 1 > seq.num_prompt_tokens
         engine.abort(seq.request_id)
     assert not state_after_next_step(engine, chat_prompts[0]).slots
+
+
+def test_tensor_parallel_2_penalised_output_equals_one_rank(engine, gguf_path, eos, chat_prompts, ray_local):
+    """Every rank gets the same step messages (new tokens, finished and preempted ids); rank 0 alone keeps
+    the penalty state and samples: two ranks give one rank's output, the tiny cache's preemptions included."""
+    import ray
+
+    # Greedy: the ranks' partial sums add up in another order than one rank's, and a seeded draw would
+    # magnify that; greedy output is what the other tensor-parallel tests compare too.
+    batch = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **PENALTIES)] * 4
+    want = engine.generate(chat_prompts[:4], batch)
+    eng = make_engine(gguf_path, eos, tp=2, num_blocks_override=14)
+    try:
+        assert eng.generate(chat_prompts[:4], batch) == want and eng.scheduler.num_preemptions > 0
+        held = ray.get([w.__ray_call__.remote(lambda self: len(self.runner.sampling.penalty.slots))
+                        for w in eng.executor.workers])
+        assert held[1] == 0  # the other rank never held any
+    finally:
+        eng.shutdown()
