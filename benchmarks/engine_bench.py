@@ -6,6 +6,7 @@
                                       [--shape llama-3.1-8b|tiny]
                                       [--tp 2 --cpu-allreduce gloo,shm]
                                       [--shape S --workload mixed] [--shape S --long-prompts 8000,32000]
+                                      [[--shape S] --workload penalties --new-tokens 64 [--sampler-baseline 327cda2]]
 
 `--shape` benchmarks a model of that shape with random weights instead of the default model (no
 download; every output line says `random_weights`): prompts are random token ids, outputs ignore EOS.
@@ -204,7 +205,14 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="--shape: write torch.profiler tables of decode steps here")
     ap.add_argument("--tp", type=int, default=1, help="> 1: CPU tensor parallel, see engine_bench_tp.py")
     ap.add_argument("--cpu-allreduce", default="gloo,shm", help="--tp: the all-reduce backends to compare")
-    ap.add_argument("--workload", choices=["mixed"], help="--shape: the mixed load (engine_bench_workloads.py)")
+    ap.add_argument("--workload", choices=["mixed", "penalties"],
+                    help="mixed (--shape): the mixed load (engine_bench_workloads.py); penalties: decode steps of "
+                    "penalised requests with a long history (engine_bench_penalties.py)")
+    ap.add_argument("--penalty-requests", type=int, default=16, help="--workload penalties: requests at once")
+    ap.add_argument("--penalty-prompt-tokens", type=int, default=1500, help="--workload penalties: prompt length")
+    ap.add_argument("--sampler-baseline", default="", help="--workload penalties: time the sampler alone against "
+                    "rayllm/sample/sampling_inputs.py at this commit (e.g. 327cda2), no model")
+    ap.add_argument("--sampler-vocabs", default="49152,128256", help="--sampler-baseline: vocabulary sizes")
     ap.add_argument("--long-prompts", default="", help="--shape: time to first token of one prompt of each length")
     ap.add_argument("--requests", type=int, default=512, help="--workload mixed: requests, submitted at once")
     ap.add_argument("--prompt-range", default="128,1024", help="--workload mixed: prompt lengths, uniform")
@@ -213,6 +221,10 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256, help="--workload / --long-prompts")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="--workload / --long-prompts")
     args = ap.parse_args()
+    if args.workload == "penalties":
+        from engine_bench_penalties import bench_penalties, bench_sampler
+
+        return bench_sampler(args) if args.sampler_baseline else bench_penalties(args)
     if args.shape and (args.workload or args.long_prompts):
         from engine_bench_workloads import bench_workloads
 

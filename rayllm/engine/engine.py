@@ -78,6 +78,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
         self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []  # penalty state the driver is to drop (SamplingInputs.preempted)
         self.num_steps = 0
         self.step_seconds = 0.0
         self.execute_seconds = 0.0
@@ -149,7 +150,10 @@ class LLMEngine:
             step.pool = seq.pooling
         if samples:
             if p.needs_penalties and (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
-                step.history = seq.token_ids
+                # Only what the driver's penalty state lacks: one token per decode step.
+                step.history_start = seq.penalty_synced
+                step.history = seq.token_ids[seq.penalty_synced :]
+                seq.penalty_synced = seq.num_tokens
             if seq.num_output_tokens < p.min_tokens:
                 step.mask_token_ids = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_token_ids))
             if p.bad_words_token_ids:
@@ -173,6 +177,11 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        for seq in self.scheduler.preempted:
+            if seq.penalty_synced:
+                seq.penalty_synced = 0
+                self._preempted_ids.append(seq.request_id)
+        self.scheduler.preempted.clear()
         outputs: list[RequestOutput] = []
         runnable = []
         for sc in scheduled:
@@ -192,13 +201,14 @@ class LLMEngine:
         runnable.sort(key=lambda sc: sc.num_tokens != 1)
         samples = [sc.samples for sc in runnable]
         errors: dict[str, str] = {}
-        step_input = StepInput([self._safe_seq_step(sc, errors) for sc in runnable], self._finished_ids)
-        self._finished_ids = []
+        step_input = StepInput([self._safe_seq_step(sc, errors) for sc in runnable], self._finished_ids,
+                               self._preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
         t_exec = time.perf_counter()
         try:
             result = self.executor.execute(step_input)
         except StepOutOfMemory as exc:
-            return outputs + self._fail_step(runnable, step_input.finished_request_ids, first_line(exc))
+            return outputs + self._fail_step(runnable, step_input, first_line(exc))
         self.execute_seconds += time.perf_counter() - t_exec
         errors.update(result.errors)
         for sc, sampled in zip(runnable, samples, strict=True):
@@ -229,11 +239,13 @@ class LLMEngine:
             return SeqStep(seq.request_id, seq.token_ids[start : start + sc.num_tokens], start, seq.block_table,
                            False, lora_slot=seq.lora_slot)
 
-    def _fail_step(self, runnable: list[ScheduledSeq], finished_ids: list[str], detail: str) -> list[RequestOutput]:
+    def _fail_step(self, runnable: list[ScheduledSeq], step: StepInput, detail: str) -> list[RequestOutput]:
         """The device ran out of memory in this step: its requests fail, the engine serves on. The step's
         full blocks were hashed when scheduled but may hold no KV now, so the prefix cache forgets the freed
-        ones; the requests that finished before the step are still to be forgotten by the workers."""
-        self._finished_ids = finished_ids + self._finished_ids
+        ones; the requests that finished (or were preempted) before the step are still to be forgotten by the
+        workers."""
+        self._finished_ids = step.finished_request_ids + self._finished_ids
+        self._preempted_ids = step.preempted_request_ids + self._preempted_ids
         error = f"OutOfMemoryError: the model step ran out of device memory ({detail}); retry the request"
         outputs = [self._fail(sc.seq, error) for sc in runnable]
         self.block_manager.reset_prefix_cache()

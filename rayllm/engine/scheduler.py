@@ -44,6 +44,7 @@ class Scheduler:
         self.num_waiting = 0
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.preempted: list[Sequence] = []  # since the engine last took them (it tells the workers)
         self.num_steps = 0  # the clock that priorities age by
         self.by_priority = config.policy == "priority"
         self.tenant_cap = max(1, math.floor(config.max_running_share * config.max_num_seqs))
@@ -114,6 +115,7 @@ class Scheduler:
         self.waiting.requeue(seq)
         self.num_waiting += 1
         self.num_preemptions += 1
+        self.preempted.append(seq)
 
     def _preempt_for_head(self) -> None:
         """Priority policy: make room (a slot, the head's blocks) for the head of the queue by preempting

@@ -37,6 +37,7 @@ class Sequence:
     matcher: Any = None  # xgrammar GrammarMatcher of a constrained request (see guided.py)
     pooling: str | None = None  # a pooling request's "last" | "mean" (never samples)
     pool_sum: list[float] | None = None  # mean pooling: the sum of the rows computed so far
+    penalty_synced: int = 0  # leading tokens the driver's penalty state holds (SeqStep.history_start)
     rank: tuple[int, int] | None = None  # its place in the wait queue's order, set when first queued
     # time.time_ns() of its arrival, first scheduling and first token (schema.outputs.EngineTimings)
     arrival_ns: int = 0

@@ -151,6 +151,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput | None:
         self.sampling.forget(step.finished_request_ids)
+        self.sampling.preempted(step.preempted_request_ids)
         errors: dict[str, str] = {}
         step = self._known_adapters(step, errors)
         if not step.seqs:

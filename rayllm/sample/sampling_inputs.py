@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rayllm.common.errors import describe
+from rayllm.sample.penalty_state import PenaltyState, PenaltyUpdate
 from rayllm.sample.sampler import NO_TOKEN, Penalties, SamplingTensors, gather_logprobs, greedy, sample
 from rayllm.schema.outputs import NO_TOKEN_LEFT, TokenLogprob
 from rayllm.schema.sampling_params import SamplingParams
@@ -66,8 +67,7 @@ class SamplingRow:
     generator: torch.Generator | None
     bias: list[tuple[int, float]]  # (token, additive), logit_bias first, then -inf masks (min_tokens)
     bitmask: torch.Tensor | None  # [W] int32 from the grammar matcher
-    history: list[int] | None
-    num_prompt: int
+    penalty: PenaltyUpdate | None  # the tokens its penalty state gains this step; None: no penalties
 
 
 @dataclass
@@ -78,17 +78,24 @@ class SampleResult:
 
 
 class SamplingInputs:
-    """Per-request state (seeded generators) and the batch sampling of one step, fault-isolated."""
+    """Per-request state (seeded generators, penalty state) and the batch sampling of one step, fault-isolated."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.generators: dict[str, torch.Generator] = {}
         self.allowed: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}  # allowed_token_ids as bitmask words
+        self.penalty = PenaltyState(vocab_size)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)
             self.allowed.pop(rid, None)
+        self.penalty.forget(request_ids)
+
+    def preempted(self, request_ids: list[str]) -> None:
+        """Preempted sequences give up their penalty state (rebuilt from their whole history when they
+        sample again); their seeded streams go on where they were."""
+        self.penalty.forget(request_ids)
 
     def _allowed_words(self, request_id: str, ids: tuple[int, ...]) -> torch.Tensor:
         """allowed_token_ids as [W] int32 words in the grammar bitmask's layout (built once per request)."""
@@ -126,7 +133,11 @@ class SamplingInputs:
                     raise ValueError(NO_TOKEN_LEFT)
             else:
                 bitmask = allowed
-        return SamplingRow(s.request_id, p, g, bias, bitmask, s.history, s.num_prompt_tokens)
+        penalty = None
+        if s.history is not None:
+            penalty = PenaltyUpdate(s.request_id, s.history_start, s.history, s.num_prompt_tokens)
+            self.penalty.check(penalty)
+        return SamplingRow(s.request_id, p, g, bias, bitmask, penalty)
 
     def tensors(self, rows: list[SamplingRow], device: torch.device) -> SamplingTensors:
         params = [r.params for r in rows]
@@ -148,7 +159,7 @@ class SamplingInputs:
                     allowed = torch.ones(len(rows), v, dtype=torch.bool, device=device).index_copy_(
                         0, to_device(masked, torch.long, device), allowed)
                 additive.masked_fill_(allowed.logical_not(), float("-inf"))
-        penalties = self._penalties(rows, device) if any(r.history is not None for r in rows) else None
+        penalties = self._penalties(rows, device) if any(r.penalty is not None for r in rows) else None
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingTensors(
             temperatures=to_device([p.temperature for p in params], f32, device),
@@ -165,24 +176,15 @@ class SamplingInputs:
         )
 
     def _penalties(self, rows: list[SamplingRow], device: torch.device) -> Penalties:
-        """Token statistics built on the device from each penalised row's history (flat row * V + token)."""
-        v, n = self.vocab_size, len(rows)
-        seen_idx, out_idx = [], []
-        for i, r in enumerate(rows):
-            if r.history is None:
-                continue
-            flat = to_device(r.history, torch.long, device) + i * v
-            seen_idx.append(flat)
-            out_idx.append(flat.narrow(0, min(r.num_prompt, flat.shape[0]), max(flat.shape[0] - r.num_prompt, 0)))
-        seen = torch.zeros(n * v, dtype=torch.bool, device=device).index_fill_(0, torch.cat(seen_idx), True)
-        outs = torch.cat(out_idx)
-        counts = torch.zeros(n * v, dtype=torch.float32, device=device).index_add_(
-            0, outs, torch.ones(outs.shape[0], dtype=torch.float32, device=device))
-        penalised = [r.history is not None for r in rows]
+        """Token statistics of the penalised rows from the penalty state, once it has the step's new tokens."""
+        self.penalty.update([r.penalty for r in rows if r.penalty is not None], device, to_device)
+        seen, counts = self.penalty.rows([r.request_id if r.penalty is not None else None for r in rows], device,
+                                         to_device)
+        penalised = [r.penalty is not None for r in rows]
         p = [r.params for r in rows]
         f32 = torch.float32
         return Penalties(
-            seen=seen.view(n, v), counts=counts.view(n, v),
+            seen=seen, counts=counts,
             presence=to_device([q.presence_penalty if on else 0.0 for q, on in zip(p, penalised, strict=True)], f32, device),
             frequency=to_device([q.frequency_penalty if on else 0.0 for q, on in zip(p, penalised, strict=True)], f32,
                                 device),
@@ -213,7 +215,7 @@ class SamplingInputs:
             logits = logits[keep]
         try:
             if all(r.params.greedy and r.params.logprobs is None and not r.bias and r.bitmask is None
-                   and r.history is None for r in rows):
+                   and r.penalty is None for r in rows):
                 # What `sample` would do with these rows' tensors, without building them.
                 ids, lps = greedy(logits, argmax), None
             else:

@@ -20,7 +20,10 @@ class SeqStep:
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the sequence: draw a token
     params: SamplingParams | None = None  # set when sample or prompt logprobs are needed
-    history: list[int] | None = None  # all tokens so far, only when penalties need them
+    # Only when penalties apply: the tokens that the driver's penalty state (sample/penalty_state.py) lacks,
+    # from position history_start on; 0 (the first sample, the first after a preemption) rebuilds it from all.
+    history: list[int] | None = None
+    history_start: int = 0
     num_prompt_tokens: int = 0
     mask_token_ids: tuple[int, ...] = ()  # banned now (EOS/stop ids while below min_tokens)
     # Prompt tokens predicted by this chunk's rows, when prompt logprobs are asked for.
@@ -37,6 +40,8 @@ class SeqStep:
 class StepInput:
     seqs: list[SeqStep]  # decode sequences (one token) first, then prefill chunks
     finished_request_ids: list[str] = field(default_factory=list)
+    # Preempted since the previous step: the driver drops their penalty state (their history_start is 0 again).
+    preempted_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
