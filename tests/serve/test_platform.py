@@ -188,10 +188,11 @@ def test_conversation_request_errors(client, model_name, server, auth):
 
 
 def test_a_conversation_without_room_for_a_turn_is_refused_before_it_runs(client, model_name, server, auth):
-    """A conversation filled to a few hundred characters short of its 16 Mi bound: a stored turn (chat with
-    `store`, or a Responses turn) needs room for its input and its output's allowance, so even streamed it is
-    a plain 400 `conversation_full` before the model runs (not a generated answer that then fails to be
-    stored), and nothing is added."""
+    """A conversation filled to a few hundred characters short of its 16 Mi bound: a stored turn needs room for
+    its input and its output's allowance, so even streamed it is a plain 400 `conversation_full` before the
+    model runs, and nothing is added. A Responses turn with truncation "auto" (the oldest turns dropped to fit
+    the model's context) used to be generated and then fail to be stored, its answer lost; a chat turn is
+    refused by the same check, before its history is rendered."""
     cid = client.conversations.create().id
     for _ in range(5):  # 15 texts of 1 Mi characters, 3 to a request (under max_request_bytes)
         client.conversations.items.create(cid, items=[{"type": "message", "role": "user",
@@ -208,12 +209,13 @@ def test_a_conversation_without_room_for_a_turn_is_refused_before_it_runs(client
                                                    "z" * ((16 << 20) - stored_chars() - overhead - 600)}])
     assert (16 << 20) - stored_chars() == 600
     with pytest.raises(openai.BadRequestError) as exc:  # streamed: still a 400, before any event
+        client.responses.create(model=model_name, input="Hi", conversation=cid, max_output_tokens=12, stream=True,
+                                truncation="auto")
+    assert (exc.value.body["code"], exc.value.body["param"]) == ("conversation_full", "conversation")
+    with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
                                        max_tokens=12, stream=True, extra_body={"store": True, "conversation": cid})
     assert (exc.value.body["code"], exc.value.body["param"]) == ("conversation_full", "conversation")
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.responses.create(model=model_name, input="Hi", conversation=cid, max_output_tokens=12, stream=True)
-    assert exc.value.body["code"] == "conversation_full"
     assert len(client.conversations.items.list(cid, limit=100).data) == 17 and stored_chars() == (16 << 20) - 600
 
 
