@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from rayllm.protocol.errors import bad_request
+from rayllm.protocol.limits import MAX_CONTEXT_CHARS
 from rayllm.protocol.messages import Strict, text_of
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
@@ -19,7 +20,7 @@ MAX_METADATA_VALUE_CHARS = 512
 _ROLES = ("user", "assistant", "system", "developer", "tool")
 # What one conversation may hold (its whole history is loaded, rendered and sent with each turn that uses it).
 MAX_CONVERSATION_ITEMS = 4096
-MAX_CONVERSATION_CHARS = 16 << 20  # its items, as stored JSON
+MAX_CONVERSATION_CHARS = MAX_CONTEXT_CHARS  # its items, as stored JSON
 
 
 def check_metadata(v: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -46,6 +46,26 @@ MAX_REPEAT_COUNT = 1 << 20
 # Counts multiplied along nested repetitions when one is `{m,n}` (grammar_bounds: the mask cost grows with it).
 MAX_NESTED_REPEAT = 16
 MAX_ADJACENT_REPEATS = 2  # such counts past MAX_NESTED_REPEAT in a row, no delimiter between (grammar_bounds)
+# Stored context, in characters of its items' JSON: what one conversation holds, what a previous_response_id
+# chain carries into its next response (each row keeps its whole chain) and what one request's item references
+# bring in. Each is loaded, rendered and sent again with every turn that uses it.
+MAX_CONTEXT_CHARS = 16 << 20
+# The room a turn stored into a conversation reserves for its output before it runs (so a full conversation is
+# refused before generating, not after): per output item and per token it may make (its text as escaped JSON;
+# with logprobs, each entry and its alternatives), at most TURN_OUTPUT_CHARS (also when no token count is set).
+TURN_OUTPUT_CHARS = 1 << 20
+OUTPUT_ITEM_CHARS = 256  # an output item's JSON without its text: id, type, status, role or call_id and name
+OUTPUT_TOKEN_CHARS = 32
+LOGPROB_ENTRY_CHARS = 96  # one {"token", "logprob", "bytes"} entry
+
+
+def turn_output_chars(items: int, max_tokens: int | None, top_logprobs: int | None = None) -> int:
+    """The output room a stored turn reserves (TURN_OUTPUT_CHARS's allowance): `items` output items at most,
+    `max_tokens` tokens (None: unbounded here), `top_logprobs` alternatives per token when logprobs are kept."""
+    if max_tokens is None:
+        return TURN_OUTPUT_CHARS
+    per_token = OUTPUT_TOKEN_CHARS + (0 if top_logprobs is None else LOGPROB_ENTRY_CHARS * (1 + top_logprobs))
+    return min(TURN_OUTPUT_CHARS, items * OUTPUT_ITEM_CHARS + max_tokens * per_token)
 
 
 def json_depth(value: Any) -> int:

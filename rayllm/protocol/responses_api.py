@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from rayllm.protocol.conversations import check_metadata
 from rayllm.protocol.errors import APIError, bad_request, from_validation_error, unsupported
-from rayllm.protocol.limits import MAX_CHAT_TEMPLATE_CHARS
+from rayllm.protocol.limits import MAX_CHAT_TEMPLATE_CHARS, MAX_CONTEXT_CHARS
 from rayllm.protocol.messages import Strict
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.structured import check_json_schema
@@ -30,7 +30,7 @@ MAX_TOOLS = 128
 MAX_ID_CHARS = 128  # ids, call ids and function names sent back by clients
 # What one request's item references may bring in (stored items, as JSON): a request body is bounded by
 # max_request_bytes, and references must not multiply that past what a whole conversation holds.
-MAX_REFERENCED_CHARS = 16 << 20
+MAX_REFERENCED_CHARS = MAX_CONTEXT_CHARS
 # Output items a response stored into a conversation may make: room for them is reserved before it runs
 # (a turn that would not fit is refused before generating), and a response making more fails.
 MAX_TURN_OUTPUT_ITEMS = 16
@@ -146,6 +146,9 @@ def check_supported(req: ResponseCreate) -> None:
         raise unsupported("prompt", "stored prompt templates are not offered by this server")
     if req.max_tool_calls is not None:
         raise unsupported("max_tool_calls", "built-in tools are not run here, so there is nothing to cap")
+    if unknown := sorted(set(req.include or []) - {LOGPROBS_INCLUDE}):  # OpenAI's others need hosted tools, images
+        raise bad_request(f"include {', '.join(map(repr, unknown))} is not supported: this server adds only "
+                          f"{LOGPROBS_INCLUDE!r}", param="include", code="unsupported_value")
     if req.previous_response_id is not None and req.conversation is not None:
         raise bad_request("use either previous_response_id or conversation, not both", param="previous_response_id")
     reasoning = req.reasoning or ReasoningConfig()
@@ -196,7 +199,7 @@ def _parts_text(content: Any, param: str) -> str:
         else:
             raise bad_request(f"{param}.{j}.type must be input_text or output_text, got {kind!r}",
                               param=f"{param}.{j}.type")
-    total = "".join(texts)
+    total = "\n".join(texts)  # as chat's text_of (and vLLM): two parts are two lines
     if len(total) > MAX_TEXT_CHARS:
         raise bad_request(f"{param} is longer than {MAX_TEXT_CHARS} characters", param=param)
     return total
@@ -291,7 +294,7 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = it.get("type", "message")
         if kind == "message" and it.get("role") in (*_INPUT_ROLES, "tool"):
             content = it.get("content")
-            text = content if isinstance(content, str) else "".join(
+            text = content if isinstance(content, str) else "\n".join(
                 p.get("text") or p.get("refusal") or "" for p in content or [] if isinstance(p, dict))
             messages.append({"role": it["role"], "content": text})
         elif kind == "function_call":

@@ -20,7 +20,6 @@ from rayllm.protocol.responses_api import ResponseCreate, new_item_id
 ABORTED = {"code": "server_error", "message": "The generation was aborted before it finished (e.g. its LoRA "
                                               "adapter was unloaded); retry the request."}
 
-
 def skeleton(req: ResponseCreate, response_id: str, model: str, conversation_id: str | None) -> dict[str, Any]:
     """The Response object before any output: what response.created carries, and the final body's frame."""
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
@@ -183,10 +182,16 @@ class ResponseAssembler:
         return self.event(f"response.{body['status']}", response=body)  # completed, incomplete or failed
 
     def error_events(self, exc: BaseException) -> list[dict[str, Any]]:
-        """A failure after the stream began: an `error` event, then response.failed."""
+        """A failure after the stream began: an `error` event, then response.failed carrying what was generated
+        (its output, as the events before built it, and its usage: a response that was made but could not be
+        stored is all there)."""
         err = exc if isinstance(exc, APIError) else server_error(f"internal error: {type(exc).__name__}")
         code = str(err.code or err.type)
-        snap = self.snapshot() | {"status": "failed", "error": {"code": code, "message": err.message}}
+        # A Response's error.code is one of OpenAI's ResponseError codes; the `error` event keeps ours.
+        kind = {429: "rate_limit_exceeded"}.get(err.status_code, "server_error" if err.status_code >= 500
+                                                else "invalid_prompt")
+        snap = dict(self.frame, status="failed", output=self.output, usage=self.usage(),
+                    error={"code": kind, "message": err.message})
         return [self.event("error", code=code, message=err.message, param=err.param),
                 self.event("response.failed", response=snap)]
 

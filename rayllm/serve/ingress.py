@@ -40,7 +40,7 @@ from rayllm.serve.request_guards import (
     check_tokens,
 )
 from rayllm.serve.routes import ops_routes as ops
-from rayllm.serve.routes.conversation_routes import ConversationRoutes
+from rayllm.serve.routes.conversation_routes import ConversationRoutes, chat_turn_room
 from rayllm.serve.routes.embeddings_routes import EmbeddingsRoutes
 from rayllm.serve.routes.http_app import app, parse, request_id_of
 from rayllm.serve.routes.model_routes import ModelRoutes
@@ -204,7 +204,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         last_input = messages[-1]  # what `store` keeps (before any history is merged in)
         cid = C.conversation_id(req.conversation)
         if cid is not None:
-            history = await self.conversation_history(owner, cid, 3 if req.store else 0)  # a stored turn: up to 3 items
+            history = await self.conversation_history(owner, cid, *chat_turn_room(req, last_input))
             messages = C.with_history(C.history_messages(history), messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         greq, parser_factory = await self.prepare_chat(request, owner, req, messages, rid)

@@ -7,13 +7,16 @@ the chat messages a client would have sent for the same conversation.
 from __future__ import annotations
 
 import json
+import typing
 
 import pytest
+from openai.types.responses import ResponseIncludable
 from pydantic import ValidationError
 
 from rayllm.protocol import protocol as P
 from rayllm.protocol import responses_api as R
 from rayllm.protocol.errors import APIError, from_validation_error
+from rayllm.protocol.messages import text_of
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -46,7 +49,7 @@ def test_items_become_the_chat_messages_a_client_would_send():
                             "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
     assert messages == [
         {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "user", "content": text_of([{"type": "text", "text": "Weather "}, {"type": "text", "text": "in Paris?"}])},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [call(1, "Paris"), call(2, "Lyon")]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "20C"},
@@ -54,6 +57,31 @@ def test_items_become_the_chat_messages_a_client_would_send():
     chat = R.chat_request(req, messages)
     assert [m.role for m in chat.messages] == ["developer", "user", "assistant", "tool", "tool"]
     assert chat.messages[2].tool_calls[1].function.arguments == '{"city": "Lyon"}'
+
+
+def test_text_parts_join_as_chats_do():
+    """Two text parts are two lines, in the stored item and in the prompt, as chat's text_of (vLLM's "string"
+    content format) makes of the same parts, whether the item comes in or was stored with several parts."""
+    parts = [{"type": "input_text", "text": "first"}, {"type": "input_text", "text": "second"}]
+    chat = text_of([{"type": "text", "text": "first"}, {"type": "text", "text": "second"}])
+    assert chat == "first\nsecond"
+    stored = R.input_items(create(input=[{"role": "user", "content": parts}]))
+    assert stored[0]["content"] == [{"type": "input_text", "text": chat}]
+    several = {"type": "message", "role": "user", "content": parts}
+    assert R.items_to_messages([several]) == [{"role": "user", "content": chat}]
+
+
+def test_include_takes_what_this_server_adds_and_refuses_the_rest_by_name():
+    """Of the values OpenAI's SDK types for `include`, only the output text's logprobs are made here; the
+    others (hosted tools' results, images, encrypted reasoning) and unknown strings are a 400 naming include."""
+    R.check_supported(create(include=[R.LOGPROBS_INCLUDE]))
+    others = [v for v in typing.get_args(ResponseIncludable) if v != R.LOGPROBS_INCLUDE]
+    assert R.LOGPROBS_INCLUDE in typing.get_args(ResponseIncludable) and "reasoning.encrypted_content" in others
+    for value in [*others, "not.a.value"]:
+        with pytest.raises(APIError) as exc:
+            R.check_supported(create(include=[R.LOGPROBS_INCLUDE, value]))
+        assert (exc.value.status_code, exc.value.param, exc.value.code) == (400, "include", "unsupported_value")
+        assert repr(value) in exc.value.message
 
 
 def test_a_call_without_text_opens_its_own_assistant_message():

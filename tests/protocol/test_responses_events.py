@@ -18,6 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from rayllm.protocol.chat_output import ChatOutputParser
 from rayllm.protocol.choice_state import GenerationState
+from rayllm.protocol.errors import APIError
 from rayllm.protocol.io_struct import GenerationDelta
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.responses_api import ResponseCreate
@@ -153,6 +154,27 @@ def test_error_events_after_the_stream_began():
     for e in events:
         EVENT.validate_python(e)
     assert events[-1]["response"]["status"] == "failed" and "RuntimeError" in events[-2]["message"]
+
+
+def test_a_response_that_failed_after_it_was_made_carries_its_output():
+    """A storage failure comes after the last item was done: response.failed carries the output and usage the
+    events built (the SDK's stream helper passes a failed response's own output on, and rebuilds it from the
+    events only when there is none), so "it is in the response.failed event" holds."""
+    req = ResponseCreate.model_validate({"input": "x"})
+    asm = ResponseAssembler(skeleton(req, "resp_1", "m", None))
+    events = asm.start()
+    for d in deltas(["Hel", "lo"]):
+        events += asm.feed(d, None)
+    events += asm.finish()
+    events += asm.error_events(APIError(503, "could not be stored", type="server_error", code="storage_unavailable"))
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    seen = [ev for e in events for ev in state.handle_event(EVENT.validate_python(json.loads(sse(e).split("data: ", 1)[1])))]
+    failed = seen[-1].response
+    assert seen[-1].type == "response.failed" and failed.status == "failed"
+    assert failed.error.code == "server_error" and seen[-2].code == "storage_unavailable"  # OpenAI's codes; ours
+    built = [state._completed_output[i].to_dict() for i in sorted(state._completed_output)]
+    assert [o.to_dict() for o in failed.output] == built and failed.output[0].content[0].text == "Hello"
+    assert failed.usage.output_tokens == 2 and failed.usage.input_tokens == 10
 
 
 def test_an_aborted_generation_is_a_failed_response_with_its_error():

@@ -187,6 +187,38 @@ def test_conversation_request_errors(client, model_name, server, auth):
     assert [i.content[0].text for i in page.get_next_page().data] == ["m2"]
 
 
+def test_a_conversation_without_room_for_a_turn_is_refused_before_it_runs(client, model_name, server, auth):
+    """A conversation filled to a few hundred characters short of its 16 Mi bound: a stored turn needs room for
+    its input and its output's allowance, so even streamed it is a plain 400 `conversation_full` before the
+    model runs, and nothing is added. A Responses turn with truncation "auto" (the oldest turns dropped to fit
+    the model's context) used to be generated and then fail to be stored, its answer lost; a chat turn is
+    refused by the same check, before its history is rendered."""
+    cid = client.conversations.create().id
+    for _ in range(5):  # 15 texts of 1 Mi characters, 3 to a request (under max_request_bytes)
+        client.conversations.items.create(cid, items=[{"type": "message", "role": "user",
+                                                       "content": "x" * (1 << 20)}] * 3)
+
+    def stored_chars() -> int:  # as the store counts them: each item's JSON
+        r = httpx.get(f"{server}/v1/conversations/{cid}/items", headers=auth, params={"limit": 100})
+        return sum(len(json.dumps(item)) for item in r.json()["data"])
+
+    before = stored_chars()
+    client.conversations.items.create(cid, items=[{"type": "message", "role": "user", "content": "y"}])
+    overhead = stored_chars() - before - 1  # one item's JSON beside its text
+    client.conversations.items.create(cid, items=[{"type": "message", "role": "user", "content":
+                                                   "z" * ((16 << 20) - stored_chars() - overhead - 600)}])
+    assert (16 << 20) - stored_chars() == 600
+    with pytest.raises(openai.BadRequestError) as exc:  # streamed: still a 400, before any event
+        client.responses.create(model=model_name, input="Hi", conversation=cid, max_output_tokens=12, stream=True,
+                                truncation="auto")
+    assert (exc.value.body["code"], exc.value.body["param"]) == ("conversation_full", "conversation")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=12, stream=True, extra_body={"store": True, "conversation": cid})
+    assert (exc.value.body["code"], exc.value.body["param"]) == ("conversation_full", "conversation")
+    assert len(client.conversations.items.list(cid, limit=100).data) == 17 and stored_chars() == (16 << 20) - 600
+
+
 def test_items_of_any_input_type_are_added_read_and_deleted_one_by_one(client, client2):
     """Any Responses input item goes into a conversation, with the server's ids (a client's is replaced);
     one item is read, and deleted (the answer: the Conversation), by id; a missing or deleted item is a 404

@@ -4,6 +4,7 @@ Serve binds FastAPI routes declared on any class of the ingress's MRO). Storage:
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
 import asyncio
+import json
 import sys
 
 from fastapi import Request
@@ -11,8 +12,10 @@ from fastapi.responses import JSONResponse
 from ray import cloudpickle
 
 from rayllm.protocol import conversations as C
+from rayllm.protocol import protocol as P
 from rayllm.protocol import responses_api as R
 from rayllm.protocol.errors import APIError, not_found
+from rayllm.protocol.limits import OUTPUT_ITEM_CHARS, turn_output_chars
 from rayllm.serve.request_guards import conversation_not_found
 from rayllm.serve.routes.http_app import app, parse, parse_query, read_body
 
@@ -29,12 +32,22 @@ def client_items(items: list[dict] | None) -> list[dict]:
     return [R.canonical_item(it, f"items.{i}") for i, it in enumerate(items or [])]
 
 
+def chat_turn_room(req: P.ChatCompletionRequest, last_input: dict) -> tuple[int, int]:
+    """The items and characters a chat turn stored into its conversation needs (rayllm.protocol.conversations.
+    turn_items: the last input message, a thought and the answer), reserved before it runs; none unless stored."""
+    if not req.store:
+        return 0, 0
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return 3, len(json.dumps(last_input)) + OUTPUT_ITEM_CHARS + turn_output_chars(2, max_tokens)
+
+
 class ConversationRoutes:
     """Mixed into rayllm.serve.ingress.Ingress, whose `store` and `check_auth` these routes use."""
 
-    async def conversation_history(self, owner: str, cid: str, room_for: int) -> list[dict]:
-        """Its items; a 400 when it has no room for `room_for` more (this turn's, stored after it)."""
-        items = await asyncio.to_thread(self.store.history, owner, cid, room_for)
+    async def conversation_history(self, owner: str, cid: str, room_for: int, room_chars: int = 0) -> list[dict]:
+        """Its items; a 400 when it has no room for `room_for` more items of `room_chars` characters (this
+        turn's, stored after it: checked before the model runs)."""
+        items = await asyncio.to_thread(self.store.history, owner, cid, room_for, room_chars)
         if items is None:  # missing, or another key's: the same answer, so nothing leaks
             raise conversation_not_found(cid)
         return items

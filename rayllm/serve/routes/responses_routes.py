@@ -16,6 +16,7 @@ from ray import cloudpickle
 from rayllm.protocol import conversations as C
 from rayllm.protocol import protocol as P
 from rayllm.protocol import responses_api as R
+from rayllm.protocol import responses_context as RC
 from rayllm.protocol.choice_state import ChoiceState, GenerationState
 from rayllm.protocol.errors import APIError, bad_request, not_found
 from rayllm.protocol.io_struct import GenerationDelta
@@ -94,14 +95,23 @@ class ResponsesRoutes:
         items = R.input_items(req)
         cid = C.conversation_id(req.conversation)
         history: list[dict] = []
-        if req.previous_response_id is not None:
-            store = self.response_store()
-            history = await asyncio.to_thread(store.context, owner, req.previous_response_id)
-            if history is None:  # missing, or another key's: the same answer
+        chain_chars, sent = 0, RC.item_chars(items)
+        if req.previous_response_id is not None:  # the chain's stored length is checked before it is read
+            found = await asyncio.to_thread(self.response_store().context, owner, req.previous_response_id, sent)
+            if found is None:  # missing, or another key's: the same answer
                 raise response_not_found(req.previous_response_id, "previous_response_id")
-        elif cid is not None:  # room for the input and the most output items a response may make
-            history = await self.conversation_history(owner, cid, len(items) + R.turn_output_items(req))
-        items = await self.resolved(owner, items, history)
+            history, chain_chars = found
+        elif cid is not None:  # room for the input and the most output a response may make, before it runs
+            history = await self.conversation_history(owner, cid, *RC.turn_room(req, items))
+        RC.check_unique(req.input, history)
+        if R.reference_ids(items):  # the copies they became count against the same bounds
+            items = await self.resolved(owner, items)
+            sent = RC.item_chars(items)
+            if cid is not None:
+                C.check_room(cid, len(history), RC.item_chars(history), *RC.turn_room(req, items))
+        if req.previous_response_id is not None:
+            RC.check_chain(req.previous_response_id, chain_chars + sent)
+        RC.check_tool_outputs(history, items)
         if len(history) + len(items) > R.MAX_CONTEXT_ITEMS:
             raise bad_request(f"the context would hold {len(history) + len(items)} items; at most "
                               f"{R.MAX_CONTEXT_ITEMS} are allowed", param="input")
@@ -116,15 +126,10 @@ class ResponsesRoutes:
         except APIError as exc:
             raise R.renamed(exc) from None
 
-    async def resolved(self, owner: str, items: list[dict], history: list[dict]) -> list[dict]:
-        """The input with its item references resolved: against the context this request loaded (its chain
-        or conversation), else by id among the owner's stored items."""
-        wanted = R.reference_ids(items)
-        if not wanted:
-            return items
-        known = {it["id"]: it for it in history if it.get("id") in wanted}
-        if missing := sorted(wanted - known.keys()):
-            known |= await asyncio.to_thread(self.response_store().find_items, owner, missing)
+    async def resolved(self, owner: str, items: list[dict]) -> list[dict]:
+        """The input with its item references resolved by id among the owner's stored items (an item of the
+        context this request loaded is never one: check_unique refused it as a duplicate)."""
+        known = await asyncio.to_thread(self.response_store().find_items, owner, sorted(R.reference_ids(items)))
         return R.resolve_references(items, known)
 
     async def generate_response(self, request: Request, owner: str, req: R.ResponseCreate,
@@ -153,8 +158,9 @@ class ResponsesRoutes:
             except KeyError:
                 raise conversation_not_found(cid or "") from None
             except StorageUnavailable:  # the 503 carries the response (a stream has sent its deltas already)
+                where = "the response.failed event's response" if req.stream else "error.response"
                 raise StorageUnavailable("the response was generated but could not be stored (storage is "
-                                         "unavailable); it is in error.response", completion=body,
+                                         f"unavailable); it is in {where}", completion=body,
                                          key="response") from None
 
         return await self.run(greq, fmt, chat, on_complete=keep)

@@ -54,6 +54,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def storable(item_id: str) -> bool:
+    """Whether a client's id could name a row. PostgreSQL's text holds no NUL (psycopg raises DataError on one
+    in a parameter), so no stored id has one: such an id is answered as unknown before it reaches the driver."""
+    return "\x00" not in item_id
+
+
 class StorageUnavailable(APIError):
     """The database could not be reached or written in time (503). `completion` is the generation that
     could not be stored: it goes out inside the error object, so a client loses nothing it paid for;
@@ -198,6 +204,8 @@ class ConversationStore:
             sql = "SELECT item FROM conversation_items WHERE conversation_id = ?"
             params: list[Any] = [conversation_id]
             if after:
+                if not storable(after):
+                    return [], False
                 cur.execute("SELECT seq FROM conversation_items WHERE id = ? AND conversation_id = ?",
                             (after, conversation_id))
                 row = cur.fetchone()
@@ -216,8 +224,8 @@ class ConversationStore:
         owner, (conversation, None) when it holds no such item."""
         with self._tx(write=False) as cur:
             conv = self._get(cur, owner, conversation_id)
-            if conv is None:
-                return None, None
+            if conv is None or not storable(item_id):
+                return conv, None
             cur.execute("SELECT item FROM conversation_items WHERE id = ? AND conversation_id = ?",
                         (item_id, conversation_id))
             row = cur.fetchone()
@@ -227,8 +235,8 @@ class ConversationStore:
         """Deletes one item: the conversation (None: no such conversation for this owner) and whether it held it."""
         with self._tx() as cur:
             conv = self._get(cur, owner, conversation_id)
-            if conv is None:
-                return None, False
+            if conv is None or not storable(item_id):
+                return conv, False
             cur.execute("SELECT seq FROM conversation_items WHERE id = ? AND conversation_id = ?",
                         (item_id, conversation_id))
             if cur.fetchone() is None:
@@ -236,14 +244,16 @@ class ConversationStore:
             cur.execute("DELETE FROM conversation_items WHERE id = ?", (item_id,))
             return conv, True
 
-    def history(self, owner: str, conversation_id: str, room_for: int = 0) -> list[dict[str, Any]] | None:
-        """Every item, oldest first (None: no such conversation for this owner); a 400 when the
-        conversation cannot take `room_for` more items (a turn that would not be stored is refused first)."""
+    def history(self, owner: str, conversation_id: str, room_for: int = 0,
+                room_chars: int = 0) -> list[dict[str, Any]] | None:
+        """Every item, oldest first (None: no such conversation for this owner); a 400 when the conversation
+        cannot take `room_for` more items of `room_chars` characters (a turn that would not be stored is
+        refused before it runs, on the stored sizes, before the items are read)."""
         with self._tx(write=False) as cur:
             if self._get(cur, owner, conversation_id) is None:
                 return None
-            if room_for:
-                check_room(conversation_id, *self._size(cur, conversation_id), room_for, 0)
+            if room_for or room_chars:
+                check_room(conversation_id, *self._size(cur, conversation_id), room_for, room_chars)
             cur.execute("SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY seq",
                         (conversation_id,))
             return [json.loads(r[0]) for r in cur.fetchall()]
@@ -264,6 +274,8 @@ class ConversationStore:
                          json.dumps(metadata) if metadata is not None else None, json.dumps(body)))
 
     def get_completion(self, owner: str, completion_id: str) -> dict[str, Any] | None:
+        if not storable(completion_id):
+            return None
         with self._tx(write=False) as cur:
             cur.execute("SELECT body, metadata FROM completions WHERE id = ? AND owner = ?", (completion_id, owner))
             row = cur.fetchone()
@@ -275,6 +287,9 @@ class ConversationStore:
 
     @staticmethod
     def _get(cur: _Cursor, owner: str, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation (None: none of this owner's): every method that takes a conversation id asks here first."""
+        if not storable(conversation_id):
+            return None
         cur.execute("SELECT id, created_at, metadata FROM conversations WHERE id = ? AND owner = ?",
                     (conversation_id, owner))
         row = cur.fetchone()
@@ -293,6 +308,7 @@ class ConversationStore:
     @staticmethod
     def _owned_items(cur: _Cursor, owner: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
         """Those of `item_ids` that are items of this owner's conversations (by the items' unique id index)."""
+        item_ids = [i for i in item_ids if storable(i)]
         if not item_ids:
             return {}
         cur.execute("SELECT i.id, i.item FROM conversation_items i JOIN conversations c ON c.id = i.conversation_id "

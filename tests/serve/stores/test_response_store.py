@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rayllm.protocol import conversations as C
@@ -43,7 +45,9 @@ def test_save_get_context_delete(stores):
     _, store = stores
     store.save(ALICE, body("resp_1", "hello"), [], [item(0)])
     assert store.get(ALICE, "resp_1") == body("resp_1", "hello")
-    assert store.context(ALICE, "resp_1") == [item(0)] + body("resp_1", "hello")["output"]
+    out = body("resp_1", "hello")["output"]
+    # its chain, and the characters the next link's row would keep of it: the stored input's, then the output's
+    assert store.context(ALICE, "resp_1") == ([item(0)] + out, len(json.dumps([item(0)])) + len(json.dumps(out[0])))
     assert store.get(BOB, "resp_1") is None and store.context(BOB, "resp_1") is None  # another owner: missing
     assert store.delete(BOB, "resp_1") is False and store.get(ALICE, "resp_1") is not None
     assert store.delete(ALICE, "resp_1") is True
