@@ -29,6 +29,19 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 Pieces = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], Iterator[torch.Tensor | None]]
 
 
+def model_capturable(model: torch.nn.Module) -> bool:
+    """Whether a decode step of `model` can be captured: no module of it says otherwise (a layer that reads
+    device values on the host, such as FusedMoE's expert counts, sets `capturable = False`)."""
+    return all(getattr(m, "capturable", True) for m in model.modules())
+
+
+def leave_capture_stream(device: torch.device) -> None:
+    """Back onto the default stream after a failed capture: torch.cuda.graph's __exit__ raises from
+    capture_end before it restores the stream it entered, which would leave this thread's later (eager)
+    work on the capture stream."""
+    torch.cuda.set_stream(torch.cuda.default_stream(device))
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Powers of two up to max_num_seqs, and max_num_seqs itself."""
     sizes, size = [], 1
@@ -192,6 +205,7 @@ class DecodeGraphs:
                         return False
                     self._capture_size(size, adapters, pool)
             except Exception as exc:
+                leave_capture_stream(self.device)
                 if not adapters:
                     raise
                 # Base-model steps keep their graphs; steps with adapter rows run eagerly.
