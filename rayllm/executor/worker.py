@@ -229,10 +229,8 @@ class Worker:
             leave_capture_stream(self.device)
             torch.cuda.synchronize(self.device)
             return
-        if captured:
+        if captured:  # else DecodeGraphs said why not
             self.runner.graphs = graphs
-        else:
-            log.warning("no paged decode kernel in xformers here: CUDA graphs off")
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"

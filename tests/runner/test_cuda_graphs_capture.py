@@ -4,6 +4,7 @@
   which a graph cannot capture: `model_capturable` says so for the MoE families and for no dense one, and
   FakeTensorMode on a fake CUDA device (torch's own check for ops whose output depends on device data)
   agrees layer by layer.
+- The torch attention path is not captured: its decode gathers each row's whole (fixed) table width.
 - A failed capture must not leave the thread on the capture stream: torch.cuda.graph's real __exit__ is
   run, with CUDA itself (streams, the graph's capture_begin/capture_end) mocked, since no GPU is here.
 """
@@ -14,12 +15,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from rayllm.attention.base import AttentionMetadataBuilder
 from rayllm.attention.sdpa import SDPAAttention
 from rayllm.layers.linear import TPGroup
 from rayllm.models.registry import model_class
 from rayllm.runner.cuda_graphs import DecodeGraphs, model_capturable
 from rayllm.runner.model_runner import ModelRunner
 from rayllm.schema.config import LlamaArch
+from rayllm.schema.step import SeqStep, StepInput
 
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 8}
 FAMILIES = {
@@ -116,17 +119,35 @@ def test_a_failed_capture_leaves_the_default_stream(monkeypatch):
     real torch.cuda.graph.__exit__ then raises from capture_end before leaving the capture stream."""
     fake = FakeCuda()
     fake.install(monkeypatch)
-    model = tiny_model("llama")
-    caches = [(torch.zeros(2, 5, 4, 4), torch.zeros(2, 5, 4, 4)) for _ in model.layers]
-    runner = ModelRunner(model, caches, 4, 64, torch.device("cpu"), True)
-    graphs = DecodeGraphs(2, 2, 4, 4, runner.attn_builder, torch.device("cpu"))
+    caches = [(torch.zeros(2, 5, 4, 4), torch.zeros(2, 5, 4, 4))]
+    builder = AttentionMetadataBuilder(4, caches, seq_tables=True)  # a kernel backend's (Triton, xformers)
+    graphs = DecodeGraphs(2, 2, 4, 4, builder, torch.device("cpu"))
     graphs.capture_enabled = True  # what a CUDA device sets (the buffers stay on the CPU here)
 
     def forward(ids, positions, meta):
         if fake.capturing:  # .tolist() under capture: cudaErrorStreamCaptureUnsupported
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        return runner.model_forward(ids, positions, meta)
+        return torch.zeros(ids.shape[0], 16)
 
     with pytest.raises(RuntimeError, match="capture"):
         graphs.capture(forward)
     assert fake.current is fake.default and not fake.capturing
+
+
+def test_the_torch_path_is_not_captured_and_gathers_only_the_longest_context(caplog):
+    """The torch decode path (SDPA without kernels, a CUDA fallback) gathers each row's blocks. In a graph
+    its tables are max_model_len wide (131k tokens here: [Hk, 256, 131072, D] per layer), so it is not
+    captured; eagerly it gathers up to the step's longest context."""
+    hk, bs, width, blocks = 2, 64, 2048, 40
+    caches = [(torch.zeros(hk, blocks + 1, bs, 4), torch.zeros(hk, blocks + 1, bs, 4))]
+    runner = ModelRunner(tiny_model("llama"), caches, bs, 64, torch.device("cpu"), True)
+    graphs = DecodeGraphs(256, width, bs, blocks, runner.attn_builder, torch.device("cpu"))
+    assert graphs.metadata(256).decode_gather_index.numel() == hk * 256 * width  # what a graph would gather
+    graphs.capture_enabled = True  # what a CUDA device sets: refused before any CUDA call
+    with caplog.at_level("WARNING", logger="rayllm.runner.cuda_graphs"):
+        assert graphs.capture(lambda *a: pytest.fail("warmed up")) is False
+    assert "131072-token table width" in caplog.text
+    step = StepInput([SeqStep("a", [1], 4, [0], sample=True), SeqStep("b", [2], 129, [1, 2, 3], sample=True)])
+    assert graphs.run(step.seqs) is None  # the runner's eager path
+    _, _, meta = runner.prepare(step)
+    assert meta.decode_gather_index.numel() == hk * 2 * 3  # the longest context's 3 blocks per row
