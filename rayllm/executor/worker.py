@@ -105,7 +105,7 @@ class Worker:
             self.allreduce_backend, reduce = make_all_reduce(
                 config.parallel.cpu.allreduce, device, self.dtype, rank, world, group)
             self.tp = TPGroup(rank, world, group, reduce)
-        self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
+        self.attn_backend = make_attention_backend(config.parallel.attention_backend, device, arch.head_dim, self.dtype)
         torch.manual_seed(config.model.seed)
         # Parameters are created in the target dtype on the target device: no fp32 copy of the model
         # ever exists. Rotary tables are built in float64 and stored fp32 explicitly, so they stay fp32.
