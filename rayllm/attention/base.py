@@ -28,8 +28,9 @@ class AttentionBackend(Protocol):
     # Decode steps may replay CUDA graphs (False once the backend fell back to a path that reads host lists).
     paged_decode: bool
 
-    def probe(self, device: torch.device) -> None:
-        """Raise unless the backend runs on `device` (called once at start-up, before it is chosen)."""
+    def probe(self, device: torch.device, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Raise unless the backend runs on `device` at the model's head dim and dtype (called once at
+        start-up, before it is chosen)."""
 
     def metadata_builder(self, block_size: int, kv_caches: list, torch_attention_only: bool) -> AttentionMetadataBuilder:
         """How the runner (and the decode CUDA graphs) build this backend's metadata over `kv_caches`;

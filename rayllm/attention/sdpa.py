@@ -95,7 +95,7 @@ class SDPAAttention:
     def __init__(self, kernels: PagedKernels | None = None) -> None:
         self.kernels = kernels
 
-    def probe(self, device: torch.device) -> None:
+    def probe(self, device: torch.device, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> None:
         """Torch runs everywhere."""
 
     def metadata_builder(self, block_size: int, kv_caches: list, torch_attention_only: bool) -> AttentionMetadataBuilder:

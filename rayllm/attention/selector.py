@@ -21,10 +21,11 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_attention_backend(choice: str, device: torch.device) -> AttentionBackend:
-    """auto: on CUDA, the first of CUDA_AUTO that imports, compiles and agrees with torch on this device,
-    else torch SDPA; on CPU, SDPA with the C kernels when they build. sdpa: torch only (the reference
-    path). An explicit choice is honoured or fails."""
+def make_attention_backend(choice: str, device: torch.device, head_dim: int = 64,
+                           dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
+    """auto: on CUDA, the first of CUDA_AUTO that imports, compiles and agrees with torch on this device at
+    the model's head dim and dtype, else torch SDPA; on CPU, SDPA with the C kernels when they build. sdpa:
+    torch only (the reference path). An explicit choice is honoured or fails."""
     if choice == "sdpa":
         return backend_class("sdpa")()
     if choice == "auto" and device.type != "cuda":
@@ -34,7 +35,7 @@ def make_attention_backend(choice: str, device: torch.device) -> AttentionBacken
     for name in (CUDA_AUTO if choice == "auto" else (choice,)):
         try:
             backend = backend_class(name)()
-            backend.probe(device)
+            backend.probe(device, head_dim, dtype)
             return backend
         except Exception as exc:  # missing extra, built for another torch/CUDA, or no compiler for this GPU
             if choice == name:

@@ -22,6 +22,7 @@ run every row through this kernel (the decode kernel has neither).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,17 +42,43 @@ class PrefillConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, dtype: torch.dtype, q_rows: int) -> PrefillConfig:
-    """Tiles by head dim and dtype: 128 x 64 with 8 warps for half precision at D <= 128 (the Triton
-    FlashAttention tutorial's Hopper choice); smaller tiles where an element or a row takes twice the
-    shared memory (fp32, D = 256), so that pipelined K/V tiles stay within ~100 KB (A100: 164 KB a block);
-    16 rows when every sequence has a single query (decode rows of windowed models)."""
-    wide = head_dim > 128
-    if dtype == torch.float32:
-        return PrefillConfig(16 if q_rows <= 1 else 32 if wide else 64, 16 if wide else 32, 4, 2)
-    if q_rows <= 1:
-        return PrefillConfig(16, 32 if wide else 64, 4, 2)
-    return PrefillConfig(64, 64, 8, 2) if wide else PrefillConfig(128, 64, 8, 3)
+# Tile choices per (fp32, head dim over 128, one query row per sequence), best first, each with its shared
+# memory per block in bytes: the most over sm_80, sm_86, sm_89 and sm_90 at the class's largest padded head
+# dim (128 or 256), with soft-capping and a window on. Measured by compiling the kernel for each target
+# without a GPU (tests/attention/prefill_smem.py, Triton 3.9; fp16 stands for bf16: the same bytes); sm_90
+# takes the most (it pipelines more). Half precision at D <= 128: 128 x 64 with 8 warps, 3 stages (the Triton
+# FlashAttention tutorial's Hopper choice); smaller tiles where an element or a row takes twice the memory
+# (fp32, D = 256); 16 rows when every sequence has a single query (decode rows of windowed models). At
+# D = 256 two pipelined 64 x 64 K/V stages take 106,496 B on sm_80-89 (163,840 on sm_90): over the
+# 101,376 B a block may take on sm_86 / sm_89 (A10, L4, L40S, RTX 4090), which get one stage (98,304 B).
+TILES: dict[tuple[bool, bool, bool], tuple[tuple[PrefillConfig, int], ...]] = {
+    (False, True, False): ((PrefillConfig(64, 64, 8, 2), 163_840), (PrefillConfig(64, 64, 8, 1), 98_304)),
+    (False, False, False): ((PrefillConfig(128, 64, 8, 3), 98_308), (PrefillConfig(64, 64, 4, 2), 81_920)),
+    (False, True, True): ((PrefillConfig(16, 32, 4, 2), 41_984),),
+    (False, False, True): ((PrefillConfig(16, 64, 4, 2), 38_912),),
+    (True, True, False): ((PrefillConfig(32, 16, 4, 2), 67_712),),
+    (True, False, False): ((PrefillConfig(64, 32, 4, 2), 73_984),),
+    (True, True, True): ((PrefillConfig(16, 16, 4, 2), 50_240),),
+    (True, False, True): ((PrefillConfig(16, 32, 4, 2), 43_008),),
+}
+
+
+def default_config(head_dim: int, dtype: torch.dtype, q_rows: int,
+                   shared_limit: int | None = None) -> PrefillConfig:
+    """The first of TILES' choices for the head dim, dtype and rows whose shared memory fits `shared_limit`
+    (the device's bytes per block; None: no limit, the interpreter), else the smallest: a head dim over 256
+    or a device below sm_80's limits, which the backend's probe at the model's shape then tries."""
+    choices = TILES[dtype == torch.float32, head_dim > 128, q_rows <= 1]
+    fits = [cfg for cfg, shared in choices if shared_limit is None or shared <= shared_limit]
+    return fits[0] if fits else choices[-1][0]
+
+
+@functools.cache
+def shared_limit(device: torch.device) -> int | None:
+    """Shared memory a block may take on `device` (opt-in, as Triton's kernels do); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 @triton.jit
@@ -183,7 +210,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _check(window is None or window > 0, "prefill_attention", "window must be positive")
     if not t or not s or max_q_len <= 0:
         return out
-    cfg = config or default_config(d, q.dtype, max_q_len)
+    cfg = config or default_config(d, q.dtype, max_q_len, shared_limit(q.device))
     n_tiles = triton.cdiv(max_q_len, cfg.block_m)
     _prefill_kernel[(hq, n_tiles, s)](
         q, k_cache, v_cache, out, step.tables, step.ctx_lens, step.q_starts, step.q_lens,
@@ -234,14 +261,15 @@ class TritonPrefillAttention(TritonAttention):
                               softcap)
         return out.view(t, hq * d)
 
-    def probe(self, device: torch.device) -> None:
-        """TritonAttention's checks, then a 70-row chunk after a 50-token prefix against SDPA (bf16, GQA,
-        block size 16)."""
+    def probe(self, device: torch.device, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> None:
+        """TritonAttention's checks, then a 70-row chunk after a 50-token prefix against SDPA at the model's
+        head dim and dtype (the tiles, and so the shared memory a block needs, depend on both; GQA, block
+        size 16)."""
         super().probe(device)
         gen = torch.Generator(device=device).manual_seed(1)
-        hq, hk, d, bs, ctx, n = 4, 2, 64, 16, 120, 70
-        k_cache, v_cache = (torch.randn(hk, 8, bs, d, device=device, generator=gen).bfloat16() for _ in range(2))
-        q = torch.randn(n, hq, d, device=device, generator=gen).bfloat16()
+        hq, hk, d, bs, ctx, n = 4, 2, head_dim, 16, 120, 70
+        k_cache, v_cache = (torch.randn(hk, 8, bs, d, device=device, generator=gen).to(dtype) for _ in range(2))
+        q = torch.randn(n, hq, d, device=device, generator=gen).to(dtype)
         i32 = dict(dtype=torch.int32, device=device)
         perm = torch.randperm(8, generator=torch.Generator().manual_seed(0)).to(**i32)
         step = StepArgs(perm.view(1, 8), torch.tensor([ctx], **i32), torch.tensor([0], **i32),

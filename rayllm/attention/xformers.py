@@ -50,11 +50,11 @@ class XformersAttention:
         of query lengths (or a windowed or soft-capped layer), every context slot for a gathered varlen batch."""
         return AttentionMetadataBuilder(block_size, kv_caches, seq_tables=True, context_slots=True)
 
-    def probe(self, device: torch.device) -> None:
-        """Raise unless this xformers build runs a varlen causal step on `device` (what every prefill
-        needs). A wheel built for another torch imports fine but has no CUDA kernels: fmha then refuses
-        every call with NotImplementedError."""
-        x = torch.zeros(1, 4, 1, 1, 64, device=device, dtype=torch.bfloat16)
+    def probe(self, device: torch.device, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Raise unless this xformers build runs a varlen causal step on `device` at the model's head dim and
+        dtype (what every prefill needs). A wheel built for another torch imports fine but has no CUDA
+        kernels: fmha then refuses every call with NotImplementedError."""
+        x = torch.zeros(1, 4, 1, 1, head_dim, device=device, dtype=dtype)
         bias = self.fmha.attn_bias.BlockDiagonalCausalFromBottomRightMask.from_seqlens([2, 2], [2, 2])
         self.fmha.memory_efficient_attention_forward(x, x, x, attn_bias=bias)
 

@@ -240,16 +240,23 @@ class LLMEngine:
                            False, lora_slot=seq.lora_slot)
 
     def _fail_step(self, runnable: list[ScheduledSeq], step: StepInput, detail: str) -> list[RequestOutput]:
-        """The device ran out of memory in this step: its requests fail, the engine serves on. The step's
-        full blocks were hashed when scheduled but may hold no KV now, so the prefix cache forgets the freed
-        ones; the requests that finished (or were preempted) before the step are still to be forgotten by the
-        workers."""
+        """The device ran out of memory in this step: its requests fail, the engine serves on. The blocks the
+        step fills were hashed when scheduled but may hold no KV now, so the prefix cache forgets them (and
+        only them: earlier steps' blocks hold their KV); the requests that finished (or were preempted) before
+        the step are still to be forgotten by the workers."""
         self._finished_ids = step.finished_request_ids + self._finished_ids
         self._preempted_ids = step.preempted_request_ids + self._preempted_ids
+        bm, bs = self.block_manager, self.block_manager.block_size
+        for sc in runnable:
+            seq = sc.seq
+            for i in range(seq.num_computed_tokens // bs,
+                           min((seq.num_computed_tokens + sc.num_tokens) // bs, len(seq.block_hashes))):
+                block = bm.blocks[seq.block_table[i]]
+                if block.hash == seq.block_hashes[i] and bm.hash_to_block.get(block.hash) == block.block_id:
+                    del bm.hash_to_block[block.hash]  # as an evicted block: unreachable, then reused
+                    block.hash, block.token_ids = None, ()
         error = f"OutOfMemoryError: the model step ran out of device memory ({detail}); retry the request"
-        outputs = [self._fail(sc.seq, error) for sc in runnable]
-        self.block_manager.reset_prefix_cache()
-        return outputs
+        return [self._fail(sc.seq, error) for sc in runnable]
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """Abort one sequence with `error` for its request; the step goes on for the others."""

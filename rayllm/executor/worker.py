@@ -27,6 +27,7 @@ from rayllm.lora.layers import LoRAManager
 from rayllm.models.registry import model_class
 from rayllm.platforms.select import platform_for
 from rayllm.runner import kv_cache
+from rayllm.runner.cuda_graphs import DecodeGraphs, leave_capture_stream, model_capturable
 from rayllm.runner.model_runner import ModelRunner
 from rayllm.sample.logprobs import profile_one_slice
 from rayllm.schema.config import EngineConfig, LlamaArch, for_device
@@ -104,7 +105,7 @@ class Worker:
             self.allreduce_backend, reduce = make_all_reduce(
                 config.parallel.cpu.allreduce, device, self.dtype, rank, world, group)
             self.tp = TPGroup(rank, world, group, reduce)
-        self.attn_backend = make_attention_backend(config.parallel.attention_backend, device)
+        self.attn_backend = make_attention_backend(config.parallel.attention_backend, device, arch.head_dim, self.dtype)
         torch.manual_seed(config.model.seed)
         # Parameters are created in the target dtype on the target device: no fp32 copy of the model
         # ever exists. Rotary tables are built in float64 and stored fp32 explicitly, so they stay fp32.
@@ -184,11 +185,21 @@ class Worker:
         torch.cuda.empty_cache()
         return peak
 
+    def graphs_wanted(self) -> bool:
+        """Decode CUDA graphs on CUDA when configured, except for models whose windowed or soft-capped layers
+        need host-built metadata per step (context slots, true lengths for window masks) that a graph's
+        fixed-shape metadata lacks, and models with a layer that syncs with the host (MoE routing)."""
+        if (self.device.type != "cuda" or not self.config.parallel.cuda_graphs
+                or getattr(self.model, "torch_attention_only", False)):
+            return False
+        if not model_capturable(self.model):
+            log.info("CUDA graphs off for %s: its MoE layers read expert token counts on the host; decode runs "
+                     "eagerly", type(self.model).__name__)
+            return False
+        return True
+
     def init_cache(self, num_blocks: int) -> None:
-        # Windowed or soft-capped layers need host-built metadata per step (context slots, true lengths
-        # for window masks) that a graph's fixed-shape metadata lacks: those models run eagerly.
-        graphs = (self.device.type == "cuda" and self.config.parallel.cuda_graphs
-                  and not getattr(self.model, "torch_attention_only", False))
+        graphs = self.graphs_wanted()
         # With CUDA graphs one more block, owned by no sequence, takes the padding rows' writes.
         self.runner = self._runner(self._allocate(num_blocks + 1 if graphs else num_blocks))
         if half_step_tokens := self.platform.half_step_tokens():
@@ -199,8 +210,6 @@ class Worker:
 
     @torch.inference_mode()
     def _capture_graphs(self, scratch_block: int) -> None:
-        from rayllm.runner.cuda_graphs import DecodeGraphs
-
         assert self.runner is not None
         bs = self.config.cache.block_size
         max_len = self.config.model.max_model_len or self.arch.max_position_embeddings
@@ -217,12 +226,11 @@ class Worker:
                                       self.runner.model_forward_pieces)
         except Exception as exc:  # an op that cannot be captured here: serve eagerly rather than not at all
             log.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
+            leave_capture_stream(self.device)
             torch.cuda.synchronize(self.device)
             return
-        if captured:
+        if captured:  # else DecodeGraphs said why not
             self.runner.graphs = graphs
-        else:
-            log.warning("no paged decode kernel in xformers here: CUDA graphs off")
 
     def execute(self, step: StepInput) -> StepOutput | None:
         assert self.runner is not None, "init_cache first"

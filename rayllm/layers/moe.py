@@ -124,6 +124,10 @@ class ReplicatedLinear(nn.Module):
 class FusedMoE(nn.Module):
     """Router + routed experts (+ an optional gated shared expert); output all-reduced once."""
 
+    # fused_experts reads each expert's token count on the host (one sync per layer), which a CUDA graph
+    # cannot capture: models with these layers decode eagerly (runner.cuda_graphs.model_capturable).
+    capturable = False
+
     def __init__(self, arch: LlamaArch, cfg: MoEConfig, tp: TPGroup):
         super().__init__()
         if not 1 <= cfg.top_k <= cfg.num_experts:

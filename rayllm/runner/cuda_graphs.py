@@ -29,6 +29,19 @@ Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
 Pieces = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, int], Iterator[torch.Tensor | None]]
 
 
+def model_capturable(model: torch.nn.Module) -> bool:
+    """Whether a decode step of `model` can be captured: no module of it says otherwise (a layer that reads
+    device values on the host, such as FusedMoE's expert counts, sets `capturable = False`)."""
+    return all(getattr(m, "capturable", True) for m in model.modules())
+
+
+def leave_capture_stream(device: torch.device) -> None:
+    """Back onto the default stream after a failed capture: torch.cuda.graph's __exit__ raises from
+    capture_end before it restores the stream it entered, which would leave this thread's later (eager)
+    work on the capture stream."""
+    torch.cuda.set_stream(torch.cuda.default_stream(device))
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Powers of two up to max_num_seqs, and max_num_seqs itself."""
     sizes, size = [], 1
@@ -171,11 +184,20 @@ class DecodeGraphs:
         """Warm each size up eagerly (lazy initialisation, kernel choices), then capture it, largest first
         so the smaller graphs reuse its memory pool. `capturable` is asked after each warm-up (the
         attention backend may have fallen back to a path that copies from Python lists); False stops
-        and leaves the graphs off. Returns whether the graphs (or, without capture, the path) are on."""
+        and leaves the graphs off, as does the torch attention path (its decode gathers whole tables).
+        Returns whether the graphs (or, without capture, the path) are on; when off, a warning says why."""
         self.forward = forward
         self.forward_pieces = forward_pieces if self.pieces > 1 else None
         if not self.capture_enabled:
             return True
+        if not self.builder.seq_tables:
+            # The torch path's decode (attention/sdpa.py) gathers every row's whole block table: in a graph
+            # that is the fixed width, [Hk, B, max_model_len, D] per layer (68 GB at 256 rows of 131k tokens),
+            # where an eager step gathers only up to its longest context.
+            log.warning("decode CUDA graphs off: the torch attention path would gather each row's whole "
+                        "%d-token table width", self.width * self.block_size)
+            self.forward = None
+            return False
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for adapters in self.variants():  # the base set first: it must not depend on the adapters' capture
@@ -188,10 +210,12 @@ class DecodeGraphs:
                             self._run(size, adapters)
                     torch.cuda.current_stream().wait_stream(stream)
                     if not capturable():
+                        log.warning("no paged decode kernel in xformers here: CUDA graphs off")
                         self.forward, self.graphs, self.outputs = None, {}, {}
                         return False
                     self._capture_size(size, adapters, pool)
             except Exception as exc:
+                leave_capture_stream(self.device)
                 if not adapters:
                     raise
                 # Base-model steps keep their graphs; steps with adapter rows run eagerly.

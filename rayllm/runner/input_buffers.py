@@ -31,9 +31,11 @@ class InputBuffers:
         if self.host.numel() < n:
             capacity = max(n, 2 * self.host.numel(), 4096)
             # The old pinned buffer may still feed an in-flight copy; the caching host allocator keeps it
-            # until that copy's stream has passed it.
-            self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-            self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+            # until that copy's stream has passed it. Both are replaced only once both exist: an
+            # out-of-memory in either leaves the old pair, of one size, for the steps after it.
+            host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+            self.host, self.dev = host, dev
         elif self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffer (normally long ago)
         self.host[:n].copy_(src)

@@ -29,14 +29,15 @@ def require_blocks(num_blocks: int, config) -> int:
 
 
 def cuda_budget(utilization: float, device: torch.device, activation_bytes: int) -> int:
-    """Bytes left for KV once the model is loaded and the largest step's activations are set aside,
-    keeping (1 - utilization) of the GPU free. The allocator's cached blocks are released first, so
-    they do not count as used."""
+    """Bytes for KV: `utilization` of the GPU is this instance's share (as vLLM's gpu_memory_utilization),
+    less what this process already holds (its weights and buffers) and the largest step's activations; and
+    never more than is free now (other processes keep what they use, and are not charged to this share).
+    The allocator's cached blocks are released first, so they do not count as used."""
     gc.collect()  # tensors of an engine this process dropped may wait in reference cycles
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free  # weights, the CUDA context, other processes on this GPU
-    return int(total * utilization - used - activation_bytes)
+    own = torch.cuda.memory_allocated(device)
+    return int(min(total * utilization - own, free) - activation_bytes)
 
 
 def profile_step(max_tokens: int, max_seqs: int, block_size: int):

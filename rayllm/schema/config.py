@@ -314,9 +314,11 @@ class EngineConfig:
 
 def for_device(config: EngineConfig, device: str) -> EngineConfig:
     """The config on `device` (cpu or cuda, already decided): `parallel.device` set and every `auto`
-    that depends on the device replaced (cache.block_size). Idempotent; a set value is kept."""
+    that depends on the device replaced (cache.block_size); refuses what cannot run there. Idempotent."""
     if device not in AUTO_BLOCK_SIZE:
         raise ValueError(f"device must be cpu or cuda here, got {device!r}")
+    if device == "cuda" and config.model.weights == "quantized":  # its kernels and packed weights are CPU-only
+        raise ValueError("model.weights: quantized runs on CPU only; on CUDA use weights: auto or quantization: fp8")
     cache, parallel = config.cache, config.parallel
     if cache.block_size == "auto":
         cache = replace(cache, block_size=AUTO_BLOCK_SIZE[device])

@@ -47,7 +47,7 @@ def test_greedy_tokens_equal_the_torch_path(tmp_path, monkeypatch):
         want = reference.generate(prompts, params)
     finally:
         reference.shutdown()
-    monkeypatch.setattr(worker_module, "make_attention_backend", lambda choice, device: TritonAttention())
+    monkeypatch.setattr(worker_module, "make_attention_backend", lambda choice, device, head_dim, dtype: TritonAttention())
     engine = make_engine(path)
     try:
         worker = engine.executor.worker

@@ -22,7 +22,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from rayllm.attention.triton import StepArgs  # noqa: E402
-from rayllm.attention.triton_prefill import PrefillConfig, prefill_attention  # noqa: E402
+from rayllm.attention.triton_prefill import TILES, PrefillConfig, prefill_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 SMALL = PrefillConfig(16, 16, 4, 1)
@@ -141,3 +141,15 @@ def test_bad_shapes_raise() -> None:
         prefill_attention(q[:, :3], k_cache, v_cache, torch.empty_like(q[:, :3]), step, 4)
     with pytest.raises(ValueError, match="prefill_attention"):
         prefill_attention(q.half(), k_cache, v_cache, torch.empty_like(q.half()), step, 4)
+
+
+WIDE_TILES = [(fp32, cfg) for (fp32, wide, _), choices in TILES.items() if wide for cfg, _ in choices]
+
+
+@pytest.mark.parametrize("fp32,config", WIDE_TILES, ids=[f"{'fp32' if f else 'fp16'}-{c}" for f, c in WIDE_TILES])
+def test_head_dim_256_tiles(fp32: bool, config: PrefillConfig) -> None:
+    """Gemma's head dim (256) with every tile choice a device may get for it (TILES: two stages where the
+    shared memory allows, one on sm_86 / sm_89), blocks of 64; then soft-capped and windowed as Gemma 2."""
+    dtype = torch.float32 if fp32 else torch.float16
+    check([70, 9], [120, 9], hq=2, hk=1, d=256, bs=64, dtype=dtype, scale=0.0625, config=config)
+    check([40], [100], hq=2, hk=1, d=256, bs=64, dtype=dtype, scale=0.0625, softcap=50.0, window=30, config=config)

@@ -53,7 +53,7 @@ def both_backends(monkeypatch, path: str, prompts: list[list[int]], dtype: str, 
         want = ref.generate(prompts, params)
     finally:
         ref.shutdown()
-    monkeypatch.setattr(worker_module, "make_attention_backend", lambda choice, device: TritonPrefillAttention())
+    monkeypatch.setattr(worker_module, "make_attention_backend", lambda choice, device, head_dim, dtype: TritonPrefillAttention())
     ours = engine(path, dtype, block_size, budget)
     try:
         worker = ours.executor.worker

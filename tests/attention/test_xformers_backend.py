@@ -133,11 +133,11 @@ def test_backend_choice(monkeypatch, caplog):
         make_attention_backend("xformers", cpu)
     # The probe runs one real xformers call on the GPU (none here): stood in for, as xformers itself is.
     probed = []
-    monkeypatch.setattr(XformersAttention, "probe", lambda self, device: probed.append(device))
+    monkeypatch.setattr(XformersAttention, "probe", lambda self, device, head_dim, dtype: probed.append(device))
     assert make_attention_backend("auto", cuda).name == "xformers" and probed == [cuda]
     assert make_attention_backend("sdpa", cuda).name == "sdpa"
     # xformers imports but has no kernels (a wheel built for another torch: fmha refuses every call).
-    def refuse(self, device):
+    def refuse(self, device, head_dim, dtype):
         raise NotImplementedError("No operator found for `memory_efficient_attention_forward` with inputs:")
 
     monkeypatch.setattr(XformersAttention, "probe", refuse)
@@ -159,12 +159,14 @@ def test_backend_choice(monkeypatch, caplog):
     triton_kernels = pytest.importorskip("rayllm.attention.triton")
     monkeypatch.undo()
     install_fake_xformers(monkeypatch)
-    monkeypatch.setattr(XformersAttention, "probe", lambda self, device: None)
+    monkeypatch.setattr(XformersAttention, "probe", lambda self, device, head_dim, dtype: None)
     triton_prefill = pytest.importorskip("rayllm.attention.triton_prefill")  # the backend: TritonPrefillAttention
-    monkeypatch.setattr(triton_prefill.TritonPrefillAttention, "probe", lambda self, device: probed.append(device))
+    monkeypatch.setattr(triton_prefill.TritonPrefillAttention, "probe",
+                        lambda self, device, head_dim, dtype: probed.append((device, head_dim, dtype)))
     probed.clear()
-    backend = make_attention_backend("auto", cuda)
-    assert backend.name == "triton" and probed == [cuda] and isinstance(backend.kernels, triton_kernels.TritonKernels)
+    backend = make_attention_backend("auto", cuda, 256, torch.float16)  # probed at the model's shape
+    assert backend.name == "triton" and probed == [(cuda, 256, torch.float16)]
+    assert isinstance(backend.kernels, triton_kernels.TritonKernels)
     assert make_attention_backend("xformers", cuda).name == "xformers"
     with pytest.raises(ValueError, match="needs CUDA"):
         make_attention_backend("triton", cpu)

@@ -52,3 +52,23 @@ def test_cpu_cache_is_zeros_resident_only_where_written():
     assert _rss_bytes() - before < 8 << 20  # the pages written, not the cache
     assert float(k.float().sum()) == 1.5 * bs * dim and float(v.float().sum()) == 2.0 * dim  # zeros elsewhere
     assert float(sum(kc.float().sum() + vc.float().sum() for kc, vc in caches)) == 1.5 * bs * dim + 2.0 * dim
+
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("others,want", [
+    (0, 72 - 16 - 2),  # alone: 90 % of the card, less our weights and the step's activations
+    (4, 72 - 16 - 2),  # another process's 4 GiB is its own, not charged to this instance's share
+    (30, 80 - 16 - 30 - 2),  # ... until the share no longer fits: capped by what is free
+])
+def test_cuda_budget_is_this_instance_share_capped_by_free(monkeypatch, others, want):
+    """vLLM's gpu_memory_utilization: this instance's share of the card. CUDA itself is mocked (no GPU
+    here): an 80 GiB card on which this process holds 16 GiB of weights and other processes `others` GiB."""
+    from rayllm.runner import kv_cache
+
+    total, own = 80 * GiB, 16 * GiB
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (total - own - others * GiB, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: own)
+    assert kv_cache.cuda_budget(0.9, torch.device("cuda", 0), 2 * GiB) == want * GiB

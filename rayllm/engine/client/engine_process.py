@@ -44,9 +44,23 @@ MAX_GRAMMAR_JSON_CHARS = 64 << 20
 GRAMMARS_HELD = 4
 
 
-def child_env(environ: dict[str, str]) -> dict[str, str]:
-    """The child's environment: the parent's, with bounded oneDNN caches unless the operator set them."""
-    return dict(environ) | onednn_cache_env(environ)
+def assigned_gpu_ids() -> list[str]:
+    """GPU ids Ray assigned this process (the replica), [] outside a Ray worker; Ray is not imported here."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return []
+    return [str(g) for g in ray.get_gpu_ids()]
+
+
+def child_env(environ: dict[str, str], gpu_ids: Sequence[str] = ()) -> dict[str, str]:
+    """The child's environment: the parent's, with bounded oneDNN caches unless the operator set them, and
+    CUDA_VISIBLE_DEVICES naming exactly the GPUs Ray assigned the replica (`gpu_ids`). Ray sets it so itself,
+    but not with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, and the child runs outside Ray: its worker
+    would take the first visible GPU, another replica's."""
+    env = dict(environ) | onednn_cache_env(environ)
+    if gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+    return env
 
 
 class EngineProcessError(EngineDeadError):
@@ -64,7 +78,7 @@ class EngineProcess:
         # and torch's threads) nor multiprocessing's spawn (which re-runs the parent's __main__ script).
         parent_sock, child_sock = socket.socketpair()
         self._proc = subprocess.Popen([sys.executable, "-m", "rayllm.engine.client.engine_process", str(child_sock.fileno())],
-                                      pass_fds=(child_sock.fileno(),), env=child_env(dict(os.environ)))
+                                      pass_fds=(child_sock.fileno(),), env=child_env(dict(os.environ), assigned_gpu_ids()))
         child_sock.close()
         self._conn = Connection(os.dup(parent_sock.fileno()))
         parent_sock.close()
