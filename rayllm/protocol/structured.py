@@ -68,7 +68,9 @@ def choice_grammar(choices: list[str]) -> str:
     """EBNF matching exactly one of the strings (JSON string escapes are valid EBNF string escapes)."""
     if not choices:
         raise bad_request("guided_choice must list at least one choice", param="guided_choice")
-    return "root ::= " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+    # Characters as themselves: xgrammar reads the \ud83d\ude00 that ASCII JSON writes for one emoji as two
+    # characters (lone surrogates, which no UTF-8 output can spell).
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
 def _legacy_structural_tag(fmt: dict[str, Any]) -> str:
