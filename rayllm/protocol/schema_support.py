@@ -30,6 +30,7 @@ _ASSERTIONS = frozenset((
 _IGNORED = ("not", "if", "then", "else", "dependentSchemas", "$dynamicRef", "$recursiveRef")
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf")
 _TYPES = frozenset(("string", "number", "integer", "boolean", "object", "array", "null"))
+_MAX_PAIRWISE = 64  # oneOf branches compared pair by pair, at most
 
 
 class UnsupportedSchema(ValueError):
@@ -141,18 +142,32 @@ def _json_type(value: object) -> str:
 def _disjoint(root: object, branches: list[Any]) -> bool:
     """Whether no value can match two of the branches, by what the grammar engine also tells apart: their
     types, their `const`/`enum` values, or a required property whose `const`/`enum` values differ (a
-    discriminated union, as pydantic writes one)."""
+    discriminated union, as pydantic writes one). Linear in the branches when values or one property tell
+    them all apart; pair by pair only for a few branches (a 64 KiB schema may hold thousands)."""
     resolved = [resolve(root, b["$ref"]) if isinstance(b, dict) and isinstance(b.get("$ref"), str) else b
                 for b in branches]
-    for i, a in enumerate(resolved):
-        for b in resolved[i + 1:]:
-            values_a, values_b = _values(a), _values(b)
-            apart = (not _types(root, a) & _types(root, b)
-                     or values_a is not None and values_b is not None and not values_a & values_b
-                     or _discriminated(a, b))
+    values = [_values(b) for b in resolved]
+    if all(v is not None for v in values) and _no_value_twice(values):
+        return True
+    tags = [_tags(b) for b in resolved]
+    shared = set.intersection(*(set(t) for t in tags)) if tags else set()
+    if any(_no_value_twice([t[name] for t in tags]) for name in shared):
+        return True
+    if len(resolved) > _MAX_PAIRWISE:
+        return False
+    types = [_types(root, b) for b in resolved]
+    for i in range(len(resolved)):
+        for j in range(i + 1, len(resolved)):
+            va, vb = values[i], values[j]
+            apart = (not types[i] & types[j] or va is not None and vb is not None and not va & vb
+                     or any(not tags[i][name] & tags[j][name] for name in tags[i].keys() & tags[j].keys()))
             if not apart:
                 return False
     return True
+
+
+def _no_value_twice(sets: list[Any]) -> bool:
+    return sum(len(s) for s in sets) == len(set().union(*sets))
 
 
 def _values(node: object) -> set[str] | None:
@@ -163,18 +178,13 @@ def _values(node: object) -> set[str] | None:
     return {json.dumps(v, sort_keys=True) for v in values} if isinstance(values, list) else None
 
 
-def _discriminated(a: object, b: object) -> bool:
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return False
-    props_a, props_b = a.get("properties"), b.get("properties")
-    if not isinstance(props_a, dict) or not isinstance(props_b, dict):
-        return False
-    required = set(a.get("required") or ()) & set(b.get("required") or ())
-    for name in required & props_a.keys() & props_b.keys():
-        va, vb = _values(props_a[name]), _values(props_b[name])
-        if va is not None and vb is not None and not va & vb:
-            return True
-    return False
+def _tags(node: object) -> dict[str, set[str]]:
+    """An object schema's required properties that have `const` / `enum` values: name -> values."""
+    if not isinstance(node, dict) or not isinstance(node.get("properties"), dict):
+        return {}
+    props, required = node["properties"], node.get("required") or ()
+    found = {name: _values(props[name]) for name in required if isinstance(name, str) and name in props}
+    return {name: v for name, v in found.items() if v is not None}
 
 
 def _multiple_of(node: dict[str, Any]) -> str | None:

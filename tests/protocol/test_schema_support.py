@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import json
+import time
 from typing import Annotated, Any, Literal
 
 import pytest
@@ -13,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from rayllm.protocol.errors import APIError
 from rayllm.protocol.protocol import ChatCompletionRequest
+from rayllm.protocol.request_models import json_size
 from rayllm.protocol.structured import guided_spec
 from rayllm.protocol.tools import plan_tools
 from tests.protocol.test_grammar_bounds import MATH, PROFILE, UI, WEATHER_TOOL
@@ -152,3 +154,14 @@ def test_tool_parameters_are_not_refused():
     strict): rich schemas stay accepted for tools (checked for validity and bounds only)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": REFUSED[0][0]}}]
     assert plan_tools(chat(tools=tools, tool_choice="auto"), other_constraint=False) is not None
+
+
+def test_a_oneof_as_large_as_a_schema_may_be_is_checked_in_linear_time():
+    # Near the 64 KiB bound on a schema: pair by pair, thousands of branches would take minutes.
+    for schema in ({"oneOf": [{"const": i} for i in range(4000)]},
+                   {"oneOf": [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"]}
+                              for i in range(850)]}):
+        assert json_size(schema) > 50_000
+        start = time.perf_counter()
+        assert guided_spec(chat(response_format=schema_format(schema))) is not None
+        assert time.perf_counter() - start < 2.0
