@@ -40,7 +40,11 @@ from rayllm.schema.step import SeqStep, StepInput
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineDeadError", "EngineStats", "LLMEngine", "SequenceError"]
+__all__ = ["EngineDeadError", "EngineStats", "GrammarViolation", "LLMEngine", "SequenceError"]
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the sequence's grammar rejects (its allowed-token mask was not honoured)."""
 
 
 def banned_next(words: tuple[tuple[int, ...], ...], token_ids: list[int], num_output: int) -> tuple[int, ...]:
@@ -286,11 +290,13 @@ class LLMEngine:
         if not sampled:
             return self._output(seq, [], None, prompt_lps) if prompt_lps is not None else None
         token = result.sampled[seq.request_id]
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            # The matcher did not advance: whatever followed would no longer obey the grammar. The caller fails
+            # this sequence alone.
+            raise GrammarViolation(f"the sampled token {token} is not allowed by the request's grammar")
         seq.token_ids.append(token)
         if not seq.first_token_ns:
             seq.first_token_ns = time.time_ns()
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
-            log.warning("request %s: token %d rejected by its grammar", seq.request_id, token)
         self._check_stop(seq, token)
         out = self._output(seq, [token], result.logprobs.get(seq.request_id), prompt_lps)
         if seq.request_id in result.hidden_states:

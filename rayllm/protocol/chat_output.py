@@ -305,11 +305,12 @@ class ChatOutputParser:
         return reason
 
 
-def output_parser_factory(req: Any, plan: ToolPlan | None, prompt_text: str,
-                          model_reasons: bool) -> Callable[[], ChatOutputParser] | None:
+def output_parser_factory(req: Any, plan: ToolPlan | None, prompt_text: str, model_reasons: bool,
+                          constrained: bool) -> Callable[[], ChatOutputParser] | None:
     """How each choice's text of a chat request becomes content / reasoning_content / tool_calls: a
     parser per choice, or None when all of it is content. `model_reasons`: the model writes <think>
-    (from its chat template, or the server's reasoning_parser setting)."""
+    (from its chat template, or the server's reasoning_parser setting). `constrained`: a grammar shapes the
+    output from its first token (response_format, guided_*, a tool_choice that forces a call)."""
     template_reasons = bool(req.chat_template and "<think>" in req.chat_template)
     reasoning = req.separate_reasoning is True or (
         req.separate_reasoning is None and (model_reasons or template_reasons))
@@ -319,7 +320,10 @@ def output_parser_factory(req: Any, plan: ToolPlan | None, prompt_text: str,
     if not reasoning and not tools_active:
         return None
     return functools.partial(ChatOutputParser, reasoning=reasoning,
-                             starts_in_reasoning=reasoning and prompt_text.rstrip().endswith("<think>"),
+                             # A prompt that opens <think> leaves the model inside its thought, but a grammar
+                             # applies from the first token: what it shapes is the answer, not a thought.
+                             starts_in_reasoning=(reasoning and not constrained
+                                                  and prompt_text.rstrip().endswith("<think>")),
                              stream_reasoning=req.stream_reasoning is not False,
                              include_reasoning=getattr(req, "include_reasoning", True) is not False,
                              tools=plan if tools_active else None)

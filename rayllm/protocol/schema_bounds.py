@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from rayllm.protocol import limits as L
 from rayllm.protocol.grammar_bounds import (
@@ -23,29 +23,60 @@ _COUNT_KEYWORDS = ("minItems", "maxItems", "minLength", "maxLength", "minPropert
                    "minContains", "maxContains")
 
 
+# Where a JSON schema (2020-12, draft 7) holds subschemas: a keyword's value, each item of a keyword's list
+# (`items` was a list in draft 7), each value of a keyword's name map.
+_SUBSCHEMA = frozenset(("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+                        "propertyNames", "unevaluatedItems", "unevaluatedProperties"))
+_SUBSCHEMA_LIST = frozenset(("allOf", "anyOf", "oneOf", "prefixItems", "items"))
+_SUBSCHEMA_MAP = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                            "dependencies"))
+
+
+def schema_nodes(schema: object, path: str = "") -> Iterator[tuple[str, object, bool]]:
+    """Every object and array in a JSON schema, level by level: its path, the node, and whether a subschema sits
+    there (not a map of property names, an `enum` value or a `default`, which hold plain JSON)."""
+    level: list[tuple[str, object, str | None]] = [(path, schema, "schema")]
+    while level:
+        nxt: list[tuple[str, object, str | None]] = []
+        for path, node, role in level:
+            yield path, node, role == "schema"
+            if isinstance(node, dict):
+                nxt.extend((f"{path}/{k}", v, _role(role, k, v)) for k, v in node.items())
+            elif isinstance(node, list):
+                nxt.extend((f"{path}/{i}", v, "schema" if role == "list" else None) for i, v in enumerate(node))
+        level = nxt
+
+
+def _role(parent: str | None, key: str, value: object) -> str | None:
+    """What the value under `key` of a node of role `parent` is: a subschema, a list or map of them, or data."""
+    if parent == "map":
+        return "schema"
+    if parent != "schema":
+        return None
+    if key in _SUBSCHEMA and isinstance(value, dict | bool):
+        return "schema"
+    if key in _SUBSCHEMA_LIST and isinstance(value, list):
+        return "list"
+    return "map" if key in _SUBSCHEMA_MAP and isinstance(value, dict) else None
+
+
 def check_schema_bounds(schema: object, path: str = "") -> None:
     """A JSON schema's regexes (`pattern`, `patternProperties`) and counts; `path`: where it is in a structural tag.
     Its nesting is bounded already (MAX_JSON_DEPTH); the objects and arrays it describes are delimited, so nested
-    counts there stay cheap (an array of 1000 strings of 1000 characters: under 1 ms a token)."""
-    level: list[tuple[str, object]] = [(path, schema)]
-    while level:
-        nxt: list[tuple[str, object]] = []
-        for path, node in level:
-            where = f" (at {path.lstrip('/')})" if path else ""
-            if isinstance(node, dict):
-                if isinstance(node.get("pattern"), str):
-                    _at(check_regex, node["pattern"], f"{path}/pattern")
-                if isinstance(node.get("patternProperties"), dict):
-                    for key in node["patternProperties"]:
-                        _at(check_regex, key, f"{path}/patternProperties")
-                for key in _COUNT_KEYWORDS:
-                    if isinstance(node.get(key), int) and node[key] > L.MAX_REPEAT_COUNT:
-                        raise GrammarTooComplex(f"has {key} {node[key]}{where}, at most {L.MAX_REPEAT_COUNT} "
-                                                "are allowed")
-                nxt.extend((f"{path}/{k}", v) for k, v in node.items())
-            elif isinstance(node, list):
-                nxt.extend((f"{path}/{i}", v) for i, v in enumerate(node))
-        level = nxt
+    counts there stay cheap (an array of 1000 strings of 1000 characters: under 1 ms a token). Every object is
+    checked, subschema or not: a `$ref` may point anywhere in the document."""
+    for at, node, _ in schema_nodes(schema, path):
+        if not isinstance(node, dict):
+            continue
+        where = f" (at {at.lstrip('/')})" if at else ""
+        if isinstance(node.get("pattern"), str):
+            _at(check_regex, node["pattern"], f"{at}/pattern")
+        if isinstance(node.get("patternProperties"), dict):
+            for key in node["patternProperties"]:
+                _at(check_regex, key, f"{at}/patternProperties")
+        for key in _COUNT_KEYWORDS:
+            if isinstance(node.get(key), int) and node[key] > L.MAX_REPEAT_COUNT:
+                raise GrammarTooComplex(f"has {key} {node[key]}{where}, at most {L.MAX_REPEAT_COUNT} are allowed")
 
 
 def _at(check: Callable[[str], Rep], text: str, path: str) -> Rep:

@@ -21,14 +21,17 @@ from rayllm.protocol.errors import APIError, bad_request
 from rayllm.protocol.grammar_bounds import GrammarTooComplex, check_ebnf, check_regex
 from rayllm.protocol.request_models import SamplingFields, json_size
 from rayllm.protocol.schema_bounds import check_schema_bounds, structural_rep
+from rayllm.protocol.schema_support import UnsupportedSchema, check_schema_support
 from rayllm.schema.sampling_params import GuidedSpec
 
 # Any JSON object (OpenAI's json_object mode promises an object, not any JSON value).
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
-def check_json_schema(schema: Any, param: str) -> str:
-    """The schema as compact JSON text, after checking it is a valid JSON Schema (small and shallow enough)."""
+def check_json_schema(schema: Any, param: str, exact: bool = False) -> str:
+    """The schema as compact JSON text, after checking it is a valid JSON Schema (small and shallow enough).
+    `exact`: the output is promised to satisfy it (an output constraint), so a keyword that the grammar engine
+    would not enforce is a 400 naming where it is (schema_support)."""
     if not isinstance(schema, str) and L.json_depth(schema) > L.MAX_JSON_DEPTH:  # before json_size recurses
         raise bad_request(f"{param} nests deeper than {L.MAX_JSON_DEPTH} levels", param=param)
     size = len(schema.encode()) if isinstance(schema, str) else json_size(schema)
@@ -53,6 +56,11 @@ def check_json_schema(schema: Any, param: str) -> str:
         check_schema_bounds(schema)
     except GrammarTooComplex as exc:
         raise too_complex(param, exc) from None
+    if exact:
+        try:
+            check_schema_support(schema)
+        except UnsupportedSchema as exc:
+            raise bad_request(f"{param} cannot be enforced {exc}", param=param, code="unsupported_schema") from None
     return json.dumps(schema, separators=(",", ":"))
 
 
@@ -68,7 +76,9 @@ def choice_grammar(choices: list[str]) -> str:
     """EBNF matching exactly one of the strings (JSON string escapes are valid EBNF string escapes)."""
     if not choices:
         raise bad_request("guided_choice must list at least one choice", param="guided_choice")
-    return "root ::= " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+    # Characters as themselves: xgrammar reads the \ud83d\ude00 that ASCII JSON writes for one emoji as two
+    # characters (lone surrogates, which no UTF-8 output can spell).
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
 def _legacy_structural_tag(fmt: dict[str, Any]) -> str:
@@ -81,7 +91,7 @@ def _legacy_structural_tag(fmt: dict[str, Any]) -> str:
     for s in structures:
         if not isinstance(s, dict) or not {"begin", "end"} <= s.keys():
             raise bad_request("each structure needs begin, schema and end", param="response_format")
-        schema = json.loads(check_json_schema(s.get("schema", {}), "response_format.structures.schema"))
+        schema = json.loads(check_json_schema(s.get("schema", {}), "response_format.structures.schema", exact=True))
         tags.append({"begin": s["begin"], "content": {"type": "json_schema", "json_schema": schema}, "end": s["end"]})
     return json.dumps({"type": "structural_tag",
                        "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}})
@@ -92,7 +102,7 @@ def _from_structured_outputs(so: Any) -> list[GuidedSpec]:
     specs = []
     if so.json_ is not None:
         param = "structured_outputs.json"
-        specs.append(GuidedSpec("json_schema", check_json_schema(so.json_, param), param))
+        specs.append(GuidedSpec("json_schema", check_json_schema(so.json_, param, exact=True), param))
     if so.regex is not None:
         specs.append(GuidedSpec("regex", so.regex, "structured_outputs.regex"))
     if so.choice is not None:
@@ -130,7 +140,7 @@ def _from_response_format(rf: Any) -> GuidedSpec | None:
         if not isinstance(body, dict) or "schema" not in body and "json_schema" not in body:
             raise bad_request("response_format.json_schema needs a `schema`", param="response_format")
         schema = body.get("schema", body.get("json_schema"))
-        return GuidedSpec("json_schema", check_json_schema(schema, "response_format.json_schema.schema"),
+        return GuidedSpec("json_schema", check_json_schema(schema, "response_format.json_schema.schema", exact=True),
                           "response_format")
     if rf.type == "regex":
         pattern = extra.get("regex", extra.get("pattern"))
@@ -170,12 +180,12 @@ def guided_spec(req: SamplingFields) -> GuidedSpec | None:
     if req.guided_choice is not None:
         specs.append(GuidedSpec("ebnf", choice_grammar(req.guided_choice), "guided_choice"))
     if req.guided_json is not None:
-        specs.append(GuidedSpec("json_schema", check_json_schema(req.guided_json, "guided_json"), "guided_json"))
+        specs.append(GuidedSpec("json_schema", check_json_schema(req.guided_json, "guided_json", exact=True), "guided_json"))
     if req.structured_outputs is not None:
         specs.extend(_from_structured_outputs(req.structured_outputs))
     json_schema = getattr(req, "json_schema", None)
     if json_schema is not None:
-        specs.append(GuidedSpec("json_schema", check_json_schema(json_schema, "json_schema"), "json_schema"))
+        specs.append(GuidedSpec("json_schema", check_json_schema(json_schema, "json_schema", exact=True), "json_schema"))
     if len(specs) > 1:
         names = ", ".join(s.param for s in specs)
         raise bad_request(f"use one output constraint per request, got: {names}", param=specs[1].param)

@@ -244,7 +244,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         check_sampling(self.config, req, seqs, params.max_tokens, (await self.tokenizer_info())["vocab_size"])
         greq = GenerateRequest(rid, [ids], params, P.stop_options(req), n=req.n or 1, guided=guided,
                                lora=lora[0], lora_path=lora[1], trace_id=request_id_of(request))
-        return greq, await self.output_parser(req, plan, text)
+        return greq, await self.output_parser(req, plan, text, guided is not None)
 
     async def bad_words(self, req: P.SamplingFields) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad_words as the token sequences the engine bans (one round trip to the tokenizer)."""
@@ -252,10 +252,12 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
             return ()
         return P.bad_word_ids(await self.tokenizer.encode_batch.remote(P.bad_word_variants(req.bad_words), False))
 
-    async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str):
+    async def output_parser(self, req: P.ChatCompletionRequest, plan: ToolPlan | None, prompt_text: str,
+                            constrained: bool):
         """How each choice's text becomes content / reasoning_content / tool_calls (None: all content)."""
         model_reasons = (await self.tokenizer_info())["reasoning"] or self.config.reasoning_parser == "think"
-        return output_parser_factory(req, plan, prompt_text, model_reasons and self.config.reasoning_parser != "none")
+        return output_parser_factory(req, plan, prompt_text, model_reasons and self.config.reasoning_parser != "none",
+                                     constrained)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):

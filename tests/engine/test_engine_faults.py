@@ -18,6 +18,7 @@ import torch
 from rayllm.engine.client.engine_client import EngineClient, InprocClient, ProcessClient
 from rayllm.engine.client.engine_process import EngineProcess
 from rayllm.engine.engine import LLMEngine, SequenceError
+from rayllm.sample.guided import GrammarCompiler
 from rayllm.schema.config import (
     CacheConfig,
     DebugConfig,
@@ -26,7 +27,7 @@ from rayllm.schema.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from rayllm.schema.sampling_params import SamplingParams
+from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -51,6 +52,23 @@ class ExplodingMatcher:
 
     def is_terminated(self) -> bool:
         return False
+
+
+class UnmaskedMatcher:
+    """A real grammar matcher whose allowed-token mask allows every token (a mask the sampler gets wrong): the
+    sampler draws what the grammar rejects."""
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+
+    def fill_next_token_bitmask(self, bitmask, index) -> None:
+        bitmask[index].fill_(-1)  # every bit set
+
+    def accept_token(self, token: int) -> bool:
+        return self.matcher.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
 
 
 class UndrawableGenerator:
@@ -131,6 +149,28 @@ def test_each_kind_of_sequence_fault_fails_only_its_request(engine, chat_prompts
     assert not engine.seqs and engine.block_manager.usage == 0.0
     # The engine goes on serving.
     assert engine.generate([chat_prompts[0]], GREEDY)[0] == solo["greedy0"]
+
+
+def test_a_token_its_grammar_rejects_fails_only_its_request(engine, gguf_path, chat_prompts, solo):
+    from rayllm.serve.chat_template import load_tokenizer
+
+    tok = load_tokenizer(gguf_path)
+    digits = GrammarCompiler(tok, len(tok), [tok.eos_token_id]).compile(GuidedSpec("regex", "[0-9]+", "regex"))
+    # Unconstrained, greedy decoding of this prompt starts with a token that is no digit: the grammar rejects it.
+    first = engine.generate([chat_prompts[4]], dataclasses.replace(GREEDY, max_tokens=1))[0][0]
+    assert not tok.decode([first]).strip()[:1].isdigit()
+    for rid, (prompt, params) in good_requests(chat_prompts).items():
+        engine.add_request(rid, prompt, params)
+    engine.add_request("bad-mask", chat_prompts[4], GREEDY, grammar=digits)
+    engine.seqs["bad-mask"].matcher = UnmaskedMatcher(engine.seqs["bad-mask"].matcher)
+
+    tokens, errors = run_to_end(engine)
+
+    assert list(errors) == ["bad-mask"] and "GrammarViolation" in errors["bad-mask"], errors
+    assert tokens["bad-mask"] == []  # the rejected token is not sent
+    for rid, expected in solo.items():
+        assert tokens[rid] == expected, rid
+    assert not engine.seqs and engine.block_manager.usage == 0.0
 
 
 async def collect(engine: EngineClient, rid: str, prompt: list[int], params: SamplingParams):

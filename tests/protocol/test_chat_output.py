@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rayllm.protocol.chat_output import ChatOutputParser, merge_deltas
+from rayllm.protocol.chat_output import ChatOutputParser, merge_deltas, output_parser_factory
 from rayllm.protocol.request_models import ChatCompletionRequest
 from rayllm.protocol.tools import plan_tools
 
@@ -206,3 +206,29 @@ def test_a_call_needs_arguments_that_are_a_json_object(fmt, template, args, is_c
         assert parsed.finish_reason == "tool_calls"
     else:
         assert parsed.message.content == text and not parsed.message.tool_calls and parsed.finish_reason == "stop"
+
+
+# A DeepSeek-R1-distill style prompt: the template opens the thought for the model.
+OPENS_THINK = "<｜User｜>Describe Bob as JSON<｜Assistant｜><think>\n"
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+def test_a_grammar_shapes_the_answer_even_when_the_prompt_opens_think(constrained):
+    """The grammar applies from the first token, so under a constraint the output is the answer (content, tool
+    calls); without one, a prompt that opens <think> leaves the model inside its thought."""
+    body = '{"name": "Bob", "age": 30}'
+    req = ChatCompletionRequest.model_validate({"messages": MSG})
+    factory = output_parser_factory(req, None, OPENS_THINK, True, constrained)
+    parser = factory()
+    msg = merge_deltas(parser.feed(body) + parser.finish())
+    assert msg == ({"content": body} if constrained else {"content": "", "reasoning_content": body})
+
+
+def test_a_required_tool_call_survives_a_prompt_that_opens_think():
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS, "tool_choice": "required"})
+    required = plan_tools(req, other_constraint=False)
+    assert required is not None and required.guided is not None  # the call list is a grammar
+    parser = output_parser_factory(req, required, OPENS_THINK, True, True)()
+    msg = merge_deltas(parser.feed('[{"name": "get_weather", "arguments": {"city": "Paris"}}]') + parser.finish())
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert msg["content"] is None and parser.finish_reason("stop") == "tool_calls"

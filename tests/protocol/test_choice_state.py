@@ -54,7 +54,7 @@ def interleaved(texts: dict[int, str], rng: random.Random, prompt_tokens: int = 
 @pytest.mark.parametrize("seed", range(4))
 def test_stream_and_body_agree_through_the_sdk_accumulator(seed):
     req = chat_request()
-    factory = output_parser_factory(req, plan_tools(req, other_constraint=False), "", False)
+    factory = output_parser_factory(req, plan_tools(req, other_constraint=False), "", False, False)
     deltas = interleaved({0: CALL, 1: PLAIN}, random.Random(seed))
     state = GenerationState(2, factory)
     fmt = ChatFormat(state, request_id="r", model="m", created=1, include_usage=True)
