@@ -355,7 +355,7 @@ def chat_response_format(text: TextConfig | None) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if fmt.schema_ is None:
         raise bad_request("text.format.schema is required for json_schema", param="text.format.schema")
-    schema = json.loads(check_json_schema(fmt.schema_, "text.format.schema"))
+    schema = json.loads(check_json_schema(fmt.schema_, "text.format.schema", exact=True))
     return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": schema,
                                                    "strict": fmt.strict}}
 

@@ -123,6 +123,11 @@ def plan_tools(req: ChatCompletionRequest, *, other_constraint: bool, tool_forma
     if mode in ("required", "named") and other_constraint:
         raise bad_request(f"tool_choice '{named or mode}' cannot be combined with response_format or a guided "
                           f"constraint", param="tool_choice")
+    if mode in ("required", "named"):  # the grammar promises these arguments: what it cannot enforce is a 400
+        for i, f in enumerate(functions):
+            if mode == "required" or f.name == named:
+                where = f"functions.{i}.parameters" if legacy else f"tools.{i}.function.parameters"
+                check_json_schema(f.parameters, where, exact=True)
     parallel = req.parallel_tool_calls is not False and not legacy
     template_tools = [f.to_tool() for f in functions]
     if mode == "named":

@@ -53,7 +53,7 @@ def through_the_sdk(text: str, seed: int, **kw) -> tuple[SDKChatCompletion, SDKC
     accumulator rebuilds it, the whole body), both parsed by the SDK with the request's strict tools, which
     json.loads every call's arguments."""
     req = request(stream=True, **kw)
-    factory = output_parser_factory(req, plan_tools(req, other_constraint=False, tool_format="llama3_json"), "", False)
+    factory = output_parser_factory(req, plan_tools(req, other_constraint=False, tool_format="llama3_json"), "", False, False)
     state = GenerationState(1, factory)
     fmt = ChatFormat(state, request_id="r", model="m", created=1, include_usage=True)
     parts = pieces(text, seed)
