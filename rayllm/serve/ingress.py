@@ -29,6 +29,7 @@ from rayllm.serve.generation_stream import Generation, OnComplete
 from rayllm.serve.lora.shared_adapters import SharedAdapters
 from rayllm.serve.metrics import server_metrics
 from rayllm.serve.model_status import ServeModelStatus, wake
+from rayllm.serve.owner_limits import OwnerLimits, released
 from rayllm.serve.request_guards import (
     call_model,
     check_chat_template,
@@ -72,6 +73,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
         self.model_status = ServeModelStatus(app_name)
         self.health_log = ops.HealthLog()
+        self.owner_limits = OwnerLimits.of(config)  # per key, beside the engine's max_running_share
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
         configure(config.tracing, "ingress")  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
 
@@ -133,16 +135,23 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         """One generation, streamed or whole (rayllm.serve.generation_stream); `on_complete` (storage) runs
         after the last delta, before the response ends."""
         t0 = time.monotonic()
-        greq.traceparent = dispatch(greq, self.model_name)  # None unless this request is traced
-        call = self.routes.current.llm_for(greq.lora).options(stream=True).generate.remote(greq)
-        gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
-                         self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
-                         retry_after_s=self.config.retry_after_s, on_complete=traced_storage(on_complete))
-        if not req.stream:
-            body = await gen.body()
-            return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)
-        await gen.start()  # early refusals stay plain HTTP errors
-        return StreamingResponse(gen.events(), media_type="text/event-stream",
+        # The key's share of the model's queue (scheduler.max_running_share): a 429 past it; held until the end.
+        release = self.owner_limits.enter(self.model_name, greq.params.tenant)
+        try:
+            greq.traceparent = dispatch(greq, self.model_name)  # None unless this request is traced
+            call = self.routes.current.llm_for(greq.lora).options(stream=True).generate.remote(greq)
+            gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
+                             self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
+                             retry_after_s=self.config.retry_after_s, on_complete=traced_storage(on_complete))
+            if not req.stream:
+                body = await gen.body()
+                release()
+                return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)
+            await gen.start()  # early refusals stay plain HTTP errors
+        except BaseException:
+            release()
+            raise
+        return StreamingResponse(released(gen.events(), release), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | gen.headers)
 
     @app.get("/health")
