@@ -219,9 +219,9 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         sampling. Returns the engine request and the output parser factory (rayllm.protocol.chat_output)."""
         await self.select_model(req.model, req.lora_path)
         lora = self.adapters.resolve(req.model, req.lora_path)
-        seqs = check_request(self.config, req, 1)
-        P.check_supported(req)
         guided = guided_spec(req)
+        seqs = check_request(self.config, req, 1, guided)
+        P.check_supported(req)
         tool_format = self.config.tool_parser
         if tool_format == "auto":
             tool_format = (await self.tokenizer_info())["tool_format"]
@@ -265,7 +265,8 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         await self.select_model(req.model, req.lora_path)
         lora = self.adapters.resolve(req.model, req.lora_path)
         raw_prompts = P.completion_prompts(req)
-        seqs = check_request(self.config, req, len(raw_prompts))
+        guided = guided_spec(req)
+        seqs = check_request(self.config, req, len(raw_prompts), guided)
         P.check_supported(req)
         info = await self.info()
         prompts: list[list[int]] = []
@@ -314,7 +315,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
             raise APIError(400, "best_of > n cannot be streamed (the best choices are known only at the end)",
                            param="best_of")
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
-                               echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of,
+                               echo_texts=texts if req.echo else None, guided=guided, best_of=best_of,
                                lora=lora[0], lora_path=lora[1],
                                trace_id=request_id_of(request))
         fmt = self.openai_format(CompletionFormat, greq, req, GenerationState(greq.n, legacy_logprobs=True))
