@@ -5,6 +5,7 @@ so its requests parked in the engine cannot fill that queue and make everyone el
 # No `from __future__ import annotations`, like the ingress: this runs inside the Serve replica.
 
 import math
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
@@ -77,11 +78,17 @@ class OwnerLimits:
         return release
 
 
-async def released(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
-    """A stream's events, its owner's slot released when it ends, fails or the client leaves (closed here at
-    once, so the model call is cancelled as without this wrapper)."""
+def released(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    """A stream's events, its owner's slot released when it ends, fails or the client leaves; also when it is
+    collected without having started (a client gone before the first write: no `finally` runs then)."""
+    stream = _released(events, release)
+    weakref.finalize(stream, release)
+    return stream
+
+
+async def _released(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
     try:
-        async with aclosing(events) as inner:
+        async with aclosing(events) as inner:  # closed here at once: the model call is cancelled as before
             async for event in inner:
                 yield event
     finally:

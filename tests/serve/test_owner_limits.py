@@ -4,6 +4,7 @@ deployment's real Serve options; the 429 through the ingress's own error handler
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import httpx
 import openai
@@ -85,6 +86,12 @@ async def test_a_stream_holds_its_slot_until_it_ends_or_the_client_leaves():
         limits.enter("m", "a")
     await left.aclose()  # what Starlette does when the client disconnects
     assert closed == ["whole", "left"] and not limits.in_flight
+    never = released(events("never"), limits.enter("m", "a"))  # the client left before the first write
+    with pytest.raises(RateLimited):
+        limits.enter("m", "a")
+    del never
+    gc.collect()
+    assert not limits.in_flight
     limits.enter("m", "a")
 
 
