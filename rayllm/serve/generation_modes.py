@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rayllm.protocol.errors import APIError
 from rayllm.protocol.io_struct import GenerateRequest, GenerationDelta, LogprobEntry, StopOptions
 from rayllm.protocol.structured import pick_choice
-from rayllm.schema.sampling_params import SamplingParams
-from rayllm.serve.tokenizer import TokenizerService
+
+if TYPE_CHECKING:  # the ingress imports this module's bounds without the tokenizer
+    from rayllm.serve.tokenizer import TokenizerService
 
 
 class Generator(Protocol):
@@ -52,13 +53,39 @@ async def best_of(server: Generator, req: GenerateRequest) -> list[GenerationDel
     return out
 
 
-# Scoring prefills each prompt once a literal (prompt logprobs skip the prefix cache): past this many prompt
-# tokens in all, the constraint is sampled under its grammar instead (one sequence a choice, cache shared).
+# Scoring prefills each prompt once a literal (prompt logprobs skip the prefix cache): past this many tokens in
+# all, or this many sequences (prompts x choices, which the ingress counts against max_sequences_per_request),
+# the constraint is sampled under its grammar instead (one sequence a choice, cache shared).
 MAX_SCORING_TOKENS = 1 << 16
+MAX_SCORED_SEQUENCES = 64
 
 
 def scoring_fits(req: GenerateRequest, choices: list[str]) -> bool:
-    return len(choices) * sum(len(p) for p in req.prompts) <= MAX_SCORING_TOKENS
+    """Whether literal choices are scored (choose); else they are sampled under their grammar, which applies
+    the controls scoring ignores: logit_bias, bad_words, allowed_token_ids, penalties, min_tokens, stops,
+    hidden states."""
+    p, stop = req.params, req.stop
+    if (p.logit_bias or p.bad_words_token_ids or p.allowed_token_ids or p.presence_penalty or p.frequency_penalty
+            or p.repetition_penalty != 1.0 or p.min_tokens or p.stop_token_ids or p.return_hidden_states
+            or stop.stop or stop.stop_regex):
+        return False
+    if len(req.prompts) * len(choices) > MAX_SCORED_SEQUENCES:
+        return False
+    # A choice's tokens are at most its UTF-8 bytes (byte-level and byte-fallback vocabularies), plus a
+    # leading-space piece and the end token it may be scored with.
+    choice_tokens = sum(len(c.encode()) + 2 for c in choices)
+    return len(choices) * sum(len(q) for q in req.prompts) + len(req.prompts) * choice_tokens <= MAX_SCORING_TOKENS
+
+
+def end_token(tokenizer: TokenizerService) -> int | None:
+    """The token generation ends a choice with: the model's configured EOS (a chat model's end of turn) when
+    it stops generation, else the first id that does."""
+    eos = tokenizer.tokenizer.eos_token_id
+    return eos if eos in tokenizer.eos_token_ids else next(iter(tokenizer.eos_token_ids), None)
+
+
+def token_prefix(ids: list[int], canon: list[list[int]]) -> bool:
+    return any(len(o) > len(ids) and o[: len(ids)] == ids for o in canon)
 
 
 def scored(delta: GenerationDelta, prompt_len: int, choice_len: int) -> list[LogprobEntry]:
@@ -73,12 +100,18 @@ def scored(delta: GenerationDelta, prompt_len: int, choice_len: int) -> list[Log
 
 async def choose(server: Generator, req: GenerateRequest, choices: list[str]) -> list[GenerationDelta]:
     """Literals: each scored by the raw model's logprob of its canonical tokens after the prompt (one prefill
-    each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization."""
+    each, batched), then picked (pick_choice); a grammar would let sampling spell it in any tokenization.
+
+    A choice whose tokens begin another choice (the empty one begins them all) is scored with the end token
+    after it: under the grammar the model either ends there or goes on to the longer choice, and the end's
+    probability decides; scored by its own tokens alone, the shorter always scored at least as high."""
     canon = [server.tokenizer.encode(c, add_special_tokens=False) for c in choices]
+    end = end_token(server.tokenizer)
+    ended = [ids + [end] if end is not None and token_prefix(ids, canon) else ids for ids in canon]
     top = req.params.logprobs
-    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=top or 0,
-                             cache_salt=req.params.cache_salt)
-    wide = replace(req, prompts=[p + c for p in req.prompts for c in canon], n=1, guided=None, best_of=None,
+    # The request's own params (tenant, priority, cache_salt): scoring counts in its tenant's share and queue.
+    scoring = replace(req.params, temperature=0, max_tokens=1, prompt_logprobs=top or 0, logprobs=None)
+    wide = replace(req, prompts=[p + c for p in req.prompts for c in ended], n=1, guided=None, best_of=None,
                    params=scoring, stop=StopOptions(), echo_texts=None)
     first: dict[int, GenerationDelta] = {}
     async for batch in server.generate(wide):
@@ -86,7 +119,7 @@ async def choose(server: Generator, req: GenerateRequest, choices: list[str]) ->
             first.setdefault(d.index, d)
     out: list[GenerationDelta] = []
     for p, prompt in enumerate(req.prompts):
-        entries = [scored(first[p * len(canon) + k], len(prompt), len(canon[k])) for k in range(len(canon))]
+        entries = [scored(first[p * len(canon) + k], len(prompt), len(ended[k])) for k in range(len(canon))]
         scores = [sum(e["logprob"] for e in lps) for lps in entries]
         for j in range(req.n):
             k = pick_choice(scores, req.params.temperature, None if req.params.seed is None else req.params.seed + j)

@@ -31,6 +31,7 @@ from rayllm.serve.generation_stream import Generation, OnComplete
 from rayllm.serve.lora.shared_adapters import SharedAdapters
 from rayllm.serve.metrics import server_metrics
 from rayllm.serve.model_status import ServeModelStatus, wake
+from rayllm.serve.owner_limits import OwnerLimits, released
 from rayllm.serve.request_guards import (
     call_model,
     check_chat_template,
@@ -80,6 +81,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         # Serve's controller, not the replicas, answers "is the model up" (scale to zero: nothing wakes it)
         self.model_status = ServeModelStatus(app_name)
         self.health_log = ops.HealthLog()
+        self.owner_limits = OwnerLimits.of(config)  # per key, beside the engine's max_running_share
         app.state.max_request_bytes = config.max_request_bytes  # read by parse() (module level)
         configure(config.tracing, "ingress")  # OpenTelemetry spans, when cluster.yaml's tracing.enabled
 
@@ -141,16 +143,23 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         """One generation, streamed or whole (rayllm.serve.generation_stream); `on_complete` (storage) runs
         after the last delta, before the response ends."""
         t0 = time.monotonic()
-        greq.traceparent = dispatch(greq, self.model_name)  # None unless this request is traced
-        call = self.routes.current.llm_for(greq.lora).options(stream=True).generate.remote(greq)
-        gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
-                         self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
-                         retry_after_s=self.config.retry_after_s, on_complete=traced_storage(on_complete))
-        if not req.stream:
-            body = await gen.body()
-            return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)
-        await gen.start()  # early refusals stay plain HTTP errors
-        return StreamingResponse(gen.events(), media_type="text/event-stream",
+        # The key's share of the model's queue (scheduler.max_running_share): a 429 past it; held until the end.
+        release = self.owner_limits.enter(self.model_name, greq.params.tenant)
+        try:
+            greq.traceparent = dispatch(greq, self.model_name)  # None unless this request is traced
+            call = self.routes.current.llm_for(greq.lora).options(stream=True).generate.remote(greq)
+            gen = Generation(call, fmt, metrics=self.metrics, model=(greq.lora and getattr(req, "model", None)) or
+                             self.model_name, t0=t0, timeout_s=self.config.request_timeout_s,
+                             retry_after_s=self.config.retry_after_s, on_complete=traced_storage(on_complete))
+            if not req.stream:
+                body = await gen.body()
+                release()
+                return JSONResponse(body.model_dump() if isinstance(body, BaseModel) else body, headers=gen.headers)
+            await gen.start()  # early refusals stay plain HTTP errors
+        except BaseException:
+            release()
+            raise
+        return StreamingResponse(released(gen.events(), release), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | gen.headers)
 
     @app.get("/health")
@@ -218,9 +227,9 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         sampling. Returns the engine request and the output parser factory (rayllm.protocol.chat_output)."""
         await self.select_model(req.model, req.lora_path)
         lora = self.adapters.resolve(req.model, req.lora_path)
-        seqs = check_request(self.config, req, 1)
-        P.check_supported(req)
         guided = guided_spec(req)
+        seqs = check_request(self.config, req, 1, guided)
+        P.check_supported(req)
         tool_format = self.config.tool_parser
         if tool_format == "auto":
             tool_format = (await self.tokenizer_info())["tool_format"]
@@ -266,7 +275,8 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
         await self.select_model(req.model, req.lora_path)
         lora = self.adapters.resolve(req.model, req.lora_path)
         raw_prompts = P.completion_prompts(req)
-        seqs = check_request(self.config, req, len(raw_prompts))
+        guided = guided_spec(req)
+        seqs = check_request(self.config, req, len(raw_prompts), guided)
         P.check_supported(req)
         info = await self.info()
         prompts: list[list[int]] = []
@@ -315,7 +325,7 @@ class Ingress(ResponsesRoutes, ConversationRoutes, PlaygroundRoutes, EmbeddingsR
             raise APIError(400, "best_of > n cannot be streamed (the best choices are known only at the end)",
                            param="best_of")
         greq = GenerateRequest(rid, prompts, params, P.stop_options(req), n=req.n or 1,
-                               echo_texts=texts if req.echo else None, guided=guided_spec(req), best_of=best_of,
+                               echo_texts=texts if req.echo else None, guided=guided, best_of=best_of,
                                lora=lora[0], lora_path=lora[1],
                                trace_id=request_id_of(request))
         fmt = self.openai_format(CompletionFormat, greq, req, GenerationState(greq.n, legacy_logprobs=True))

@@ -14,7 +14,10 @@ from ray.serve.exceptions import BackPressureError
 
 from rayllm.protocol import protocol as P
 from rayllm.protocol.errors import APIError, not_found, replica_failed
+from rayllm.protocol.structured import literal_choices
+from rayllm.schema.sampling_params import GuidedSpec
 from rayllm.serve.config import ServerConfig
+from rayllm.serve.generation_modes import MAX_SCORED_SEQUENCES
 
 # return_hidden_states: each output token's final hidden state goes back (as JSON numbers) and a whole
 # response is held by the ingress; at 4,096 tokens of an 8B model's 4,096 values that is ~0.5 GB at most.
@@ -118,12 +121,16 @@ def check_tokens(config: ServerConfig, req: P.SamplingFields, prompt_len: int, p
     return min(max_model_len, config.max_total_tokens or max_model_len)
 
 
-def check_request(config: ServerConfig, req: P.SamplingFields, num_prompts: int) -> int:
-    """The server's per-request bounds that need no tokenizing; returns the engine sequences it starts."""
+def check_request(config: ServerConfig, req: P.SamplingFields, num_prompts: int,
+                  guided: GuidedSpec | None = None) -> int:
+    """The server's per-request bounds that need no tokenizing; returns the engine sequences that generate
+    (prompts x max(n, best_of)). `guided`: the request's constraint, whose literal choices may be scored."""
     best_of = getattr(req, "best_of", None)
     check_n(config, req.n, best_of)
     check_chat_template(config, getattr(req, "chat_template", None))
-    return check_fanout(config, num_prompts, req.n, best_of)
+    seqs = check_fanout(config, num_prompts, req.n, best_of)
+    check_scored_choices(config, num_prompts, guided)
+    return seqs
 
 
 def check_sampling(config: ServerConfig, req: P.SamplingFields, seqs: int, max_tokens: int, vocab: int,
@@ -148,6 +155,20 @@ def check_fanout(config: ServerConfig, num_prompts: int, n: int | None, best_of:
                        f"choices); this server allows at most {config.max_sequences_per_request} per request "
                        "(max_sequences_per_request).", param=param, code="too_many_sequences")
     return seqs
+
+
+def check_scored_choices(config: ServerConfig, num_prompts: int, guided: GuidedSpec | None) -> None:
+    """Literal choices are scored one engine sequence a prompt and choice (rayllm.serve.generation_modes), up
+    to MAX_SCORED_SEQUENCES of them; past that they are sampled under their grammar (prompts x n, counted
+    already). Scored sequences count against max_sequences_per_request: a 400 naming the constraint beyond."""
+    choices = literal_choices(guided)
+    if choices is None or guided is None or num_prompts * len(choices) > MAX_SCORED_SEQUENCES:
+        return
+    seqs, cap = num_prompts * len(choices), config.max_sequences_per_request
+    if cap and seqs > cap:
+        raise APIError(400, f"This request scores {seqs} sequences ({num_prompts} prompt(s) x {len(choices)} "
+                       f"choices of {guided.param}); this server allows at most {cap} per request "
+                       "(max_sequences_per_request).", param=guided.param, code="too_many_sequences")
 
 
 def check_requested_tokens(config: ServerConfig, req: P.SamplingFields, seqs: int, max_tokens: int) -> None:

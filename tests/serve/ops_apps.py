@@ -124,11 +124,12 @@ SHARED_APPS: dict[str, frozenset[str]] = {
 
 def prio_args(otlp_port: int) -> dict:
     """test_priority_serving.py's app: two running slots, priority order, at most one slot per key (three
-    keys). test_tracing_serving.py traces through the same app: its spans go to an OTLP receiver on
-    `otlp_port` (the session's)."""
+    keys), and a model queue of 6 + 2 requests, 4 per key (the ingress's share of it). test_tracing_serving.py
+    traces through the same app: its spans go to an OTLP receiver on `otlp_port` (the session's)."""
     from tests.serve.conftest import ADMIN_KEY, API_KEY, API_KEY_2
 
     return {"api_keys": [API_KEY, API_KEY_2], "admin_api_keys": [ADMIN_KEY],
+            "llm_deployment_options": {"max_ongoing_requests": 6, "max_queued_requests": 2},
             "engine": {"model": {"dtype": "bfloat16", "max_model_len": 1024}, "cache": {"kv_cache_bytes": 96 << 20},
                        "scheduler": {"max_num_seqs": 2, "max_num_batched_tokens": 256, "policy": "priority",
                                      "max_running_share": 0.5, "batch_invariant": True}},

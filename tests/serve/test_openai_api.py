@@ -161,7 +161,8 @@ def test_bad_requests_get_openai_errors(server, auth, model_name, body, status, 
 
 
 def test_invalid_json_and_auth(server, auth, model_name):
-    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json", headers=auth)
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json",
+                   headers=auth | {"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{server}/v1/chat/completions", json={"model": model_name, "messages": QUESTION})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -90,6 +90,36 @@ def test_one_key_holds_at_most_its_share(prio, engine):
     asyncio.run(run())
 
 
+def test_one_key_cannot_fill_the_model_queue(prio, engine):
+    """The model deployment takes 6 + 2 requests (max_ongoing_requests, max_queued_requests); at a share of 0.5
+    key A may have 4 in flight at the ingress, parked ones included. The fifth is a 429 rate_limit_exceeded
+    with Retry-After (without the cap it waited in Serve's queue, and once A filled that queue another key's
+    requests were 503s while an engine slot was free); key B is served meanwhile; A's slots come back when its
+    clients leave."""
+    async def run():
+        a, b, _ = clients(prio)
+        held = [asyncio.create_task(timed(a, LONG))]
+        await until(engine, held[0], running=1)
+        held += [asyncio.create_task(timed(a, LONG)) for _ in range(3)]
+        await until(engine, held[-1], running=1, waiting=3)
+        with pytest.raises(openai.RateLimitError) as info:
+            await timed(a, SHORT)
+        assert info.value.code == "rate_limit_exceeded" and int(info.value.response.headers["retry-after"]) >= 1
+        await timed(b, SHORT)  # the free engine slot serves another key at once
+        for task in held:  # A's clients leave: their requests end at the ingress and in the engine
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await timed(a, SHORT)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+    asyncio.run(run())
+
+
 def test_responses_route_honours_service_tier_and_priority(prio, engine):
     """Both slots hold default-priority chat streams (keys A and B); a Responses request of the admin key
     finishes before either only if its tier (or vLLM's priority) reached the engine: at the same priority it

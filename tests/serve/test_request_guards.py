@@ -76,3 +76,58 @@ def test_config_refuses_negative_bounds():
     with pytest.raises(ValueError, match="max_sequences_per_request"):
         ServerConfig(max_sequences_per_request=-1)
     assert ServerConfig().max_request_bytes == 8 << 20  # bounded by default
+
+
+def test_scored_literal_choices_count_as_sequences():
+    """Literal choices are scored one engine sequence a prompt and choice: those count against
+    max_sequences_per_request (400 naming the constraint); past MAX_SCORED_SEQUENCES the replica samples them
+    under their grammar (prompts x n), as scoring_fits decides on the same requests."""
+    from rayllm.protocol.io_struct import GenerateRequest, StopOptions
+    from rayllm.protocol.structured import guided_spec, literal_choices
+    from rayllm.schema.sampling_params import SamplingParams
+    from rayllm.serve.generation_modes import MAX_SCORED_SEQUENCES, scoring_fits
+
+    def both(cfg: ServerConfig, req: P.CompletionRequest, prompts: int) -> tuple[int, bool]:
+        guided = guided_spec(req)
+        seqs = check_request(cfg, req, prompts, guided)
+        engine = GenerateRequest("r", [[1, 2]] * prompts, SamplingParams(), StopOptions(), n=req.n or 1, guided=guided)
+        return seqs, scoring_fits(engine, literal_choices(guided))
+
+    cfg = ServerConfig(max_sequences_per_request=16)
+    words = [f"w{i}" for i in range(20)]
+    assert both(cfg, completion(structured_outputs={"choice": words[:16]}), 1) == (1, True)
+    err = refusal(check_request, cfg, completion(structured_outputs={"choice": words}), 1,
+                  guided_spec(completion(structured_outputs={"choice": words})))
+    assert (err.param, err.code) == ("structured_outputs.choice", "too_many_sequences") and "20 choices" in err.message
+    assert refusal(check_request, cfg, completion(guided_choice=words[:9]), 2,
+                   guided_spec(completion(guided_choice=words[:9]))).param == "guided_choice"
+    regex = completion(regex="|".join(words))  # a plain alternation is a literal choice list too
+    assert refusal(check_request, cfg, regex, 1, guided_spec(regex)).param == "regex"
+    # The reviewer's request: 64 prompts x 256 choices is sampled under the grammar, 64 sequences.
+    big = completion(structured_outputs={"choice": [f"choice{i}" for i in range(256)]})
+    assert 64 * 256 > MAX_SCORED_SEQUENCES
+    assert both(ServerConfig(), big, 64) == (64, False)
+    assert both(ServerConfig(max_sequences_per_request=0), completion(guided_choice=words), 3) == (3, True)
+
+
+def test_scoring_leaves_requests_with_other_controls_to_the_grammar():
+    """Scoring reads the model's raw logprobs: a request with controls it would ignore is sampled under the
+    grammar, which applies them; a long choice list counts its own tokens in the scoring budget."""
+    from dataclasses import replace
+
+    from rayllm.protocol.io_struct import GenerateRequest, StopOptions
+    from rayllm.schema.sampling_params import SamplingParams
+    from rayllm.serve.generation_modes import MAX_SCORING_TOKENS, scoring_fits
+
+    plain = GenerateRequest("r", [[1, 2, 3]], SamplingParams(tenant="t", priority=3), StopOptions())
+    assert scoring_fits(plain, ["yes", "no"])
+    for change in ({"logit_bias": ((5, 2.0),)}, {"bad_words_token_ids": ((5,),)}, {"allowed_token_ids": (5, 6)},
+                   {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"repetition_penalty": 1.2},
+                   {"min_tokens": 2}, {"stop_token_ids": (7,)}, {"return_hidden_states": True}):
+        assert not scoring_fits(replace(plain, params=replace(plain.params, **change)), ["yes", "no"]), change
+    for stop in (StopOptions(stop=("x",)), StopOptions(stop_regex=("x+",))):
+        assert not scoring_fits(replace(plain, stop=stop), ["yes", "no"])
+    # Few prompt tokens, long choices: the choices' own tokens are what a scoring prefill costs.
+    long = [f"{i:04}" + "x" * 1020 for i in range(64)]  # guided_choice's bound: 1024 characters a choice
+    assert 64 * 1 < MAX_SCORING_TOKENS < 64 * 1024 + 64
+    assert not scoring_fits(replace(plain, prompts=[[1]]), long)

@@ -3,6 +3,7 @@
 # No `from __future__ import annotations`: FastAPI must see real types on the route signatures.
 
 import logging
+import re
 import uuid
 
 from fastapi import FastAPI, Request
@@ -79,9 +80,18 @@ def openapi_with_bodies() -> dict:
 app.openapi = openapi_with_bodies  # type: ignore[method-assign]
 
 
+# The bound security.md sets for ids in bodies: the header's id reaches sequence ids, logs, errors and spans.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,256}")
+
+
 def request_id_of(request: Request) -> str:
-    """Serve's proxy forwards the client's X-Request-Id, or one it generated, and echoes it on the response."""
-    return request.headers.get("x-request-id") or uuid.uuid4().hex
+    """Serve's proxy forwards the client's X-Request-Id, or one it generated. One that is too long or has other
+    characters is replaced by a generated one, kept on the request so that every reader sees the same id."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id", "")
+        rid = request.state.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    return rid
 
 
 def error_response(err: APIError, request: Request | None = None,
@@ -139,8 +149,23 @@ async def read_body(request: Request) -> bytes:
     return body
 
 
+# application/json and its structured-syntax kin (application/merge-patch+json, ...)
+_JSON_MEDIA = re.compile(r"application/json|[\w.+-]+/[\w.+-]+\+json")
+
+
+def check_json_content_type(request: Request) -> None:
+    """A 415 unless the body is declared JSON: a cross-site POST of text/plain (or with no type) needs no CORS
+    preflight, so without this check any web page could start generations on a server without keys."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    if not _JSON_MEDIA.fullmatch(media):
+        raise APIError(415, f"Unsupported Content-Type {declared[:100]!r}: send the body as JSON "
+                       "(Content-Type: application/json).", param="Content-Type", code="unsupported_media_type")
+
+
 async def parse(request: Request, model: type[BaseModel]) -> BaseModel:
     with span("validate"):  # the request's trace (rayllm.serve.tracing; nothing while it is off)
+        check_json_content_type(request)
         body = await read_body(request)
         try:
             return model.model_validate_json(body)
