@@ -94,7 +94,8 @@ def http(body: dict | None = None, method: str = "POST", query: bytes = b"") -> 
     async def receive() -> dict:
         return messages.pop(0) if messages else {"type": "http.request", "body": b"", "more_body": False}
 
-    return Request({"type": "http", "method": method, "path": "/", "headers": [], "query_string": query,
+    headers = [(b"content-type", b"application/json")] if body is not None else []  # as the OpenAI SDK sends
+    return Request({"type": "http", "method": method, "path": "/", "headers": headers, "query_string": query,
                     "app": app}, receive)
 
 
