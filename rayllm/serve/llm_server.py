@@ -360,8 +360,9 @@ class LLMServer:
     async def _acquire_lora(self, req: GenerateRequest, queue: asyncio.Queue) -> AdapterEntry | None:
         if req.lora is None:
             return None
-        assert req.lora_path is not None
-        entry = await self._registry().acquire(req.lora, req.lora_path, queue)
+        assert req.lora_path is not None  # waiting for a slot: in the engine's order (fcfs ignores priority)
+        priority = req.params.priority if self.config.scheduler.policy == "priority" else 0
+        entry = await self._registry().acquire(req.lora, req.lora_path, queue, priority)
         if serve.get_multiplexed_model_id() == req.lora:  # only once it loaded: Serve's table never forgets
             await self._multiplexed_adapter(req.lora)
         return entry

@@ -1,6 +1,7 @@
 """Runtime-loaded LoRA adapters with two ingress replicas (rayllm/serve/lora/shared_adapters.py): an
 adapter loaded through one replica serves through the other, an unload reaches both within the stated
-bound, two loads of one name at once leave exactly one winner, and restarted replicas still serve it.
+bound, two loads of one name at once leave exactly one winner, and restarted replicas still serve it. The
+model runs two replicas too: an unload reaches both, and a reload reads the files again.
 
 Each ingress replica serves HTTP on a port of its own (HAProxy balances over them): the tests call each
 replica there, so which one answers is the test's choice, not the balancer's."""
@@ -61,7 +62,7 @@ def two_replicas(old: frozenset[str] = frozenset(), wait_s: float = 120) -> list
 
 @pytest.fixture(scope="module")
 def replicas(server, adapters, tmp_path_factory) -> list[str]:
-    """An app whose ingress runs two replicas (one model replica with two adapter slots); the session's
+    """An app whose ingress runs two replicas (two model replicas, two adapter slots each); the session's
     STORAGE_URL is its store. The list is the test module's to update when replicas are replaced."""
     from ray import serve
 
@@ -73,7 +74,7 @@ def replicas(server, adapters, tmp_path_factory) -> list[str]:
         "engine": SMALL_ENGINE | {"lora": {"max_loras": 2, "max_lora_rank": 8,
                                            "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
     })
-    ingress = build_app_with(config)._bound_deployment  # the builder's app, its ingress on two replicas
+    ingress = build_app_with(config, {"num_replicas": 2})._bound_deployment  # the builder's app, its ingress on two replicas
     app = ingress.options(num_replicas=2).bind(*ingress.init_args, **ingress.init_kwargs)
     run_app(server, app, APP)
     yield two_replicas()
@@ -162,6 +163,42 @@ def test_two_loads_of_one_name_at_once_through_both_replicas_one_wins(replicas, 
     assert text(chat(replicas[1], "check")) == served.pop() != text(chat(replicas[1], model_name))
     for name in ("two", "check"):
         assert admin(replicas[1], "unload_lora_adapter", {"lora_name": name}).status_code == 200
+
+
+def held(name: str) -> int:
+    """How many model replicas hold adapter `name` (each replica's own registry, asked through Serve)."""
+    from ray import serve
+
+    cards = serve.get_deployment_handle("llm", APP).broadcast("lora_adapters").results(timeout_s=60)
+    assert len(cards) == 2
+    return sum(any(a["name"] == name for a in c["adapters"]) for c in cards)
+
+
+def test_an_unload_reaches_every_model_replica_and_a_reload_reads_the_files_again(replicas, adapters, tmp_path):
+    """Serve may have sent an adapter's requests to both model replicas: the unload (routed through either
+    ingress replica) drops it on both, and a reload of the same name and path serves the files as they are
+    now (the same text as those files under a name of their own), on whichever replica serves it."""
+    import shutil
+
+    from ray import serve
+
+    a, b = replicas
+    path = shutil.copytree(adapters["one"], tmp_path / "swap")
+    assert admin(a, "load_lora_adapter", {"lora_name": "swap", "lora_path": str(path)}).status_code == 200
+    before = text(chat(a, "swap"))
+    serve.get_deployment_handle("llm", APP).broadcast("load_lora_adapter", "swap", str(path)).results(timeout_s=120)
+    assert held("swap") == 2
+    shutil.rmtree(path)
+    shutil.copytree(adapters["two"], path)  # new files at the same path
+    assert admin(b, "unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
+    assert held("swap") == 0
+    assert admin(a, "load_lora_adapter", {"lora_name": "swap", "lora_path": str(path)}).status_code == 200
+    assert admin(a, "load_lora_adapter", {"lora_name": "ref", "lora_path": adapters["two"]}).status_code == 200
+    after = {text(chat(url, "swap")) for url in replicas}
+    assert after == {text(chat(b, "ref"))} and before not in after
+    for name in ("swap", "ref"):
+        assert admin(a, "unload_lora_adapter", {"lora_name": name}).status_code == 200
+    assert held("swap") == held("ref") == 0
 
 
 def test_restarted_ingress_replicas_still_serve_runtime_adapters(replicas, adapters):

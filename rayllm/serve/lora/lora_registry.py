@@ -11,12 +11,17 @@ A remote adapter (a client's `lora_path` may name one) is fetched outside the re
 concurrent loads of it, only its two files and only when they are no larger than an adapter for this model
 can be (rayllm.loader.adapter_sources); its copy is held on disk while it loads, and the node keeps the
 copies of the most recently used few.
+
+When every slot holds an adapter that running requests use, a request for another adapter waits for a slot
+(lower `priority` first, then arrival order) for at most SLOT_WAIT_S (the ingress's request_timeout_s ends it
+sooner: the request is cancelled, and leaves the queue), then answers 503 lora_slots_busy with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -30,7 +35,16 @@ from rayllm.loader.model_sources import ModelSourceError
 from rayllm.lora.files import MAX_HEADER_BYTES, LoRAError, max_adapter_bytes, read_peft_adapter
 from rayllm.protocol.errors import APIError
 from rayllm.schema.config import LoRAConfig
-from rayllm.serve.lora.adapter_paths import canonical_remote, refused, remote_source, resolve_allowed
+from rayllm.serve.lora.adapter_paths import canonical_remote, remote_source, resolve_allowed
+from rayllm.serve.lora.registry_errors import (
+    FILE_ERRORS,
+    SlotsBusy,
+    adapter_unavailable,
+    copy_removed,
+    invalid_adapter,
+    source_failure,
+    unloaded,
+)
 
 if TYPE_CHECKING:
     from rayllm.engine.client.engine_client import EngineClient
@@ -41,6 +55,17 @@ IDLE_COPIES = 2  # remote adapters' copies kept beyond one per slot: a node keep
 # Remote adapters fetched or loading at once on a replica: each holds its copy on disk until it is loaded, so
 # this bounds what a burst of requests naming new adapters can make the node download and keep.
 REMOTE_LOADS = 2
+# Seconds a request waits for a LoRA slot when every slot's adapter is in use; then SlotsBusy (503, Retry-After).
+SLOT_WAIT_S = 30.0
+
+
+@dataclass(order=True)
+class SlotWaiter:
+    """A load waiting for a slot: the first in (priority, arrival) order takes the next one that frees."""
+
+    priority: int
+    seq: int
+    woken: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
 
 
 @dataclass
@@ -61,40 +86,6 @@ class AdapterEntry:
         return {"name": self.name, "path": self.path, "slot": self.slot, "rank": self.rank, "active": self.active}
 
 
-def invalid_adapter(message: str) -> APIError:
-    return APIError(400, message, param="lora_path", code="invalid_lora_adapter")
-
-
-def adapter_unavailable(name: str) -> APIError:
-    """An adapter the server registered (cluster.yaml, the load route) that this replica cannot read: the
-    request sent no path, so this is the server's problem, and another replica (or a retry) may serve it."""
-    return APIError(503, f"LoRA adapter {name!r} is unavailable: the model replica serving this request cannot "
-                    "read its files; retry later", type="server_error", code="lora_adapter_unavailable")
-
-
-# The errors about an adapter's files (adapter_paths.refused, invalid_adapter, a remote source not found).
-_FILE_ERRORS = frozenset({"invalid_lora_adapter", "lora_adapter_not_found"})
-
-
-def source_failure(name: str, exc: ModelSourceError) -> APIError:
-    """A remote source that cannot be fetched: not there (404 naming it, as the client spelled it), or no
-    adapter this server takes (the uniform 400 of adapter_paths; the reason goes to the log)."""
-    if isinstance(exc, adapter_sources.NotAnAdapter):
-        log.warning("LoRA adapter %r refused: %s", name, exc)
-        return refused()
-    return APIError(404, f"LoRA adapter {name!r}: {exc}", param="lora_path", code="lora_adapter_not_found")
-
-
-def copy_removed(name: str) -> APIError:
-    return APIError(503, f"LoRA adapter {name!r}: its copy on this node was removed before it was read; retry",
-                    type="server_error", code="lora_adapter_unavailable")
-
-
-def unloaded(name: str) -> APIError:
-    return APIError(409, f"The lora adapter '{name}' was unloaded while this request ran.", type="conflict_error",
-                    param="model", code="lora_adapter_unloaded")
-
-
 def key(path: str) -> str:
     """A path as the registry holds it: a remote source in its canonical spelling, a local one resolved."""
     if remote_source(path):
@@ -111,8 +102,10 @@ class LoRARegistry:
     were made, so the unload (or the load that refills the slot) reaches the engine after those aborts.
     """
 
-    def __init__(self, config: LoRAConfig, engine: EngineClient, on_evict: Callable[[str], None] | None = None):
+    def __init__(self, config: LoRAConfig, engine: EngineClient, on_evict: Callable[[str], None] | None = None,
+                 slot_wait_s: float = SLOT_WAIT_S):
         self.config = config
+        self.slot_wait_s = slot_wait_s
         self.engine = engine
         self.on_evict = on_evict  # tells Serve's multiplexing cache that the name is gone
         self.entries: OrderedDict[str, AdapterEntry] = OrderedDict()  # least recently used first
@@ -123,6 +116,8 @@ class LoRARegistry:
         self._remote_loads = asyncio.Semaphore(REMOTE_LOADS)
         self._next_id = 1
         self._lock = asyncio.Lock()  # one load at a time: slot choice and weight copies do not interleave
+        self._waiters: list[SlotWaiter] = []  # loads waiting for a slot (SlotWaiter order)
+        self._arrivals = itertools.count()
 
     def names(self) -> list[str]:
         return [n for n, e in self.entries.items() if not e.unloading]
@@ -241,57 +236,96 @@ class LoRARegistry:
             return entry
         return None
 
-    async def load(self, name: str, path: str, client_path: bool = True) -> AdapterEntry:
+    async def load(self, name: str, path: str, client_path: bool = True, priority: int = 0) -> AdapterEntry:
         """Make `name` resident (from `path`); a no-op when it already is, from the same path (whatever
         the files are now: its weights are in memory). `client_path`: the request itself named `path` (the
         load route, a request's lora_path), so a file problem is its 400 on lora_path; else the server
-        registered the adapter and cannot read it here: a 503 naming the adapter (details in the log)."""
+        registered the adapter and cannot read it here: a 503 naming the adapter (details in the log).
+        With no slot free, waits for one in `priority` order (the module docstring)."""
         entry = self._resident(name, key(path))
         if entry is not None:
             return entry
         try:
             path = self.check_path(path)
             async with self._copy(name, path) as local:
-                return await self._load(name, path, local)
+                return await self._load(name, path, local, priority)
         except APIError as exc:
-            if client_path or exc.code not in _FILE_ERRORS:
+            if client_path or exc.code not in FILE_ERRORS:
                 raise
             log.warning("registered LoRA adapter %r (%s) cannot be loaded on this replica: %s", name, path,
                         exc.message)
             raise adapter_unavailable(name) from None
 
-    async def _load(self, name: str, path: str, local: str) -> AdapterEntry:
-        async with self._lock:
-            entry = self._resident(name, path)
-            if entry is not None:
-                return entry
-            old = self.entries.get(name)
-            if old is not None and old.unloading and old.dropped is not None:
-                await asyncio.shield(old.dropped)  # an unload of the same name is finishing
-                old = None
-            rank = await asyncio.to_thread(self._validate, name, local)
-            if old is not None:  # same name, new files
-                if old.active:
-                    raise APIError(409, f"LoRA adapter {name!r} is in use with other files; retry later",
-                                   type="conflict_error", param="lora_path")
-                del self.entries[name]
-                slot: int | None = old.slot
-            else:
-                slot = self._take_slot()
-            if slot is None:
-                raise APIError(503, f"all {self.config.max_loras} LoRA adapter slots are in use by running "
-                               "requests; retry later", type="server_error", code="lora_slots_busy")
-            new = await asyncio.to_thread(self._write, name, path, local, slot, rank)
-            self.entries[name] = new
-            log.info("LoRA adapter %r (rank %d) loaded into slot %d", name, new.rank, slot)
-            return new
+    async def _load(self, name: str, path: str, local: str, priority: int) -> AdapterEntry:
+        """Load, waiting in line for a slot while every slot's adapter is in use (SlotWaiter)."""
+        loop = asyncio.get_running_loop()
+        waiter: SlotWaiter | None = None
+        deadline = loop.time() + self.slot_wait_s
+        rank: int | None = None
+        try:
+            while True:
+                if waiter is not None:
+                    waiter.woken.clear()  # before the check: a slot freed after it wakes the wait below
+                async with self._lock:
+                    entry = self._resident(name, path)
+                    if entry is not None:
+                        return entry
+                    if rank is None:
+                        rank = await asyncio.to_thread(self._validate, name, local)
+                    entry = await self._fill(name, path, local, rank, waiter)
+                    if entry is not None:
+                        return entry
+                if waiter is None:  # in line now; checks again at once, in case it is first and a slot is free
+                    waiter = SlotWaiter(priority, next(self._arrivals))
+                    self._waiters.append(waiter)
+                    continue
+                try:
+                    async with asyncio.timeout(deadline - loop.time()):
+                        await waiter.woken.wait()
+                except TimeoutError:
+                    raise SlotsBusy(self.config.max_loras, self.slot_wait_s) from None
+        finally:  # loaded, failed, timed out or cancelled (the client left): out of line, holding nothing
+            if waiter is not None:
+                self._waiters.remove(waiter)
+                self._wake()  # the next in line may be first now
 
-    async def acquire(self, name: str, path: str, queue: asyncio.Queue | None = None) -> AdapterEntry:
+    async def _fill(self, name: str, path: str, local: str, rank: int, waiter: SlotWaiter | None
+                    ) -> AdapterEntry | None:
+        """Under the lock: load into the old slot of `name` or a free (or evicted) one; None when this load
+        must wait for a slot (none free, or loads ahead of it in line)."""
+        old = self.entries.get(name)
+        if old is not None and old.unloading and old.dropped is not None:
+            await asyncio.shield(old.dropped)  # an unload of the same name is finishing
+            old = None
+        if old is not None:  # same name, new files
+            if old.active:
+                raise APIError(409, f"LoRA adapter {name!r} is in use with other files; retry later",
+                               type="conflict_error", param="lora_path")
+            del self.entries[name]
+            slot: int | None = old.slot
+        elif self._waiters and (waiter is None or min(self._waiters) is not waiter):
+            return None  # not first in line
+        else:
+            slot = self._take_slot()
+            if slot is None:
+                return None
+        new = await asyncio.to_thread(self._write, name, path, local, slot, rank)
+        self.entries[name] = new
+        log.info("LoRA adapter %r (rank %d) loaded into slot %d", name, new.rank, slot)
+        return new
+
+    def _wake(self) -> None:
+        """A slot may be free (or evictable): every waiter checks again, and the first in line takes it."""
+        for waiter in self._waiters:
+            waiter.woken.set()
+
+    async def acquire(self, name: str, path: str, queue: asyncio.Queue | None = None,
+                      priority: int = 0) -> AdapterEntry:
         """Load if needed and count one request in flight; pair with release(). An unload pushes an
         error into `queue` (the request's output queue), which ends the request."""
         # A request names a directory itself only in lora_path's on-demand form, which names the adapter
         # by its path (AdapterTable.resolve); any other adapter is one the server registered.
-        entry = await self.load(name, path, client_path=name == path)
+        entry = await self.load(name, path, client_path=name == path, priority=priority)
         entry.active += 1
         if queue is not None:
             entry.holders.add(queue)
@@ -303,6 +337,8 @@ class LoRARegistry:
         entry.holders.discard(queue)  # type: ignore[arg-type]
         if entry.active == 0 and entry.unloading:
             self._schedule_drop(entry)
+        elif entry.active == 0:
+            self._wake()  # its slot may be evicted now
 
     async def unload(self, name: str) -> bool:
         """Abort the requests using `name`, then free its slot once the engine has dropped their
@@ -337,5 +373,6 @@ class LoRARegistry:
         finally:
             if self.entries.get(entry.name) is entry:
                 del self.entries[entry.name]
+            self._wake()
         if not entry.dropped.done():
             entry.dropped.set_result(None)

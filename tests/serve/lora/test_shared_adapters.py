@@ -92,3 +92,37 @@ def test_base_model_requests_never_read_the_store(tmp_path):
     with pytest.raises(StorageUnavailable) as err:
         served(a, "poet")
     assert err.value.status_code == 503 and err.value.code == "storage_unavailable"
+
+
+class CountingStore(AdapterStore):
+    """The real SQLite store, counting its reads of the adapter table."""
+
+    reads = 0
+
+    def adapters(self):
+        self.reads += 1
+        return super().adapters()
+
+
+def test_unknown_names_cost_one_read_per_fresh_s_and_concurrent_ones_share_it(tmp_path):
+    url = f"sqlite:///{tmp_path}/conv.db"
+    store = CountingStore(ConversationStore(url), "app")
+    b = SharedAdapters(store, routes(), fresh_s=FRESH)
+
+    async def requests() -> None:
+        await asyncio.gather(*(b.lookup(f"nope-{i}") for i in range(50)))  # at once: one shared read
+        for i in range(50):  # again, one by one, within the bound: no read
+            await b.lookup(f"nope-{i}")
+            await b.lookup(None, f"nope-{i}")
+
+    asyncio.run(requests())
+    assert store.reads == 1
+    # Loaded through another replica after b missed the name: b serves it within the bound.
+    load(replica(url), "base", "nope-1", "/a/nope")
+    with pytest.raises(APIError):
+        served(b, "nope-1")
+    time.sleep(FRESH)
+    assert served(b, "nope-1") == ("nope-1", "/a/nope") and store.reads == 2
+    # A name b never missed is read for at once, fresh view or not.
+    load(replica(url), "base", "new", "/a/new")
+    assert served(b, "new") == ("new", "/a/new") and store.reads == 3
