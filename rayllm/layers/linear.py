@@ -88,7 +88,9 @@ class PackedWeight:
         n, k = w.shape
         self.bits = bits
         self.vnni: Int4VnniWeight | Int8VnniWeight | None = None
-        if bits == 4 and k % self.GROUP == 0:
+        # torch's int4 packing (and cpu_qgemm's tiles) take the output rows in 16s; other layers (uneven
+        # tensor-parallel shards, a vocab of 32001) take the per-channel int8 copy below.
+        if bits == 4 and k % self.GROUP == 0 and n % 16 == 0:
             g = w.view(n, k // self.GROUP, self.GROUP)
             lo, hi = g.amin(-1), g.amax(-1)
             scale = (hi - lo).clamp(min=1e-8) / 15

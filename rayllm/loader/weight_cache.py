@@ -10,7 +10,7 @@ weights as before (it depends on the CPU's oneDNN build and is quick).
 An entry is used only when everything it was made from is unchanged: the GGUF file (path, size, mtime), the
 model's architecture, the dtype and `parallel.cpu` settings that shape the packing, the tensor-parallel shard,
 the versions of torch, numpy and gguf (gguf's dequantizers, numpy's arithmetic in them, torch's conversions and
-packing make the values), the CPU (its flags, VNNI) and the source of the loader, layers, quantization, models
+packing make the values), the CPU (its flags, aarch64's Features, VNNI) and the source of the loader, layers, quantization, models
 and CPU kernels; anything else is a different key, so a stale entry is never read. Each tensor carries a CRC-32 that is
 checked before any weight is replaced, and a parameter that is missing or mis-shaped rejects the whole entry,
 so a damaged file costs a normal load, never wrong weights. Writes go to a temporary file renamed into place.

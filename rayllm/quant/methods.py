@@ -91,17 +91,23 @@ def decode_blocks(raw: RawBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 class Int4GroupWeight:
     """4-bit values (0..15), groups of 32: cpu_qgemm's int4 x int8 kernel (`int8_activations`, bf16, a
     CPU with VNNI) or torch's int4 weight-only kernel. Either's per-row result does not depend on the
-    batch's row count (so the layer is batch-invariant too)."""
+    batch's row count (so the layer is batch-invariant too). Both need the output rows in 16s: other
+    layers (uneven tensor-parallel shards, an LM head over a vocab of 32001) take Int8GroupWeight's form."""
 
     all_batches = True  # a weight method for every step size; no dense weight is kept
     GROUP = 32
+    ROWS = 16  # torch's int4 packing (and cpu_qgemm's tiles) take the output rows in 16s
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
                  int8_activations: bool = False, passes: int = 1):
         self.dtype = dtype
         self.vnni: Int4VnniWeight | None = None
+        self.int8: Int8GroupWeight | None = None
         if int8_activations and dtype == torch.bfloat16 and cpu_qgemm.supports(*q.shape) and cpu_qgemm.available():
             self.vnni = Int4VnniWeight(q, scale, zero, passes)
+            return
+        if q.shape[0] % self.ROWS:
+            self.int8 = Int8GroupWeight(q, scale, zero, dtype)
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # The kernel computes (q - 8) * scale + zero'; zero' = zero + 8 * scale. [k/32, n, 2].
@@ -110,6 +116,8 @@ class Int4GroupWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None:
             return self.vnni(x)
+        if self.int8 is not None:
+            return self.int8(x)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.GROUP, self.scales)
         return out.to(x.dtype)
 
@@ -121,6 +129,8 @@ class Int4GroupWeight:
     def nbytes(self) -> int:
         if self.vnni is not None:
             return self.vnni.nbytes()
+        if self.int8 is not None:
+            return self.int8.nbytes()
         return self.packed.nbytes + self.scales.nbytes
 
 

@@ -22,15 +22,15 @@ N, K = 64, 512
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of fp16 scales in a block
 
 
-def blocks(name: str, rng: np.random.Generator) -> np.ndarray:
+def blocks(name: str, rng: np.random.Generator, n: int = N, k: int = K) -> np.ndarray:
     qtype = GGMLQuantizationType[name]
     if name not in FP16_FIELDS:
-        return quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.05, qtype)
+        return quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    b = rng.integers(0, 256, (N * K // block_size, type_size), dtype=np.uint8)
+    b = rng.integers(0, 256, (n * k // block_size, type_size), dtype=np.uint8)
     for off in FP16_FIELDS[name]:
         b[:, off : off + 2] = (rng.standard_normal(len(b)) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return b.reshape(N, -1)
+    return b.reshape(n, -1)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
@@ -74,6 +74,28 @@ def test_int4_layers_with_int8_activations_match_gguf_dequantize(name):
     want = x.float() @ ref.t()
     assert (got - want).norm() / want.norm() < 0.02
     assert torch.equal(kernel(x[7:8]), got[7:8].bfloat16())  # rows do not depend on the batch
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K"])
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int4_layer_with_rows_not_in_16s_loads_and_matches_gguf(name, int8_activations):
+    """Output rows not a multiple of 16 (an LM head over a vocab of 32001, an uneven tensor-parallel shard):
+    neither torch's int4 packing nor cpu_qgemm's tiles take them, so the layer runs Int8GroupWeight's form of
+    the same values; against gguf's own dequantized weights in fp32, as the multiple-of-16 layers are."""
+    n, k = 32001, 256
+    data = blocks(name, np.random.default_rng(2), n, k)
+    qtype = GGMLQuantizationType[name]
+    ref = torch.from_numpy(dequantize(data, qtype).reshape(n, k).astype(np.float32))
+    q, scale, zero, group = decode_blocks(RawBlocks(data, qtype, (n, k), None))
+    kernel = Int4GroupWeight(q, scale[:, :: 32 // group], zero[:, :: 32 // group], torch.bfloat16,
+                             int8_activations=int8_activations)
+    assert kernel.vnni is None and kernel.int8 is not None
+    x = torch.randn(5, k).bfloat16()
+    got = kernel(x).float()
+    want = x.float() @ ref.t()
+    assert got.shape == (5, n)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max(), float((got - want).abs().max() / want.abs().max())
+    assert kernel.nbytes() == kernel.int8.nbytes()
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes"])

@@ -37,6 +37,24 @@ def test_linear_picks_the_kernel_by_tokens_per_step():
     assert (packed(small).float() - exact).norm() / exact.norm() < 0.15
 
 
+@pytest.mark.parametrize("vnni", [False, True])
+def test_a_4bit_layer_with_rows_not_in_16s_gets_the_int8_copy(vnni):
+    """A 4-bit checkpoint's LM head over a vocab of 32001 (or an uneven tensor-parallel shard): torch's int4
+    packing and cpu_qgemm's tiles need the rows in 16s, so its small-batch copy is the per-channel int8 one,
+    within int8's rounding of the fp32 product."""
+    torch.manual_seed(0)
+    weight = (torch.randn(32001, 64) * 0.05).bfloat16()
+    packed = PackedWeight(weight, 4, vnni=vnni)
+    assert packed.bits == 8 and packed.vnni is None
+    x = torch.randn(parallel.SMALL_BATCH_TOKENS, 64).bfloat16()
+    exact = F.linear(x.float(), weight.float())
+    got = packed(x).float()
+    assert got.shape == exact.shape
+    assert (got - exact).norm() / exact.norm() < 0.02
+    # The layers whose rows are in 16s keep the 4-bit copy.
+    assert PackedWeight(weight[:32000], 4, vnni=vnni).bits == 4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_onednn_prepacked_weight_equals_plain_linear(dtype, with_bias):

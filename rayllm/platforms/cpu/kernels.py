@@ -13,6 +13,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -34,19 +35,53 @@ KERNEL_DTYPES = frozenset(_SUFFIX)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("RAYLLM_KERNEL_CACHE", Path.home() / ".cache" / "rayllm_kernels"))
-
-
-def _cpu_tag() -> str:
-    flags = ""
+    """RAYLLM_KERNEL_CACHE, else ~/.cache/rayllm_kernels; a process with no home directory (no HOME and no
+    passwd entry: OpenShift's random UIDs) builds in its user's private temp dir instead."""
+    if configured := os.environ.get("RAYLLM_KERNEL_CACHE"):
+        return Path(configured)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
+        return Path.home() / ".cache" / "rayllm_kernels"
+    except RuntimeError:  # Path.home() with neither HOME nor a passwd entry
+        return private_temp_dir()
+
+
+def private_temp_dir() -> Path:
+    """gettempdir()/rayllm_kernels-<uid>, created with mode 0700. Refused when it exists but is not this
+    user's private directory: a library another user planted under the expected name would run its
+    constructor in this process when loaded."""
+    path = Path(tempfile.gettempdir()) / f"rayllm_kernels-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{path} is not a private directory of this user (owner {st.st_uid}, mode "
+                           f"{stat.S_IMODE(st.st_mode):o}); not building or loading kernels there")
+    return path
+
+
+def _check_owner(library: Path) -> None:
+    """Load only a library this user (or root: `make install` may build it into an image) owns and no one
+    else can write."""
+    st = os.stat(library)
+    if st.st_uid not in (os.getuid(), 0) or st.st_mode & 0o022:
+        raise RuntimeError(f"{library} belongs to user {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}, "
+                           "not to this user alone: not loading it")
+
+
+def _cpu_tag(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The machine and its CPU's feature list (x86's `flags` line, aarch64's `Features`): what -march=native
+    builds for, and what the weight cache's packed forms depend on (loader/weight_cache.py)."""
+    features = ""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                features = line
                 break
     except OSError:
         pass
-    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:12]
+    return hashlib.sha256((platform.machine() + features).encode()).hexdigest()[:12]
 
 
 def build(out_dir: Path | None = None, cflags: list[str] | None = None) -> Path:
@@ -62,11 +97,12 @@ def build(out_dir: Path | None = None, cflags: list[str] | None = None) -> Path:
         out_dir = cache_dir()
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError:  # a read-only home (some containers): build in the temp dir instead
-            out_dir = Path(tempfile.gettempdir()) / "rayllm_kernels"
+        except OSError:  # a read-only home (some containers): build in this user's private temp dir instead
+            out_dir = private_temp_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"paged_attention-{digest}-{_cpu_tag()}.so"
     if target.exists():
+        _check_owner(target)
         return target
     # Build beside the target and rename: TP ranks may build at once, and rename is atomic.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)

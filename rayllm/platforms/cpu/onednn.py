@@ -8,7 +8,12 @@ import torch
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can lay out and run `dtype` weights here. bf16 also needs the CPU's bf16 GEMMs (AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT): without them (AMD Zen 2/3, AVX2-only Intel, Graviton2) torch's bf16 reorder
+    raises at load, so such CPUs keep plain F.linear for bf16."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class OneDNNWeight:

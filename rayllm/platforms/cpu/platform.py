@@ -3,11 +3,10 @@ small-batch weight-only copies (`parallel.cpu`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from rayllm.platforms.cpu import qgemm
+from rayllm.platforms.cpu.cpus import usable_cpus
 from rayllm.platforms.cpu.onednn import onednn_available
 from rayllm.platforms.interface import Platform
 from rayllm.schema.step import StepInput
@@ -15,8 +14,9 @@ from rayllm.schema.step import StepInput
 
 class CpuPlatform(Platform):
     def setup_worker(self) -> None:
+        self._refuse_batch_invariance_without_prepack()
         cpu, world = self.config.parallel.cpu, self.config.parallel.tensor_parallel_size
-        threads = cpu.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+        threads = cpu.threads_per_rank or max(1, usable_cpus() // world)
         torch.set_num_threads(threads)
         self.step_threads = threads  # torch threads for a batch, and for one sequence alone:
         self.single_sequence_threads = cpu.threads_single_sequence
@@ -24,6 +24,16 @@ class CpuPlatform(Platform):
         # (what its tests cover), so a prefill chunk's thread count never depends on its neighbours.
         self.wide_step_tokens = 0 if self.config.scheduler.batch_invariant else cpu.wide_step_tokens
         qgemm.POOL.threads = cpu.qgemm_threads if world == 1 else 0  # TP ranks already hold the cores
+
+    def _refuse_batch_invariance_without_prepack(self) -> None:
+        """Batch-invariant mode rests on oneDNN's prepacked GEMMs (plain F.linear's rows vary with the row
+        count): refused before the weights load, rather than run without the invariance it promises."""
+        dtype = getattr(torch, self.config.model.torch_dtype_name)
+        if self.config.scheduler.batch_invariant and not onednn_available(self.device, dtype):
+            fix = ("bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; set model.dtype: float32 or turn it off"
+                   if dtype == torch.bfloat16 and onednn_available(self.device, torch.float32) else "turn it off")
+            raise ValueError(f"scheduler.batch_invariant needs oneDNN's prepacked {dtype} GEMMs, which this "
+                             f"device does not offer ({fix})")
 
     def before_step(self, step: StepInput) -> None:
         if self.single_sequence_threads:

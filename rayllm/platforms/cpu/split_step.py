@@ -5,7 +5,9 @@ use a second core without OpenMP: the step's sequences are cut in two, and each 
 model (its own GEMMs, attention and LM head rows) on its own thread; torch ops release the GIL. The
 halves meet once, at the end of the step, instead of at a barrier after every op, so a core that a
 serving process takes for a while delays one half, not every op of the step. Every sequence's rows
-are computed exactly as in the whole step (the kernels are row-wise), so outputs do not change.
+are computed by the same row-wise kernels as in the whole step, except in layers with a small-batch copy
+(SmallBatchMethod), which pick their kernel by the half's row count: there a row can round differently
+(docs/cpu.md, "The second core").
 """
 
 from __future__ import annotations

@@ -4,9 +4,16 @@ SeqStep lists, and the thread count is torch's own."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from rayllm.platforms.cpu.cpus import cgroup_cpu_quota, usable_cpus
 from rayllm.platforms.cpu.platform import CpuPlatform
 from rayllm.platforms.cuda import CudaPlatform
 from rayllm.platforms.interface import Platform
@@ -91,3 +98,59 @@ def test_weight_forms_follow_the_dtype():
     assert cpu.int8_activations()
     base = Platform(config(), torch.device("cpu"))
     assert not base.small_batch_weights(torch.bfloat16) and not base.prepacked_gemms(torch.bfloat16)
+
+
+CHILD_THREADS = """
+import torch
+from rayllm.platforms.cpu.platform import CpuPlatform
+from rayllm.schema.config import CpuConfig, EngineConfig, ParallelConfig
+CpuPlatform(EngineConfig(parallel=ParallelConfig(device="cpu", cpu=CpuConfig())), torch.device("cpu")).setup_worker()
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs util-linux's taskset")
+def test_threads_per_rank_zero_follows_the_affinity_mask():
+    """A process pinned to one CPU (taskset, as a pod's cpuset pins it) runs one torch thread, whatever the
+    node's core count; torch's own default would have counted every core."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("OMP_NUM_THREADS", None)
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", CHILD_THREADS], capture_output=True,
+                            text=True, cwd=root, env=env, timeout=120, check=True, stdin=subprocess.DEVNULL)
+    assert pinned.stdout.split()[-1] == "1"
+    assert usable_cpus(membership=Path("/nonexistent")) == len(os.sched_getaffinity(0))
+
+
+def cgroups(tmp_path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A fake cgroup mount (files relative to it) and a fake /proc/self/cgroup."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self_cgroup").write_text(membership)
+    return root, tmp_path / "self_cgroup"
+
+
+def test_threads_per_rank_zero_is_capped_by_the_cgroup_quota(tmp_path):
+    """cgroup v2 cpu.max of this cgroup or an ancestor (a pod's limits.cpu), v1 cpu.cfs_quota_us; rounded down,
+    at least one; no quota leaves the affinity mask's count."""
+    cpus = len(os.sched_getaffinity(0))
+    v2 = "0::/kubepods/pod1/ctr\n"
+    root, member = cgroups(tmp_path / "a", v2, {"kubepods/pod1/ctr/cpu.max": "150000 100000\n"})
+    assert cgroup_cpu_quota(root, member) == 1.5 and usable_cpus(root, member) == 1
+    root, member = cgroups(tmp_path / "b", v2, {"kubepods/pod1/cpu.max": "50000 100000\n",
+                                                "kubepods/pod1/ctr/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(root, member) == 0.5 and usable_cpus(root, member) == 1
+    root, member = cgroups(tmp_path / "c", v2, {"kubepods/pod1/ctr/cpu.max": "max 100000\n"})
+    assert cgroup_cpu_quota(root, member) is None and usable_cpus(root, member) == cpus
+    root, member = cgroups(tmp_path / "d", v2, {"kubepods/pod1/ctr/cpu.max": f"{64 * 100000} 100000\n"})
+    assert usable_cpus(root, member) == cpus  # a quota above the mask: the mask
+    # v1 inside a container without a cgroup namespace: the host's path, the container's cgroup at the root.
+    v1 = "4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n"
+    root, member = cgroups(tmp_path / "e", v1, {"cpu,cpuacct/cpu.cfs_quota_us": "100000\n",
+                                                "cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_quota(root, member) == 1.0 and usable_cpus(root, member) == 1
+    root, member = cgroups(tmp_path / "f", v1, {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                                                "cpu,cpuacct/cpu.cfs_period_us": "100000\n"})
+    assert cgroup_cpu_quota(root, member) is None
