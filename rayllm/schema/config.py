@@ -144,7 +144,7 @@ class CpuConfig:
     # Reorder bf16/fp32 weights once into oneDNN's blocked layout (platforms/cpu/onednn.py). Costs a
     # second copy of the linear weights in memory; off keeps plain F.linear.
     weight_prepack: bool = True
-    # Threads each rank's torch uses; 0 = leave torch's default (all cores for one rank).
+    # Threads each rank's torch uses; 0 = the CPUs this process may use (affinity, cgroup quota) over the ranks.
     threads_per_rank: int = 0
     # Threads for a step that runs a single sequence (one stream decoding alone) or at least
     # wide_step_tokens tokens (long prompts' prefill chunks), 0 = the same as threads_per_rank: such steps
