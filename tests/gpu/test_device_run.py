@@ -1,0 +1,52 @@
+"""The device run's own tooling, on any machine: device_budget.sh's clock (a stage's limit fitted under the
+run's deadline, a stage that would not fit skipped with a summary line), serve_device.sh's exit trap (a run cut
+short still ends its summary)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def budget(script: str, elapsed_s: int, deadline_s: int, tmp_path: Path) -> tuple[list[str], str]:
+    """`script` run by bash after device_budget.sh, in a run elapsed_s seconds old: its output and the summary."""
+    summary = tmp_path / "summary.txt"
+    env = os.environ | {"S": str(summary), "T0": str(int(time.time()) - elapsed_s), "DEADLINE_S": str(deadline_s)}
+    run = subprocess.run(["bash", "-c", f". tests/gpu/device_budget.sh\n{script}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True)
+    return run.stdout.splitlines(), summary.read_text()
+
+
+def test_a_stage_gets_its_own_limit_while_the_deadline_is_far(tmp_path):
+    out, summary = budget('stage engine 180 40 100 && echo "LIMIT=$LIMIT"', 200, 540, tmp_path)
+    assert out[-1] == "LIMIT=180" and summary.startswith("== engine at +20")  # 240 s left beyond the 100 kept
+
+
+def test_a_stage_near_the_deadline_gets_what_is_left(tmp_path):
+    out, _ = budget('stage tests 150 45 45 && echo "LIMIT=$LIMIT"', 400, 540, tmp_path)
+    assert out[-1] in ("LIMIT=95", "LIMIT=94")  # 540 - 400 - 45 (a second may pass before the stage reads it)
+
+
+def test_a_stage_that_would_not_fit_is_skipped_with_a_summary_line(tmp_path):
+    out, summary = budget('stage profile 90 30 45 || echo "rc=$? SKIPPED=$SKIPPED"; stage lane 90 10 && '
+                          'echo "LIMIT=$LIMIT"', 480, 540, tmp_path)
+    assert "rc=1 SKIPPED=profile " in out and out[-1] in ("LIMIT=60", "LIMIT=59")
+    assert "== profile SKIPPED at +48" in summary and "before the deadline (+540 s), it needs 30" in summary
+
+
+def test_a_run_that_cannot_fit_its_models_ends_its_summary_through_the_trap(tmp_path):
+    """No stage fits a 5 s deadline: the models are skipped, and the exit trap still writes the end."""
+    out = tmp_path / "out"
+    env = os.environ | {"REHEARSAL": "1", "DEADLINE_S": "5", "OUT": str(out), "MODELS": str(tmp_path / "models"),
+                        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "tests/gpu/serve_device.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    summary = (out / "summary.txt").read_text()
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "== models SKIPPED" in summary and "skipped for the deadline: models" in summary
+    assert summary.rstrip().splitlines()[-1].startswith("== done at +") and not (tmp_path / "models").exists()
