@@ -1,6 +1,6 @@
 """The device run's own tooling, on any machine: device_budget.sh's clock (a stage's limit fitted under the
 run's deadline, a stage that would not fit skipped with a summary line), serve_device.sh's exit trap (a run cut
-short still ends its summary)."""
+short still ends its summary), and gpu_procs' readings of /proc and of nvidia-smi's table."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.gpu.gpu_procs import assigned_uuids, open_device_files, parse_compute_apps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,3 +52,25 @@ def test_a_run_that_cannot_fit_its_models_ends_its_summary_through_the_trap(tmp_
     assert run.returncode == 1, run.stdout + run.stderr
     assert "== models SKIPPED" in summary and "skipped for the deadline: models" in summary
     assert summary.rstrip().splitlines()[-1].startswith("== done at +") and not (tmp_path / "models").exists()
+
+
+def test_nvidia_smi_rows_parse_with_unknown_memory():
+    rows = "1234, GPU-6f1a, 15000\n5678, GPU-6f1a, [N/A]\n\n"
+    assert parse_compute_apps(rows) == {1234: ("GPU-6f1a", 15000), 5678: ("GPU-6f1a", None)}
+    assert parse_compute_apps("") == {}
+
+
+def test_open_device_files_reads_a_process_fds(tmp_path):
+    held = tmp_path / "held"
+    with open(held, "w"):
+        assert open_device_files(os.getpid(), str(tmp_path)) == {str(held)}
+    assert open_device_files(os.getpid(), str(tmp_path)) == set()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert open_device_files(gone.pid, "/") == set()
+
+
+def test_cuda_visible_devices_name_gpus_by_index_or_uuid():
+    uuids = {"0": "GPU-aa", "1": "GPU-bb"}
+    assert assigned_uuids("1", uuids) == {"GPU-bb"}
+    assert assigned_uuids("0,GPU-bb", uuids) == {"GPU-aa", "GPU-bb"}
