@@ -17,7 +17,7 @@
 #       Prints what one call carries.
 # Rehearse it HERE (no GPU: tiny models on CPU engines, every stage but the CUDA-only checks):
 #   PATH=/work/main/.venv/bin:$PATH REHEARSAL=1 OUT=/tmp/rehearsal bash tests/gpu/serve_device.sh
-#   (the venv of the checkout that has one; DEADLINE_S=100 rehearses the skips and the trap's stop)
+#   (the venv of the checkout that has one; DEADLINE_S=240 rehearses a skip: the engine alone)
 # Run, THERE: the device tool's run with carry [".gpu/serve"], timeout_s 590 and the command
 #   bash tests/gpu/serve_device.sh
 # Env: DEADLINE_S (540: seconds from the start by which every stage has ended; the stop, <= STOP_S (45) more,
@@ -90,7 +90,7 @@ finish() {  # on every exit, the early ones and a SIGTERM's too
   exit "$rc"
 }
 trap finish EXIT
-trap 'say "stopped by a signal at +$(elapsed) s"; exit 143' TERM INT
+trap 'say "stopped by a signal at +$(elapsed) s: rc=143"; exit 143' TERM INT  # rc= keeps Ray's logs
 
 { date -u; git log -1 --format='commit %H %s' 2>/dev/null || echo "commit ${COMMIT:-unknown}"
   timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
