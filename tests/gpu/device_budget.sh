@@ -6,6 +6,12 @@
 say() { echo "$*" | tee -a "$S"; }
 elapsed() { echo $(( $(date +%s) - T0 )); }
 phase() { say "== $1 at +$(elapsed) s"; }
+# result NAME RC: the summary's "NAME rc=RC" line; a stage that failed joins FAILED (the run's exit status and
+# whether Ray's logs are kept: read from here, not from the summary, where a commit's subject may say rc=1).
+result() {
+  say "$1 rc=$2"
+  [ "$2" = 0 ] || FAILED="${FAILED:-}$1 "
+}
 
 # stage NAME NOMINAL MIN [KEEP]: sets LIMIT to NOMINAL seconds, or to what is left before the deadline once
 # KEEP seconds are set aside (the least that the stages of more value after this one need, and the stop while

@@ -60,14 +60,14 @@ DEADLINE_S=${DEADLINE_S:-540} STOP_S=${STOP_S:-45}
 SERVE_MIN=60 BENCH_MIN=60 TESTS_MIN=45
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 T0=$(date +%s)
-SPID='' READY=1 SKIPPED=''
+SPID='' READY=1 SKIPPED='' FAILED=''
 . tests/gpu/device_budget.sh
 want() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 stop_server() {  # Ray's logs on a failure, then `serve run` stopped and nothing left behind: <= STOP_S
   [ -n "$SPID" ] || return 0
   phase stop
-  if [ "$READY" != 0 ] || grep -q "rc=[1-9]" "$S" || [ "${KEEP_LOGS:-0}" = 1 ]; then
+  if [ "$READY" != 0 ] || [ -n "$FAILED" ] || [ "${KEEP_LOGS:-0}" = 1 ]; then
     L=$(readlink -f /tmp/ray/session_latest 2>/dev/null)
     [ -n "$L" ] && timeout 10 tar -czf "$O/ray_logs.tgz" -C "$L" --exclude='*.so' logs 2>/dev/null
     [ -f "$O/ray_logs.tgz" ] && [ "$(stat -c %s "$O/ray_logs.tgz")" -gt 15000000 ] && \
@@ -86,11 +86,12 @@ finish() {  # on every exit, the early ones and a SIGTERM's too
   stop_server
   [ -n "$SKIPPED" ] && say "skipped for the deadline: $SKIPPED"
   phase done
-  [ "$rc" = 0 ] && grep -q "rc=[1-9]" "$S" && rc=1
+  [ -n "$FAILED" ] && say "failed: $FAILED"
+  [ "$rc" = 0 ] && [ -n "$FAILED" ] && rc=1
   exit "$rc"
 }
 trap finish EXIT
-trap 'say "stopped by a signal at +$(elapsed) s: rc=143"; exit 143' TERM INT  # rc= keeps Ray's logs
+trap 'say "stopped by a signal at +$(elapsed) s"; result signal 143; exit 143' TERM INT
 
 { date -u; git log -1 --format='commit %H %s' 2>/dev/null || echo "commit ${COMMIT:-unknown}"
   timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -115,13 +116,13 @@ TOKENIZER=${TOKENIZER:-$B/tokenizer}
 
 stage models 240 30 || exit 1
 timeout "$LIMIT" python3 tests/gpu/serve_device_models.py build "$MODELS" "$TOKENIZER" ${BUILD_FLAGS:-} >> "$O/setup.log" 2>&1
-rc=$?; say "models rc=$rc"; grep -E "model.*: [0-9.]+ s" "$O/setup.log" | tee -a "$S"; [ $rc = 0 ] || { tail -30 "$O/setup.log"; exit 1; }
+rc=$?; result models $rc; grep -E "model.*: [0-9.]+ s" "$O/setup.log" | tee -a "$S"; [ $rc = 0 ] || { tail -30 "$O/setup.log"; exit 1; }
 
 # The engine alone, before any server holds the GPU: the served numbers' ceiling.
 if want engine && stage engine 180 40 $(( STOP_S + SERVE_MIN + BENCH_MIN + TESTS_MIN )); then
   timeout "$LIMIT" python3 benchmarks/serve_engine.py --config "$MODELS/serve.yaml" --batch "$C" --new-tokens 128 \
     --rounds 1 --variant mixed --settings "${ENGINE_SETTINGS:-lora_off}" > "$O/engine.log" 2>&1
-  say "engine rc=$?"; grep '^{' "$O/engine.log" | cut -c1-400 | tee -a "$S"
+  result engine $?; grep '^{' "$O/engine.log" | cut -c1-400 | tee -a "$S"
 fi
 
 if want serve && stage serve 180 "$SERVE_MIN" $(( STOP_S + BENCH_MIN + TESTS_MIN )); then
@@ -157,7 +158,7 @@ while time.time() - t < wait:
     time.sleep(2)
 sys.exit(f"not ready after {wait:.0f} s")
 EOF
-  READY=$?; say "serve ready rc=$READY"
+  READY=$?; result "serve ready" $READY
 fi
 
 if [ "$READY" = 0 ] && stage cold_start 30 5 $(( STOP_S + BENCH_MIN + TESTS_MIN )); then
@@ -179,7 +180,7 @@ if [ "$READY" = 0 ] && want bench && stage bench 240 "$BENCH_MIN" $(( STOP_S + T
   timeout "$LIMIT" python3 benchmarks/serve_bench.py --url ours=http://127.0.0.1:8000 --model llama-8b-shape \
     --concurrency "$C" --variants mixed --wait-idle 0 --engine-batch 0 --point-timeout $(( LIMIT < 75 ? LIMIT : 75 )) \
     --results-dir /tmp/bench_results > "$O/serve_bench.log" 2>&1
-  say "bench rc=$?"; kill $WPID 2>/dev/null
+  result bench $?; kill $WPID 2>/dev/null
   grep '"bench": "serve"' "$O/serve_bench.log" | cut -c1-420 | tee -a "$S"
   python3 -c "import json, os, sys; sys.path.insert(0, 'benchmarks'); from serve_report import served_engine_table
 read = lambda p: [json.loads(x) for x in open(p) if x.startswith('{')] if os.path.exists(p) else []
@@ -189,20 +190,20 @@ fi
 if [ "$READY" = 0 ] && want tests && stage tests 150 "$TESTS_MIN" "$STOP_S"; then
   RAYLLM_GPU_SERVE_URL=http://127.0.0.1:8000 RAYLLM_GPU_MODELS=$MODELS timeout "$LIMIT" python3 -m pytest -m gpu \
     tests/gpu/test_gpu_serving.py -v -p no:cacheprovider -o addopts="" -rs --tb=short --durations=0 > "$O/gpu_serving.log" 2>&1
-  say "tests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$O/gpu_serving.log" | tee -a "$S" | tail -20
+  result tests $?; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$O/gpu_serving.log" | tee -a "$S" | tail -20
 fi
 
 # CPU per output token of each serving process at 64 streams, and stacks
 if [ "$READY" = 0 ] && want profile && stage profile 90 30 "$STOP_S"; then
   timeout "$LIMIT" python3 benchmarks/serve_cpu.py --model llama-8b-shape ${PROFILE_ARGS:---concurrency 64 --requests 512 --max-tokens 128} \
     $(command -v py-spy >/dev/null && echo --py-spy --py-spy-seconds 8) > "$O/profile.out" 2>/dev/null
-  say "profile rc=$?"; grep '^{' "$O/profile.out" | cut -c1-6000 | tee -a "$S"; rm -f "$O/profile.out"
+  result profile $?; grep '^{' "$O/profile.out" | cut -c1-6000 | tee -a "$S"; rm -f "$O/profile.out"
 fi
 
 # Last on the server: the drain deletes the app.
 if [ "$READY" = 0 ] && want drain && stage drain 90 30 "$STOP_S"; then
   timeout "$LIMIT" python3 tests/gpu/serve_drain.py http://127.0.0.1:8000 llama-8b-shape --streams 8 --tokens 1024 > "$O/drain.out" 2>&1
-  rc=$?; tail -3 "$O/drain.out" | cut -c1-1500 | tee -a "$S"; rm -f "$O/drain.out"; say "drain rc=$rc"
+  rc=$?; tail -3 "$O/drain.out" | cut -c1-1500 | tee -a "$S"; rm -f "$O/drain.out"; result drain $rc
 fi
 stop_server
 
@@ -227,7 +228,7 @@ EOF
   if stage lane 90 45; then
     timeout "$LIMIT" python3 -m pytest -m gpu tests/gpu/test_gpu_lora.py -v -p no:cacheprovider -o addopts="" -rs \
       --tb=short >> "$O/gpu_serving.log" 2>&1
-    say "lane rc=$?"; grep -E "test_gpu_lora.*(PASSED|FAILED|ERROR|SKIPPED)" "$O/gpu_serving.log" | tee -a "$S"
+    result lane $?; grep -E "test_gpu_lora.*(PASSED|FAILED|ERROR|SKIPPED)" "$O/gpu_serving.log" | tee -a "$S"
   fi
 fi
 exit 0

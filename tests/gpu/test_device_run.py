@@ -41,6 +41,12 @@ def test_a_stage_that_would_not_fit_is_skipped_with_a_summary_line(tmp_path):
     assert "== profile SKIPPED at +48" in summary and "before the deadline (+540 s), it needs 30" in summary
 
 
+def test_a_failed_stage_is_what_fails_the_run_not_a_line_that_says_rc(tmp_path):
+    out, summary = budget('say "commit 0123 a subject (rc=1)"; result bench 0; result tests 1; echo "FAILED=$FAILED"',
+                          0, 540, tmp_path)
+    assert out[-1] == "FAILED=tests " and summary.splitlines()[1:] == ["bench rc=0", "tests rc=1"]
+
+
 def test_a_run_that_cannot_fit_its_models_ends_its_summary_through_the_trap(tmp_path):
     """No stage fits a 5 s deadline: the models are skipped, and the exit trap still writes the end."""
     out = tmp_path / "out"
