@@ -139,7 +139,7 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, bm.usage,
                            bm.prefix_hits / bm.prefix_queries if bm.prefix_queries else 0.0,
                            self.scheduler.num_preemptions, self.num_steps, self.step_seconds,
-                           self.execute_seconds)
+                           self.execute_seconds, *self.executor.device_memory())
 
     def _seq_step(self, sc: ScheduledSeq) -> SeqStep:
         seq, n = sc.seq, sc.num_tokens

@@ -47,6 +47,9 @@ class LocalExecutor:
     def check_health(self) -> None:
         return None
 
+    def device_memory(self) -> tuple[str, int]:
+        return self.worker.device_memory()
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
@@ -139,6 +142,9 @@ class RayExecutor:
 
     def check_health(self) -> None:
         self.ray.get([w.ping.remote() for w in self.workers], timeout=30)
+
+    def device_memory(self) -> tuple[str, int]:
+        return "", 0  # each rank holds its GPU in its own actor; a stats poll should not wait on one
 
     def shutdown(self) -> None:
         for w in self.workers:

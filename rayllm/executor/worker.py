@@ -136,6 +136,14 @@ class Worker:
                                  batch_invariant=invariant and self.platform.prepacked_gemms(self.dtype))
                      if config.lora.enabled else None)
 
+    def device_memory(self) -> tuple[str, int]:
+        """This rank's GPU as the driver names it (nvidia-smi's `GPU-...` UUID; torch's omits the prefix) and
+        the bytes torch's allocator holds on it; ("", 0) on CPU."""
+        if self.device.type != "cuda":
+            return "", 0
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return (uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"), torch.cuda.memory_reserved(self.device)
+
     def kv_bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn.qkv_proj
         return kv_cache.bytes_per_block(

@@ -98,3 +98,8 @@ class EngineStats:
     num_steps: int
     step_seconds: float  # total time spent in step(), for the per-step cost under load
     execute_seconds: float  # of which in the model (executor.execute)
+    # The GPU this process's engine steps on, as the driver names it (nvidia-smi's `GPU-...` UUID), and the bytes
+    # torch's allocator holds there: placement checks that need no process table ("" and 0 on CPU, and where
+    # the ranks run in their own actors).
+    device_uuid: str = ""
+    device_reserved_bytes: int = 0

@@ -97,6 +97,23 @@ def test_kv_cache_sized_from_free_memory_and_returned_at_shutdown(gguf_path, eos
     assert abs(first - second) < 256 << 20 and 0.1 * total < first <= 0.3 * total, (first, second, total)
 
 
+def test_stats_name_the_gpu_and_the_memory_torch_holds_there(gguf_path, eos):
+    """What the device run's placement check reads through a Serve handle: the driver's name for the GPU
+    (nvidia-smi's UUID) and torch's reserved bytes, which hold the KV cache."""
+    import subprocess
+
+    listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    engine = LLMEngine(config(gguf_path, "sdpa", graphs=False), eos_token_ids=eos)
+    try:
+        stats = engine.stats()
+        kv = engine.block_manager.num_blocks * engine.executor.worker.kv_bytes_per_block()
+        assert stats.device_uuid in listed, (stats.device_uuid, listed)
+        assert stats.device_reserved_bytes == torch.cuda.memory_reserved() >= kv
+    finally:
+        engine.shutdown()
+
+
 def test_logits_equal_transformers_in_bf16(tmp_path, backend):
     """Our bf16 logits are as close to transformers' fp32 logits as transformers' own bf16 ones."""
     from transformers import AutoModelForCausalLM

@@ -120,6 +120,7 @@ def test_stats_health_and_refusals(client, chat_prompts):
     stats = client.stats()
     # A prefill and two decode steps at least (the stats call reaches the engine after the request ended).
     assert isinstance(stats, EngineStats) and stats.num_steps >= steps_before + 3 and idle(stats)
+    assert (stats.device_uuid, stats.device_reserved_bytes) == ("", 0)  # a CPU engine holds no GPU
 
 
 def test_a_stopped_client_refuses_calls(gguf_path, eos):
