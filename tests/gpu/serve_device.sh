@@ -22,6 +22,7 @@
 #   bash tests/gpu/serve_device.sh
 # Env: DEADLINE_S (540: seconds from the start by which every stage has ended; the stop, <= STOP_S (45) more,
 #      comes after), STAGES (default "engine serve bench tests profile drain lane"), CONCURRENCY (1,16,64,256),
+#      ENGINE_ROUNDS (1: rounds of the engine alone per batch size, the median reported),
 #      ENGINE_SETTINGS (lora_off: the engine without adapter slots, the served numbers' reference;
 #      "lora_off,served" adds the config as served), KEEP_LOGS=1 (Ray's logs even when everything passed). The
 #      workload on both sides is serve_bench's `mixed` variant: chat prompts of ~170-1,000 tokens, 128 new tokens.
@@ -121,7 +122,7 @@ rc=$?; result models $rc; grep -E "model.*: [0-9.]+ s" "$O/setup.log" | tee -a "
 # The engine alone, before any server holds the GPU: the served numbers' ceiling.
 if want engine && stage engine 180 40 $(( STOP_S + SERVE_MIN + BENCH_MIN + TESTS_MIN )); then
   timeout "$LIMIT" python3 benchmarks/serve_engine.py --config "$MODELS/serve.yaml" --batch "$C" --new-tokens 128 \
-    --rounds 1 --variant mixed --settings "${ENGINE_SETTINGS:-lora_off}" > "$O/engine.log" 2>&1
+    --rounds "${ENGINE_ROUNDS:-1}" --variant mixed --settings "${ENGINE_SETTINGS:-lora_off}" > "$O/engine.log" 2>&1
   result engine $?; grep '^{' "$O/engine.log" | cut -c1-400 | tee -a "$S"
 fi
 

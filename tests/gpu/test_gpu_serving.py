@@ -253,6 +253,19 @@ def family(pid: int) -> list[int]:
     return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
 
 
+def visible_devices(pid: int) -> str:
+    """CUDA_VISIBLE_DEVICES as the replica's engine process started with it. Ray sets the variable in the
+    replica's os.environ after the process started, so /proc shows it only in the engine child that the replica
+    starts with it (engine_process.child_env)."""
+    import psutil
+
+    for p in family(pid):
+        value = psutil.Process(p).environ().get("CUDA_VISIBLE_DEVICES")
+        if value:
+            return value
+    raise AssertionError(f"no process of replica {pid} started with CUDA_VISIBLE_DEVICES")
+
+
 ENGINES, SERVING = ("llm", f"llm-{TINY}", f"llm-{FAULTS}"), ("ingress", "tokenizer")
 
 
@@ -285,7 +298,6 @@ def engine_stats() -> Iterator[dict[str, dict]]:
 
 
 def test_engines_step_on_the_gpu_ray_assigned_their_replica(replicas, engine_stats):
-    import psutil
 
     from tests.gpu.gpu_procs import assigned_uuids, gpu_uuids
 
@@ -295,7 +307,7 @@ def test_engines_step_on_the_gpu_ray_assigned_their_replica(replicas, engine_sta
         if not CUDA:  # the rehearsal's CPU engines: the stats path, and nothing on a GPU
             assert (stats["device_uuid"], stats["device_reserved_bytes"]) == ("", 0), stats
             continue
-        assigned = assigned_uuids(psutil.Process(replicas[name]).environ()["CUDA_VISIBLE_DEVICES"], uuids)
+        assigned = assigned_uuids(visible_devices(replicas[name]), uuids)
         assert stats["device_uuid"] in assigned, (name, stats["device_uuid"], assigned)
         assert stats["device_reserved_bytes"] > 0, (name, stats)
 
@@ -318,7 +330,6 @@ def test_ingress_and_tokenizer_processes_hold_no_cuda_context(replicas):
 def test_nvidia_smi_sees_gpu_memory_in_the_engines_alone(replicas):
     """The driver's own table, where it can see this machine's processes: in a container with its own PID
     namespace it lists none of them (or host PIDs), and the test says so instead of failing."""
-    import psutil
 
     from tests.gpu.gpu_procs import assigned_uuids, compute_apps, gpu_uuids
 
@@ -329,7 +340,7 @@ def test_nvidia_smi_sees_gpu_memory_in_the_engines_alone(replicas):
                     f"{held or 'no processes'}")
     uuids = gpu_uuids()
     for name in ENGINES:
-        assigned = assigned_uuids(psutil.Process(replicas[name]).environ()["CUDA_VISIBLE_DEVICES"], uuids)
+        assigned = assigned_uuids(visible_devices(replicas[name]), uuids)
         engines = [p for p in family(replicas[name]) if p in held]
         assert engines, f"{name}: no process of replica {replicas[name]} holds GPU memory ({held})"
         assert all(held[p][0] in assigned for p in engines), (name, engines, held, assigned)
