@@ -19,7 +19,7 @@ from tests.engine.test_engine import make_engine
 pytestmark = pytest.mark.slow  # the real model: `make test-fast` skips it
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.15)
-SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=2024, max_tokens=100, ignore_eos=True, **PENALTIES)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=2024, max_tokens=32, ignore_eos=True, **PENALTIES)
 
 
 class PresenceFrequency(LogitsProcessor):
@@ -90,8 +90,8 @@ def test_seeded_penalised_output_alone_in_changing_batches_preempted_and_resent(
     assert len(alone) == SEEDED.max_tokens
     # Beside others (penalised with other seeds, and plain), first and last in the batch; the others finish at
     # other lengths, so the batch's order and size change under it.
-    others = [dataclasses.replace(seeded(i), max_tokens=10 + 13 * i) for i in range(1, 5)]
-    plain = SamplingParams(temperature=1.0, max_tokens=30)
+    others = [dataclasses.replace(seeded(i), max_tokens=4 + 6 * i) for i in range(1, 5)]
+    plain = SamplingParams(temperature=1.0, max_tokens=20)
     assert engine.generate(chat_prompts[:5] + chat_prompts[5:7], [SEEDED, *others, plain, plain])[0] == alone
     assert engine.generate(chat_prompts[5:7] + chat_prompts[1:5] + chat_prompts[:1],
                            [plain, plain, *others, SEEDED])[-1] == alone
@@ -107,7 +107,7 @@ def test_seeded_penalised_output_alone_in_changing_batches_preempted_and_resent(
     state = state_after_next_step(engine, chat_prompts[0])
     assert not state.slots and state.seen is None  # the memory is given back
 
-    tiny = make_engine(gguf_path, eos, num_blocks_override=20)  # 8 x ~8 blocks: preemptions
+    tiny = make_engine(gguf_path, eos, num_blocks_override=20)  # 8 x ~5 blocks: preemptions
     try:
         sampling = driver_sampling(tiny)
         dropped: list[str] = []

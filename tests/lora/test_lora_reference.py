@@ -189,7 +189,7 @@ async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
     client = make_engine_client(config)  # the engine on a thread of this process, as a replica's
     executor = client.engine.executor
     evicted: list[str] = []
-    registry = LoRARegistry(config.lora, client, on_evict=evicted.append)
+    registry = LoRARegistry(config.lora, client, on_evict=evicted.append, slot_wait_s=0.5)  # the 503 after a short wait
     try:
         ids = [1, 2, 3]
         a = await registry.acquire("a", paths["a"])  # busy
