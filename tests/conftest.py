@@ -155,6 +155,35 @@ def hf_model(gguf_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, hf_tokenizer) -> str:
+    """A tiny Llama with RANDOM weights (transformers' own initialisation, seeded; two layers of width 64) and
+    the default model's vocabulary and end ids, saved by transformers' save_pretrained: for the engine's
+    behaviour that does not depend on what a model says (batching, penalties, preemption, invariance, tensor
+    parallelism), checked against transformers on the same checkpoint at a small part of the real model's
+    cost. `chat_prompts` are valid inputs; its outputs mean nothing."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=len(hf_tokenizer), max_position_embeddings=2048,
+                      initializer_range=0.1, tie_word_embeddings=True, bos_token_id=hf_tokenizer.bos_token_id,
+                      eos_token_id=hf_tokenizer.eos_token_id)
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_llama):
+    """transformers' own Llama on `tiny_llama`'s checkpoint (float32): the reference for engines on it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def eos(hf_tokenizer) -> list[int]:
     """The default model's end-of-turn and end-of-text ids: what stops a chat answer."""
     return [hf_tokenizer.convert_tokens_to_ids("<|im_end|>"), hf_tokenizer.eos_token_id]

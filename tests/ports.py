@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import random
 import socket
 from pathlib import Path
@@ -29,3 +30,29 @@ def free_port() -> int:
     with socket.socket() as s:  # an unusual port range: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+DIRECT_INGRESS_BLOCK = 16  # ports per Serve instance for its ingress replicas (HTTP; as many for gRPC)
+_BLOCKS = 2000 // DIRECT_INGRESS_BLOCK  # within Serve's defaults' neighbourhood: 30000-31999, 40000-41999
+
+
+def direct_ingress_env() -> dict[str, str]:
+    """Port ranges of their own for one more Serve instance's ingress replicas. With direct ingress
+    (serving.env) each instance's controller hands out 30000, 30001, ... without looking at the host, so two
+    instances here at once both give their first replica 30000: one's replica cannot bind it and waits
+    starting, while its HAProxy forwards to the other instance's replica (CI saw a launcher report ready,
+    and drain nothing, for another instance's ingress). A counter in a locked file gives every instance
+    started on this machine the next block, across processes (pytest-xdist's workers, the servers tests
+    start as subprocesses)."""
+    with open(Path("/tmp") / "rayllm-test-direct-ingress-block", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        n = int(f.read().strip() or 0)
+        f.seek(0)
+        f.truncate()
+        f.write(str(n + 1))
+    low = DIRECT_INGRESS_BLOCK * (n % _BLOCKS)
+    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(30000 + low),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(30000 + low + DIRECT_INGRESS_BLOCK - 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(40000 + low),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(40000 + low + DIRECT_INGRESS_BLOCK - 1)}

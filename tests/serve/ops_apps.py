@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.ports import free_port
+from tests.ports import direct_ingress_env, free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL = "SmolLM2-135M-Instruct"
@@ -21,9 +21,11 @@ SMALL_ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
 
 
 def own_haproxy_env() -> dict[str, str]:
-    """Free HAProxy stats and metrics ports for one more Serve instance on this machine (Serve's fixed
-    defaults would clash; its config and socket files already sit in a per-instance folder)."""
-    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+    """Ports of its own for one more Serve instance on this machine: HAProxy's stats and metrics (Serve's
+    fixed defaults would clash; its config and socket files already sit in a per-instance folder) and its
+    ingress replicas' direct-ingress ranges (tests/ports.py)."""
+    return {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            **direct_ingress_env()}
 
 
 def wait_healthy(base: str, wait_s: float = 300) -> str:
@@ -95,8 +97,10 @@ class Pace:
             return time.monotonic() - t0
 
         timed(1)  # warm: the first request pays one-time costs
+        # Minima of two: one request slowed by a neighbour (another test lane) would make every later count
+        # too small, so that a stream meant to outlast a signal or a drain ends before it.
         self.request_s = min(timed(1) for _ in range(2))
-        self.step_s = max((timed(1 + tokens) - self.request_s) / tokens, 1e-3)
+        self.step_s = max((min(timed(1 + tokens) for _ in range(2)) - self.request_s) / tokens, 1e-3)
 
     def tokens_for(self, seconds: float, cap: int) -> int:
         """Enough decode steps to take `seconds` at the measured pace (at most `cap`)."""

@@ -201,6 +201,7 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
         stream = Stream(f"{base}/v1", max_tokens=tokens)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
+        assert stream.is_alive(), f"the stream of {tokens} tokens ended before the signal ({pace})"
         if how == "SIGINT":  # Ctrl-C in a terminal signals the whole foreground group (Ray's daemons too)
             os.killpg(proc.pid, signal.SIGINT)
         else:  # docker stop, kill: the launcher alone
@@ -234,9 +235,9 @@ def _check_refused_while_draining(base: str, stream: Stream, run: Run) -> None:
     from openai import APIStatusError, OpenAI
 
     deadline = time.monotonic() + 20
-    while (status := health_status(base)) == 200 and time.monotonic() < deadline:
+    while (status := health_status(base, timeout_s=10)) == 200 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert status == 503, (status, run.log.read_text()[-2000:])
+    assert status == 503, (status, stream.is_alive(), stream.tokens, run.log.read_text()[-2000:])
     client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     with pytest.raises(APIStatusError) as refused:
         client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=4,
