@@ -193,7 +193,7 @@ async def test_backpressure_gives_503_with_retry_after_never_a_hang(queue_bound)
 
 
 def test_request_timeout_is_an_openai_error(limited):
-    pace = Pace(limited)
+    pace = Pace(limited, tokens=8)  # the app's timeout is sized on 8-token requests: longer ones could meet it
     timeout_s = limited.timeout_s
     tokens = pace.tokens_for(2 * timeout_s, TIMEOUT_CAP)  # twice longer than the app's timeout
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": tokens, "ignore_eos": True}
