@@ -66,6 +66,40 @@ def step_times(engine, batch: list[list[int]], new_tokens: int) -> tuple[float, 
     return times[0], sorted(times)[len(times) // 2]
 
 
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    """serve_bench.py's point, offline: `concurrency` slots take `prompts` in order, each the next prompt in the
+    step after its request finished, as the bench's closed-loop streams do. Its output tok/s is the served
+    numbers' like-for-like reference: the same arrivals, so the same mix of new prompts' prefill and the
+    others' decodes in the steps (the batch figure has one prefill, then only decodes). Also the mean step."""
+    import time
+
+    from rayllm.schema.sampling_params import SamplingParams
+
+    engine.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    queue, running, tokens, steps = list(prompts), set(), 0, 0
+    t0 = time.perf_counter()
+    while queue or running:
+        while queue and len(running) < concurrency:
+            rid = f"closed-{len(prompts) - len(queue)}"
+            engine.add_request(rid, queue.pop(0), params)
+            running.add(rid)
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                running.discard(out.request_id)
+        steps += 1
+    wall = time.perf_counter() - t0
+    return {"closed_tok_s": round(tokens / wall, 1), "closed_requests": len(prompts), "closed_tokens": tokens,
+            "closed_step_ms_mean": round(wall / max(steps, 1) * 1e3, 3)}
+
+
+def closed_loop_requests(variant: str | None, concurrency: int) -> int:
+    """serve_bench.py's request count per point (its default): the streams' second and later requests arrive
+    while the first ones decode."""
+    return max(4 * concurrency, 24) if variant in (None, "short") else max(2 * concurrency, 8)
+
+
 def variant_prompts(tokenizer, variant: str, n: int) -> list[list[int]]:
     from serve_prompts import messages_for
 
@@ -74,7 +108,7 @@ def variant_prompts(tokenizer, variant: str, n: int) -> list[list[int]]:
 
 
 def measure(config_path: str, batch: int | list[int], new_tokens: int, rounds: int,
-            variant: str | None = None, only: list[str] | None = None) -> list[dict]:
+            variant: str | None = None, only: list[str] | None = None, closed: bool = False) -> list[dict]:
     from engine_bench import bench_ours, prompts
     from transformers import AutoTokenizer
 
@@ -107,6 +141,11 @@ def measure(config_path: str, batch: int | list[int], new_tokens: int, rounds: i
                 batch_prompts = variant_prompts(tokenizer, variant, size) if variant else prompts(tokenizer, size)
                 runs = sorted(bench_ours(engine, batch_prompts, new_tokens) for _ in range(rounds))
                 first_ms, step_ms = step_times(engine, batch_prompts, new_tokens)
+                loop = {}
+                if closed:  # n prompts salted by n, not the batch's: new requests to the prefix cache
+                    n = closed_loop_requests(variant, size)
+                    loop = closed_loop(engine, variant_prompts(tokenizer, variant, n) if variant
+                                       else prompts(tokenizer, n), size, new_tokens)
                 lines.append({"bench": "serve_engine", "setting": name, "config": os.path.relpath(config_path, REPO),
                               "batch": size, "new_tokens": new_tokens, "rounds": rounds, "variant": variant,
                               "prompt_tokens_mean": round(sum(map(len, batch_prompts)) / size, 1),
@@ -116,7 +155,7 @@ def measure(config_path: str, batch: int | list[int], new_tokens: int, rounds: i
                               "max_loras": config.lora.max_loras,
                               "engine_tok_s": round(runs[len(runs) // 2], 1),  # the median round
                               "engine_runs": [round(x, 1) for x in runs],
-                              "first_step_ms": round(first_ms, 3), "step_ms_p50": round(step_ms, 3)})
+                              "first_step_ms": round(first_ms, 3), "step_ms_p50": round(step_ms, 3), **loop})
                 print(json.dumps(lines[-1]), flush=True)
         finally:
             engine.shutdown()
@@ -131,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variant", default=None, help="serve_bench.py's prompts of this variant (short, long, mixed)")
     ap.add_argument("--settings", default="", help="only these settings, in this order (e.g. lora_off,served)")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="also serve_bench.py's closed-loop arrivals at each batch size (closed_tok_s)")
     args = ap.parse_args(argv)
     measure(args.config, [int(b) for b in args.batch.split(",") if b.strip()], args.new_tokens, args.rounds,
-            args.variant, [x for x in args.settings.split(",") if x.strip()])
+            args.variant, [x for x in args.settings.split(",") if x.strip()], args.closed_loop)
     return 0
 
 

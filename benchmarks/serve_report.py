@@ -95,17 +95,21 @@ def served_engine_table(engine_lines: list[dict], bench_lines: list[dict], stats
     """The GPU device run's table (tests/gpu/serve_device.sh), per stream count: served output tok/s against the
     engine alone's without adapter slots (serve_engine.py `lora_off`) at that batch (target >= 0.9), served time
     per output token p50 against the engine's median step (<= 1.1x), the served engine's own mean step and
-    busy share at that load (engine_stats_watch.py lines whose running count is near it), and at one stream the
-    time to first token against the engine's prefill step + 20 ms."""
+    busy share at that load (engine_stats_watch.py lines whose running count is near it), at one stream the
+    time to first token against the engine's prefill step + 20 ms, and where serve_engine.py ran --closed-loop the
+    served tok/s against the engine alone under the bench's own closed-loop arrivals."""
     engine = {x["batch"]: x for x in engine_lines if x.get("setting") == "lora_off"}
     served = {x["concurrency"]: x for x in bench_lines if x.get("bench") == "serve"}
     stats = stats_lines
     rows = ["| streams | served tok/s | engine tok/s (LoRA off) | served / engine (>= 0.9) | served TPOT p50 ms | "
-            "engine step p50 ms | TPOT / step (<= 1.1) | served engine step ms | served engine busy | TTFT p50 ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "engine step p50 ms | TPOT / step (<= 1.1) | served engine step ms | served engine busy | TTFT p50 ms | "
+            "engine closed-loop tok/s | served / closed loop | closed-loop step ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in sorted(served):
         s, e = served[c], engine.get(c, {})
         ratio = s["output_tokens_per_s"] / e["engine_tok_s"] if e.get("engine_tok_s") else None
+        # serve_engine.py --closed-loop: the engine alone under the bench's own arrivals (like for like)
+        closed = s["output_tokens_per_s"] / e["closed_tok_s"] if e.get("closed_tok_s") else None
         tpot = s.get("tpot_p50_ms")
         per_step = tpot / e["step_ms_p50"] if tpot and e.get("step_ms_p50") else None
         load = [x for x in stats if (x["running"] == 1 if c == 1 else c / 2 < x["running"] <= c)]
@@ -118,7 +122,8 @@ def served_engine_table(engine_lines: list[dict], bench_lines: list[dict], stats
             return fmt.format(v) if v is not None else "-"
         rows.append(f"| {c} | {f(s['output_tokens_per_s'])} | {f(e.get('engine_tok_s'))} | {f(ratio, '{:.3f}')} | "
                     f"{f(tpot, '{:.2f}')} | {f(e.get('step_ms_p50'), '{:.2f}')} | {f(per_step, '{:.2f}')} | "
-                    f"{f(step, '{:.2f}')} | {f(busy, '{:.2f}')} | {f(ttft)}{ttft_note} |")
+                    f"{f(step, '{:.2f}')} | {f(busy, '{:.2f}')} | {f(ttft)}{ttft_note} | {f(e.get('closed_tok_s'))} | "
+                    f"{f(closed, '{:.3f}')} | {f(e.get('closed_step_ms_mean'), '{:.2f}')} |")
     return "\n".join(rows)
 
 

@@ -30,7 +30,8 @@ def test_engine_settings_come_from_the_served_config():
 def test_the_gpu_runs_reference_engine_and_its_step_times(tmp_path, hf_tokenizer):
     """serve_engine.py as tests/gpu/serve_device.sh runs it, here on CPU with a tiny Llama of RANDOM weights and
     the default model's tokenizer: the `mixed` workload's prompts are 128-1,024 tokens (issue 32's range),
-    `lora_off` is the served config without adapter slots, and each line has the prefill and median step."""
+    `lora_off` is the served config without adapter slots, and each line has the prefill and median step and the
+    closed-loop reference (serve_bench.py's arrivals, offline)."""
     import torch
 
     from tests.gpu.serve_device_models import TINY_SHAPE, save_llama
@@ -43,7 +44,9 @@ def test_the_gpu_runs_reference_engine_and_its_step_times(tmp_path, hf_tokenizer
               "cache": {"kv_cache_bytes": 64 << 20}, "lora": {"max_loras": 2}}
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump({"applications": [{"args": {"engine": engine}}]}))
-    [line] = measure(str(path), [3], 4, 1, "mixed", ["lora_off"])  # the served config has 2 slots
+    [line] = measure(str(path), [3], 4, 1, "mixed", ["lora_off"], closed=True)  # the served config has 2 slots
     assert (line["setting"], line["max_loras"], line["variant"]) == ("lora_off", 0, "mixed")
     assert 128 <= line["prompt_tokens_mean"] <= 1024 and line["engine_tok_s"] > 0
     assert line["first_step_ms"] > line["step_ms_p50"] > 0  # three prompts' prefill against a 3-row decode step
+    # serve_bench.py's closed loop at 3 streams: 8 requests (its count for `mixed`), every one run to its end
+    assert (line["closed_requests"], line["closed_tokens"]) == (8, 8 * 4) and line["closed_tok_s"] > 0

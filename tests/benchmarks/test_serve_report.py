@@ -68,7 +68,7 @@ def test_the_gpu_runs_served_against_engine_table():
     from the watcher's lines at a running count near the stream count."""
     engine = [{"bench": "serve_engine", "setting": "served", "batch": 16, "engine_tok_s": 1000.0, "step_ms_p50": 9.0},
               {"bench": "serve_engine", "setting": "lora_off", "batch": 16, "engine_tok_s": 2000.0,
-               "first_step_ms": 40.0, "step_ms_p50": 6.0},
+               "first_step_ms": 40.0, "step_ms_p50": 6.0, "closed_tok_s": 1600.0, "closed_step_ms_mean": 8.5},
               {"bench": "serve_engine", "setting": "lora_off", "batch": 1, "engine_tok_s": 200.0,
                "first_step_ms": 12.5, "step_ms_p50": 4.8}]
     bench = [row("ours", 1, 180.0, bench="serve", tpot_p50_ms=5.28, ttft_p50_s=0.031),
@@ -79,6 +79,7 @@ def test_the_gpu_runs_served_against_engine_table():
     assert len(lines) == 4 and lines[0].startswith("| streams |")
     one, sixteen = (line.split(" | ") for line in lines[2:])
     assert one[1:5] == ["180.0", "200.0", "0.900", "5.28"] and one[5:7] == ["4.80", "1.10"]
-    assert one[7:9] == ["4.90", "0.80"] and one[9] == "31.0 (prefill 12.5 + 20) |"
+    assert one[7:9] == ["4.90", "0.80"] and one[9] == "31.0 (prefill 12.5 + 20)" and one[10:] == ["-", "-", "- |"]
     assert sixteen[1:4] == ["1500.0", "2000.0", "0.750"] and sixteen[6] == "1.20"
     assert sixteen[7:9] == ["6.80", "0.95"]  # medians of the lines with 8 < running <= 16
+    assert sixteen[10:] == ["1600.0", "0.938", "8.50 |"]  # against the engine under the bench's own arrivals

@@ -122,7 +122,7 @@ rc=$?; result models $rc; grep -E "model.*: [0-9.]+ s" "$O/setup.log" | tee -a "
 # The engine alone, before any server holds the GPU: the served numbers' ceiling.
 if want engine && stage engine 180 40 $(( STOP_S + SERVE_MIN + BENCH_MIN + TESTS_MIN )); then
   timeout "$LIMIT" python3 benchmarks/serve_engine.py --config "$MODELS/serve.yaml" --batch "$C" --new-tokens 128 \
-    --rounds "${ENGINE_ROUNDS:-1}" --variant mixed --settings "${ENGINE_SETTINGS:-lora_off}" > "$O/engine.log" 2>&1
+    --rounds "${ENGINE_ROUNDS:-1}" --variant mixed --settings "${ENGINE_SETTINGS:-lora_off}" --closed-loop > "$O/engine.log" 2>&1
   result engine $?; grep '^{' "$O/engine.log" | cut -c1-400 | tee -a "$S"
 fi
 
