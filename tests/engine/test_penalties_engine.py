@@ -1,8 +1,12 @@
-"""Presence / frequency / repetition penalties on the real default model, with the penalty state kept on the
-driver and fed one token per step (session 40): greedy output equals transformers' generate with the
-penalties applied in plain torch; a seeded penalised request's long output is the same alone, in batches
-whose order changes, preempted on a tiny KV cache (its state dropped and rebuilt from its whole history), and
-with every step resending whole histories as the engine did before; and the state is gone once the requests are."""
+"""Presence / frequency / repetition penalties, with the penalty state kept on the driver and fed one token per
+step (session 40): greedy output equals transformers' generate with the penalties applied in plain torch; a
+seeded penalised request's output is the same alone, in batches whose order changes, preempted on a tiny
+KV cache (its state dropped and rebuilt from its whole history), and with every step resending whole histories
+as the engine did before; and the state is gone once the requests are.
+
+Every property here is the engine's penalty bookkeeping, not what the model says, so the file runs on
+`tiny_llama` (RANDOM weights, the default model's vocabulary) with transformers on the same checkpoint
+(`tiny_hf_model`) as the reference; its outputs mean nothing, they only have to agree."""
 
 from __future__ import annotations
 
@@ -16,10 +20,10 @@ from rayllm.engine.engine import LLMEngine
 from rayllm.schema.sampling_params import SamplingParams
 from tests.engine.test_engine import make_engine
 
-pytestmark = pytest.mark.slow  # the real model: `make test-fast` skips it
+pytestmark = pytest.mark.slow  # a model runs (on the default model's tokenizer) and Ray starts: `make test-fast` skips it
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.15)
-SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=2024, max_tokens=32, ignore_eos=True, **PENALTIES)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=2024, max_tokens=16, ignore_eos=True, **PENALTIES)
 
 
 class PresenceFrequency(LogitsProcessor):
@@ -35,8 +39,8 @@ class PresenceFrequency(LogitsProcessor):
 
 
 @pytest.fixture(scope="module")
-def engine(gguf_path, eos) -> LLMEngine:
-    eng = make_engine(gguf_path, eos)
+def engine(tiny_llama, eos) -> LLMEngine:
+    eng = make_engine(tiny_llama, eos)
     yield eng
     eng.shutdown()
 
@@ -69,12 +73,12 @@ def seeded(i: int) -> SamplingParams:
     return dataclasses.replace(SEEDED, seed=SEEDED.seed + i, presence_penalty=0.5 + 0.1 * (i % 3))
 
 
-def test_penalised_greedy_equals_transformers_with_plain_torch_penalties(engine, hf_model, eos, chat_prompts):
+def test_penalised_greedy_equals_transformers_with_plain_torch_penalties(engine, tiny_hf_model, eos, chat_prompts):
     params = SamplingParams(temperature=0.0, max_tokens=48, **PENALTIES)
     got = engine.generate(chat_prompts[:3], params)
     for ids, out in zip(chat_prompts[:3], got, strict=True):
         with torch.no_grad():
-            gen = hf_model.generate(
+            gen = tiny_hf_model.generate(
                 torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
                 repetition_penalty=PENALTIES["repetition_penalty"],  # transformers' own, over prompt + output
                 logits_processor=LogitsProcessorList([PresenceFrequency(len(ids), PENALTIES["presence_penalty"],
@@ -85,13 +89,13 @@ def test_penalised_greedy_equals_transformers_with_plain_torch_penalties(engine,
     assert not state_after_next_step(engine, chat_prompts[0]).slots
 
 
-def test_seeded_penalised_output_alone_in_changing_batches_preempted_and_resent(engine, gguf_path, eos, chat_prompts):
+def test_seeded_penalised_output_alone_in_changing_batches_preempted_and_resent(engine, tiny_llama, eos, chat_prompts):
     alone = engine.generate(chat_prompts[:1], SEEDED)[0]
     assert len(alone) == SEEDED.max_tokens
     # Beside others (penalised with other seeds, and plain), first and last in the batch; the others finish at
     # other lengths, so the batch's order and size change under it.
-    others = [dataclasses.replace(seeded(i), max_tokens=4 + 6 * i) for i in range(1, 5)]
-    plain = SamplingParams(temperature=1.0, max_tokens=20)
+    others = [dataclasses.replace(seeded(i), max_tokens=2 + 3 * i) for i in range(1, 5)]
+    plain = SamplingParams(temperature=1.0, max_tokens=12)
     assert engine.generate(chat_prompts[:5] + chat_prompts[5:7], [SEEDED, *others, plain, plain])[0] == alone
     assert engine.generate(chat_prompts[5:7] + chat_prompts[1:5] + chat_prompts[:1],
                            [plain, plain, *others, SEEDED])[-1] == alone
@@ -107,7 +111,7 @@ def test_seeded_penalised_output_alone_in_changing_batches_preempted_and_resent(
     state = state_after_next_step(engine, chat_prompts[0])
     assert not state.slots and state.seen is None  # the memory is given back
 
-    tiny = make_engine(gguf_path, eos, num_blocks_override=20)  # 8 x ~5 blocks: preemptions
+    tiny = make_engine(tiny_llama, eos, num_blocks_override=20)  # 8 x 4 blocks of 16 tokens, 1 shared: 25 > 20
     try:
         sampling = driver_sampling(tiny)
         dropped: list[str] = []
@@ -134,16 +138,18 @@ def test_an_abort_drops_the_penalty_state(engine, chat_prompts):
     assert not state_after_next_step(engine, chat_prompts[0]).slots
 
 
-def test_tensor_parallel_2_penalised_output_equals_one_rank(engine, gguf_path, eos, chat_prompts, ray_local):
+def test_tensor_parallel_2_penalised_output_equals_one_rank(engine, tiny_llama, eos, chat_prompts, ray_local):
     """Every rank gets the same step messages (new tokens, finished and preempted ids); rank 0 alone keeps
     the penalty state and samples: two ranks give one rank's output, the tiny cache's preemptions included."""
     import ray
 
     # Greedy: the ranks' partial sums add up in another order than one rank's, and a seeded draw would
     # magnify that; greedy output is what the other tensor-parallel tests compare too.
-    batch = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **PENALTIES)] * 4
+    batch = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **PENALTIES)] * 4
     want = engine.generate(chat_prompts[:4], batch)
-    eng = make_engine(gguf_path, eos, tp=2, num_blocks_override=14)
+    # 4 x 3 prompt blocks of 16 tokens (the system prompt's first one shared: 9) fit; the 4th each needs from
+    # their 12th token or so does not (13 > 10): preemptions after the penalty state was built.
+    eng = make_engine(tiny_llama, eos, tp=2, num_blocks_override=10)
     try:
         assert eng.generate(chat_prompts[:4], batch) == want and eng.scheduler.num_preemptions > 0
         held = ray.get([w.__ray_call__.remote(lambda self: len(self.runner.sampling.penalty.slots))
