@@ -1,8 +1,15 @@
-"""LoRA: our batched multi-adapter forward equals peft's reference at TP=1 and TP=2; mixed batches; bad files."""
+"""LoRA: our batched multi-adapter forward equals peft's reference at TP=1 and TP=2; mixed batches; bad files.
+
+Every model here has RANDOM weights, as do the adapters (peft's own modules with fixed-seed random A and B, and
+rayllm's random_peft_adapter): peft over the same base is the reference whatever the weights are. No test runs
+the real model: every loader (GGUF's q/k un-permute included) hands the runner Hugging Face's layout, the one
+adapters are written in, so LoRA has no GGUF-specific path (the base's GGUF loading is checked against
+transformers in tests/engine and tests/loader). The bad-file test reads only the default model's shapes."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 
@@ -24,15 +31,16 @@ from rayllm.schema.config import (
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 
-def tiny_llama(tmp_path) -> str:
-    """A tiny random Llama saved by transformers (3 KV heads: TP=2 splits them 2+1)."""
+@pytest.fixture(scope="module")
+def small_base(tmp_path_factory) -> str:
+    """A tiny random Llama saved by transformers (3 KV heads: TP=2 splits them 2+1), shared by the module."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
                       num_key_value_heads=3, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
                       tie_word_embeddings=False)
-    path = tmp_path / "base"
+    path = tmp_path_factory.mktemp("lora-base") / "base"
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return str(path)
 
@@ -55,15 +63,24 @@ def peft_adapter(base: str, out: str, rank: int, alpha: int, targets: list[str],
     return peft_model.eval()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_adapters_match_peft_reference(tmp_path, tp, request):
-    if tp > 1:
-        request.getfixturevalue("ray_local")
-    base = tiny_llama(tmp_path)
+@dataclasses.dataclass
+class PeftCase:
+    a_dir: str
+    b_dir: str
+    ids: list[int]
+    expected_a: torch.Tensor
+    expected_b: torch.Tensor
+    expected_base: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def peft_case(small_base, tmp_path_factory) -> PeftCase:
+    """Two peft adapters over the base and peft's logits for one prompt: made once, for both TP sizes."""
     all_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    a_dir, b_dir = str(tmp_path / "a"), str(tmp_path / "b")
-    ref_a = peft_adapter(base, a_dir, rank=8, alpha=16, targets=all_targets, seed=1)
-    ref_b = peft_adapter(base, b_dir, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=2,
+    out = tmp_path_factory.mktemp("peft")
+    a_dir, b_dir = str(out / "a"), str(out / "b")
+    ref_a = peft_adapter(small_base, a_dir, rank=8, alpha=16, targets=all_targets, seed=1)
+    ref_b = peft_adapter(small_base, b_dir, rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"], seed=2,
                          rslora=True)
     ids = [int(x) for x in torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(3))]
     with torch.no_grad():
@@ -71,6 +88,16 @@ def test_adapters_match_peft_reference(tmp_path, tp, request):
         expected_b = ref_b(torch.tensor([ids])).logits[0]
         with ref_a.disable_adapter():
             expected_base = ref_a(torch.tensor([ids])).logits[0]
+    return PeftCase(a_dir, b_dir, ids, expected_a, expected_b, expected_base)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_match_peft_reference(small_base, peft_case, tp, request):
+    if tp > 1:
+        request.getfixturevalue("ray_local")
+    base, case = small_base, peft_case
+    a_dir, b_dir, ids = case.a_dir, case.b_dir, case.ids
+    expected_a, expected_b, expected_base = case.expected_a, case.expected_b, case.expected_base
     assert (expected_a - expected_base).abs().max() > 0.1  # the adapters really change the output
 
     config = EngineConfig(
@@ -94,15 +121,17 @@ def test_adapters_match_peft_reference(tmp_path, tp, request):
     torch.testing.assert_close(got_after_unload, expected_b, atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_batch_equals_each_request_alone(gguf_path, chat_prompts, tmp_path):
-    """Base + two adapters in one continuous batch: each request gets exactly its tokens when alone."""
+def test_mixed_batch_equals_each_request_alone(tiny_llama, chat_prompts, tmp_path):
+    """Base + two adapters in one continuous batch: each request gets exactly its tokens when alone.
+    On conftest's tiny_llama (RANDOM weights, the default model's vocabulary, so chat_prompts are valid
+    inputs): which tokens come out does not matter, only that batching with other adapters changes none."""
     from rayllm.engine.engine import LLMEngine
     from rayllm.schema.sampling_params import SamplingParams
 
-    arch = read_arch(gguf_path)
+    arch = read_arch(tiny_llama)
     paths = [random_peft_adapter(str(tmp_path / f"ad{i}"), arch, rank=8, seed=i) for i in (1, 2)]
     config = EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=512),
+        model=ModelConfig(model=tiny_llama, dtype="float32", max_model_len=512),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
         lora=LoRAConfig(max_loras=2, max_lora_rank=8),
@@ -175,13 +204,13 @@ def test_bad_adapters_are_refused_with_clear_errors(gguf_path, tmp_path):
             read_peft_adapter(path, arch, max_rank=16)
 
 
-async def test_registry_lru_eviction_busy_slots_and_deferred_unload(tmp_path):
+async def test_registry_lru_eviction_busy_slots_and_deferred_unload(small_base, tmp_path):
     """Two slots: idle adapters are evicted least-recently-used first, busy ones never."""
     from rayllm.engine.client.engine_client import make_engine_client
     from rayllm.protocol.errors import APIError
     from rayllm.serve.lora.lora_registry import LoRARegistry
 
-    base = tiny_llama(tmp_path)
+    base = small_base
     arch = read_arch(base)
     paths = {n: random_peft_adapter(str(tmp_path / n), arch, rank=4, seed=i) for i, n in enumerate("abcd")}
     config = EngineConfig(model=ModelConfig(model=base, dtype="float32"), cache=CacheConfig(kv_cache_bytes=8 << 20),

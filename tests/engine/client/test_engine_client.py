@@ -1,6 +1,8 @@
 """Both engine clients (rayllm/engine/client/engine_client.py), an engine on a thread and one in a child process,
 serve the same outputs as `LLMEngine` run offline, end aborted requests, and report stats and health.
-The real default model (SmolLM2 GGUF), in float32 so batch composition cannot change a greedy token."""
+What crosses a thread or a pipe does not depend on what the model says: conftest's tiny_llama (RANDOM weights,
+the default model's vocabulary and end ids, so chat_prompts are valid inputs), in float32 so batch composition
+cannot change a greedy token."""
 
 from __future__ import annotations
 
@@ -35,9 +37,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16)
 
 
-def config(gguf_path: str) -> EngineConfig:
+def config(model: str) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=1024),
+        model=ModelConfig(model=model, dtype="float32", max_model_len=1024),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
         parallel=ParallelConfig(device="cpu", cpu=CpuConfig(threads_per_rank=1)),
@@ -45,18 +47,18 @@ def config(gguf_path: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def offline(gguf_path, eos, chat_prompts) -> tuple[LLMEngine, list[list[int]]]:
+def offline(tiny_llama, eos, chat_prompts) -> tuple[LLMEngine, list[list[int]]]:
     """An LLMEngine and what it generates offline for the first four prompts (the last one seeded)."""
-    engine = LLMEngine(config(gguf_path), eos_token_ids=eos)
+    engine = LLMEngine(config(tiny_llama), eos_token_ids=eos)
     return engine, engine.generate(chat_prompts[:4], [GREEDY, GREEDY, GREEDY, SEEDED])
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
-def client(request, gguf_path, eos, offline):
+def client(request, tiny_llama, eos, offline):
     if request.param == "thread":  # the offline engine itself, now driven by the client's thread
         engine: EngineClient = InprocClient(offline[0])
     else:
-        engine = make_engine_client(config(gguf_path), eos, own_process=True)
+        engine = make_engine_client(config(tiny_llama), eos, own_process=True)
         assert isinstance(engine, ProcessClient)
     yield engine
     engine.shutdown()
@@ -123,8 +125,8 @@ def test_stats_health_and_refusals(client, chat_prompts):
     assert (stats.device_uuid, stats.device_reserved_bytes) == ("", 0)  # a CPU engine holds no GPU
 
 
-def test_a_stopped_client_refuses_calls(gguf_path, eos):
-    engine = make_engine_client(config(gguf_path), eos)
+def test_a_stopped_client_refuses_calls(tiny_llama, eos):
+    engine = make_engine_client(config(tiny_llama), eos)
     assert isinstance(engine, InprocClient) and not engine.in_child_process
     engine.shutdown()
     with pytest.raises(EngineDeadError):
@@ -133,8 +135,8 @@ def test_a_stopped_client_refuses_calls(gguf_path, eos):
         engine.check_health()
 
 
-def test_the_factory_runs_only_single_rank_default_engines_in_a_child(gguf_path):
-    base = config(gguf_path)
+def test_the_factory_runs_only_single_rank_default_engines_in_a_child(tiny_llama):
+    base = config(tiny_llama)
     tp2 = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, tensor_parallel_size=2))
     ray = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, executor="ray"))
     assert steps_in_child(base, True) and not steps_in_child(base, False)
