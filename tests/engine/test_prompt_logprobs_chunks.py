@@ -1,6 +1,7 @@
-"""Prompt logprobs on the real default model whatever the prefill's chunking: a last chunk of one token (the
-prompt one past the budget, a one-token prompt, a chunk squeezed by running decodes) has nothing to predict
-yet completes the prompt, so the logprobs still come out, equal to those of an unchunked prefill."""
+"""Prompt logprobs whatever the prefill's chunking: a last chunk of one token (the prompt one past the budget,
+a one-token prompt, a chunk squeezed by running decodes) has nothing to predict yet completes the prompt, so
+the logprobs still come out, equal to those of an unchunked prefill. On `tiny_llama` (tests/conftest.py:
+RANDOM weights, the default model's vocabulary): the property is the engine's, whatever the weights."""
 
 from __future__ import annotations
 
@@ -13,32 +14,32 @@ from rayllm.schema.config import CacheConfig, EngineConfig, ModelConfig, Paralle
 from rayllm.schema.outputs import TokenLogprob
 from rayllm.schema.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow  # the real model: `make test-fast` skips it
+pytestmark = pytest.mark.slow  # engines and transformers' tokenizer of the default model: `make test-fast` skips it
 
 BUDGET = 64
 TEXT = "The history of Paris begins with a small settlement of the Parisii on an island in the Seine. " * 8
 _ids = itertools.count()
 
 
-def make_engine(gguf_path: str, eos: list[int], budget: int) -> LLMEngine:
+def make_engine(model_path: str, eos: list[int], budget: int) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="float32"),
-        cache=CacheConfig(kv_cache_bytes=64 << 20),
+        model=ModelConfig(model=model_path, dtype="float32"),
+        cache=CacheConfig(kv_cache_bytes=16 << 20),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget),
         parallel=ParallelConfig(device="cpu"),
     ), eos_token_ids=eos)
 
 
 @pytest.fixture(scope="module")
-def chunked(gguf_path, eos):
-    eng = make_engine(gguf_path, eos, BUDGET)
+def chunked(tiny_llama, eos):
+    eng = make_engine(tiny_llama, eos, BUDGET)
     yield eng
     eng.shutdown()
 
 
 @pytest.fixture(scope="module")
-def unchunked(gguf_path, eos):
-    eng = make_engine(gguf_path, eos, 512)
+def unchunked(tiny_llama, eos):
+    eng = make_engine(tiny_llama, eos, 512)
     yield eng
     eng.shutdown()
 
