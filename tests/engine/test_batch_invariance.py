@@ -7,11 +7,15 @@ or a mix of two adapters and the base model). The same target under an adapter r
 base requests, its own adapter and the mix. Its logits at
 every generated position are compared with the solo run's with `torch.equal`.
 
+The model is the default GGUF cut to its first two decoder layers (tests/gpu/trim_gguf.py: its real
+Q4_1/Q8_0 weights byte for byte, its shapes, vocabulary and LM head): every kernel a layer runs is the
+full model's, at a fifteenth of its depth. Not `tiny_llama`: its dense fp32 weights get no int4 copies,
+and without the switch its logits varied only beside adapters (none of the base-model scenarios), so
+there the check could not tell whether the switch does its work.
 The engine runs the shipped settings (cluster.yaml: bf16, int4 small-batch copies of the GGUF's Q4
 weights, oneDNN prepacking, prefix caching, C attention kernels, 1 thread per rank and 2 for a
 sequence alone, LoRA slots) plus `scheduler.batch_invariant`. `test_default_mode_varies` shows what
-the switch is for: without it the same comparison fails.
-"""
+the switch is for: without it the same comparison fails on the same model."""
 
 from __future__ import annotations
 
@@ -33,16 +37,18 @@ from rayllm.schema.config import (
     SchedulerConfig,
 )
 from rayllm.schema.sampling_params import SamplingParams
+from tests.gpu.trim_gguf import trim
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 NEW_TOKENS = 8
+LAYERS = 2  # decoder layers kept of the default model's 30: the same kernels on every layer
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def make_engine(gguf_path: str, batch_invariant: bool, weights: str = "auto") -> LLMEngine:
+def make_engine(path: str, batch_invariant: bool, weights: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="bfloat16", weights=weights),
+        model=ModelConfig(model=path, dtype="bfloat16", weights=weights),
         cache=CacheConfig(kv_cache_bytes=256 << 20, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024,
                                   batch_invariant=batch_invariant),
@@ -117,6 +123,14 @@ def prompts(hf_tokenizer, chat_prompts) -> tuple[list[int], list[list[int]]]:
     return target, others
 
 
+@pytest.fixture(scope="module")
+def model_path(gguf_path, tmp_path_factory) -> str:
+    """The default GGUF's first LAYERS decoder layers (real weights, metadata and tokenizer unchanged)."""
+    path = str(tmp_path_factory.mktemp("trimmed") / f"smollm2-{LAYERS}layers.gguf")
+    trim(gguf_path, path, LAYERS)
+    return path
+
+
 # Neighbours that mix two adapters and the base model (the grouped LoRA path, padding rows included).
 MIX = [7, 9, 0]
 
@@ -139,12 +153,12 @@ def compare(engine: LLMEngine, rec: LogitRecorder, refs: dict[int, torch.Tensor]
             bad[name] = m
 
 
-def scenarios(gguf_path: str, batch_invariant: bool, prompts, tmp_path, weights: str = "auto",
+def scenarios(path: str, batch_invariant: bool, prompts, tmp_path, weights: str = "auto",
               only: frozenset[str] | None = None) -> dict[str, str]:
     """Mismatches against the solo run (of the base model, or of adapter 7 for the `adapter-` cases), by
     scenario (an empty dict: all bit-equal); `only`: just these scenarios."""
     target, others = prompts
-    engine = make_engine(gguf_path, batch_invariant, weights=weights)
+    engine = make_engine(path, batch_invariant, weights=weights)
     bad: dict[str, str] = {}
     ran: set[str] = set()
     try:
@@ -193,14 +207,14 @@ def rebudget(engine: LLMEngine, tokens: int) -> None:
     engine.scheduler.config = sched
 
 
-def test_batch_invariant_mode(gguf_path, prompts, tmp_path):
-    assert scenarios(gguf_path, True, prompts, tmp_path) == {}
+def test_batch_invariant_mode(model_path, prompts, tmp_path):
+    assert scenarios(model_path, True, prompts, tmp_path) == {}
 
 
-def test_default_mode_varies(gguf_path, prompts, tmp_path):
+def test_default_mode_varies(model_path, prompts, tmp_path):
     """Without the switch, a sequence's numerics follow the load (int4 copies for steps of <= 8 tokens,
     oneDNN blocking past 32 rows): the check above would catch it. Only the two batches it names run."""
-    bad = scenarios(gguf_path, False, prompts, tmp_path, only=frozenset({"batch8", "batch24"}))
+    bad = scenarios(model_path, False, prompts, tmp_path, only=frozenset({"batch8", "batch24"}))
     assert "batch24" in bad and "batch8" in bad, bad
 
 
@@ -211,7 +225,7 @@ KERNEL_SCENARIOS = frozenset({"batch2", "batch8", "batch24", "batch24-staggered"
                               "mixed-lora-neighbours", "adapter-mixed-neighbours", "chunked-batch8"})
 
 
-def test_batch_invariant_quantized_weights(gguf_path, prompts, tmp_path):
+def test_batch_invariant_quantized_weights(model_path, prompts, tmp_path):
     """`model.weights: quantized`: the int4 kernel serves every step size and its rows do not depend on
     the row count, so with the switch (for the dense LM head) this mode is batch-invariant too."""
-    assert scenarios(gguf_path, True, prompts, tmp_path, weights="quantized", only=KERNEL_SCENARIOS) == {}
+    assert scenarios(model_path, True, prompts, tmp_path, weights="quantized", only=KERNEL_SCENARIOS) == {}

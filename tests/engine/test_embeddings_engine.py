@@ -1,5 +1,9 @@
-"""Pooling requests in the engine (SamplingParams.embed) on the real default model, against transformers'
-final-norm hidden states: last and mean pooling, chunked prefill, batching beside generation, freed blocks."""
+"""Pooling requests in the engine (SamplingParams.embed), against transformers' final-norm hidden states:
+last and mean pooling, chunked prefill, batching beside generation, freed blocks.
+
+The engine runs `tiny_llama` (RANDOM weights, the default model's vocabulary and end ids) and the reference
+is transformers on the same checkpoint (`tiny_hf_model`): pooling and batching are the engine's, whatever
+the weights say."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from rayllm.engine.engine import LLMEngine
 from rayllm.schema.sampling_params import SamplingParams
 from tests.engine.test_engine import GREEDY, make_engine
 
-pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+pytestmark = pytest.mark.slow  # engines and transformers: `make test-fast` skips it
 
 EMBED = SamplingParams(embed=True)
 
@@ -41,19 +45,19 @@ def embed_all(engine: LLMEngine, prompts: list[list[int]]) -> list[list[float]]:
 
 
 @pytest.fixture(scope="module")
-def engine(gguf_path, eos) -> LLMEngine:
-    eng = make_engine(gguf_path, eos)
+def engine(tiny_llama, eos) -> LLMEngine:
+    eng = make_engine(tiny_llama, eos)
     yield eng
     eng.shutdown()
 
 
-def test_last_token_pooling_equals_transformers_and_frees_blocks(engine, hf_model, hf_tokenizer):
+def test_last_token_pooling_equals_transformers_and_frees_blocks(engine, tiny_hf_model, hf_tokenizer):
     texts = ["The cat sat on the mat.", "A long document about rivers. " * 12]  # the second: several chunks
     prompts = [hf_tokenizer(t).input_ids for t in texts]
     assert len(prompts[1]) > engine.config.scheduler.max_num_batched_tokens
     for got, ids in zip(embed_all(engine, prompts), prompts, strict=True):
-        assert got is not None and len(got) == hf_model.config.hidden_size
-        torch.testing.assert_close(torch.tensor(got), reference(hf_model, ids, "last"), rtol=1e-4, atol=1e-4)
+        assert got is not None and len(got) == tiny_hf_model.config.hidden_size
+        torch.testing.assert_close(torch.tensor(got), reference(tiny_hf_model, ids, "last"), rtol=1e-4, atol=1e-4)
     assert engine.stats().kv_usage == 0.0 and not engine.seqs
 
 
@@ -92,7 +96,7 @@ def test_pooling_beside_generation_leaves_greedy_outputs_unchanged(engine, chat_
     assert engine.stats().kv_usage == 0.0 and not engine.seqs
 
 
-def test_mean_pooling_equals_transformers(engine, hf_model, hf_tokenizer):
+def test_mean_pooling_equals_transformers(engine, tiny_hf_model, hf_tokenizer):
     # model.pooling is read when a pooling request is added (nothing the worker holds): this is the engine
     # a `pooling: mean` config builds; the module's engine goes back to last-token pooling after.
     eng, config = engine, engine.config
@@ -102,7 +106,7 @@ def test_mean_pooling_equals_transformers(engine, hf_model, hf_tokenizer):
         ids = hf_tokenizer("Mean pooling over every token of a prompt in several chunks. " * 8).input_ids
         embed_all(eng, [ids])  # fills the prefix cache: mean pooling must not reuse it
         got = embed_all(eng, [ids])[0]
-        torch.testing.assert_close(torch.tensor(got), reference(hf_model, ids, "mean"), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(got), reference(tiny_hf_model, ids, "mean"), rtol=1e-4, atol=1e-4)
         assert eng.stats().kv_usage == 0.0
     finally:
         eng.config = config

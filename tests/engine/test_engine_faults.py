@@ -1,8 +1,11 @@
-"""Fault isolation on the real default model: a fault that belongs to one sequence fails that request
-alone (SequenceError), the others in its batch finish with exactly their solo output, and the engine
-keeps serving. Faults are injected into one sequence's own objects only (its parameters, its grammar
-matcher, its random generator, its adapter id), never into the model; and a device out-of-memory inside
-a step (the test-only debug.fail_step_with_oom_after) fails that step's requests, not the engine.
+"""Fault isolation: a fault that belongs to one sequence fails that request alone (SequenceError), the
+others in its batch finish with exactly their solo output, and the engine keeps serving. Faults are
+injected into one sequence's own objects only (its parameters, its grammar matcher, its random generator,
+its adapter id), never into the model; and a device out-of-memory inside a step (the test-only
+debug.fail_step_with_oom_after) fails that step's requests, not the engine.
+
+The engines run `tiny_llama` (RANDOM weights, the default model's vocabulary and end ids): isolation is the
+engine's, and the reference is the same engine's solo output, whatever the model says.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from rayllm.schema.config import (
 )
 from rayllm.schema.sampling_params import GuidedSpec, SamplingParams
 
-pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+pytestmark = pytest.mark.slow  # engines: `make test-fast` skips it
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12)
@@ -81,9 +84,9 @@ class UndrawableGenerator:
         pass
 
 
-def config(gguf_path: str) -> EngineConfig:
+def config(path: str) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype="float32", max_model_len=1024),
+        model=ModelConfig(model=path, dtype="float32", max_model_len=1024),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
         parallel=ParallelConfig(device="cpu"),
@@ -91,8 +94,8 @@ def config(gguf_path: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def engine(gguf_path, eos):
-    eng = LLMEngine(config(gguf_path), eos_token_ids=eos)
+def engine(tiny_llama, eos):
+    eng = LLMEngine(config(tiny_llama), eos_token_ids=eos)
     yield eng
     eng.shutdown()
 
@@ -102,6 +105,7 @@ def solo(engine, chat_prompts) -> dict[str, list[int]]:
     """Each good request's output when it runs alone."""
     out = {f"greedy{i}": engine.generate([chat_prompts[i]], GREEDY)[0] for i in range(3)}
     out["seeded"] = engine.generate([chat_prompts[3]], SEEDED)[0]
+    assert all(out.values())  # each has tokens that a fault beside it could change
     return out
 
 
@@ -154,7 +158,7 @@ def test_each_kind_of_sequence_fault_fails_only_its_request(engine, chat_prompts
 def test_a_token_its_grammar_rejects_fails_only_its_request(engine, gguf_path, chat_prompts, solo):
     from rayllm.serve.chat_template import load_tokenizer
 
-    tok = load_tokenizer(gguf_path)
+    tok = load_tokenizer(gguf_path)  # the default model's: tiny_llama's vocabulary
     digits = GrammarCompiler(tok, len(tok), [tok.eos_token_id]).compile(GuidedSpec("regex", "[0-9]+", "regex"))
     # Unconstrained, greedy decoding of this prompt starts with a token that is no digit: the grammar rejects it.
     first = engine.generate([chat_prompts[4]], dataclasses.replace(GREEDY, max_tokens=1))[0][0]
@@ -213,12 +217,12 @@ def test_in_thread_async_engine_fails_only_the_faulty_request(engine, chat_promp
     assert again == solo["greedy0"] and async_engine.error is None
 
 
-def test_engine_process_fails_only_the_faulty_request(gguf_path, eos, chat_prompts, solo, monkeypatch):
+def test_engine_process_fails_only_the_faulty_request(tiny_llama, eos, chat_prompts, solo, monkeypatch):
     # The child unpickles UncheckedParams by module name: let it import this test module.
     here = os.path.dirname(__file__)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     assert UncheckedParams.__module__ == os.path.splitext(os.path.basename(__file__))[0]
-    engine = ProcessClient(EngineProcess(config(gguf_path), eos_token_ids=eos))
+    engine = ProcessClient(EngineProcess(config(tiny_llama), eos_token_ids=eos))
 
     async def run():
         first = await batch_with_a_faulty_request(engine, chat_prompts)
@@ -234,12 +238,12 @@ def test_engine_process_fails_only_the_faulty_request(gguf_path, eos, chat_promp
         engine.shutdown()
 
 
-def test_out_of_memory_in_a_step_fails_its_requests_and_the_engine_serves_on(gguf_path, eos, chat_prompts, solo):
+def test_out_of_memory_in_a_step_fails_its_requests_and_the_engine_serves_on(tiny_llama, eos, chat_prompts, solo):
     """debug.fail_step_with_oom_after: the worker raises torch.OutOfMemoryError in the first step (as CUDA
     would): that step's requests fail with an error naming it, and the engine serves the next ones exactly.
     The step's prompt blocks were hashed when scheduled but never computed: a later request with the same
     prompt must not reuse them (its output equals its solo output, with nothing cached)."""
-    base = config(gguf_path)
+    base = config(tiny_llama)
     oom = LLMEngine(dataclasses.replace(base, debug=DebugConfig(fail_step_with_oom_after=0)), eos_token_ids=eos)
     try:
         for rid, (prompt, params) in good_requests(chat_prompts).items():

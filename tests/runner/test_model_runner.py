@@ -1,6 +1,10 @@
-"""Prompt logprobs on the real default model come in row slices: each LM-head call of a step takes at most a
-slice's rows (the runner's own record), and the numbers are transformers' fp32 log_softmax, and those of the
-unsliced computation (bit for bit where the LM head is batch-invariant: scheduler.batch_invariant)."""
+"""Prompt logprobs come in row slices: each LM-head call of a step takes at most a slice's rows (the runner's
+own record), and the numbers are transformers' fp32 log_softmax, and those of the unsliced computation (bit
+for bit where the LM head is batch-invariant: scheduler.batch_invariant).
+
+The model is `tiny_llama` (RANDOM weights, the default model's 49k vocabulary, so its LM head and the slices'
+sizes are the real model's) against transformers on the same checkpoint: slicing is the runner's, whatever
+the weights say."""
 
 from __future__ import annotations
 
@@ -22,16 +26,16 @@ from rayllm.schema.config import (
 from rayllm.schema.outputs import TokenLogprob
 from rayllm.schema.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow  # the real model: `make test-fast` skips it
+pytestmark = pytest.mark.slow  # engines and transformers: `make test-fast` skips it
 
 CHUNK, SLICE, K = 64, 8, 3  # tokens per step (a long prompt takes several), rows per slice, top-k asked
 TEXT = "The history of Paris begins with a small settlement of the Parisii on an island in the Seine. " * 7
 _ids = itertools.count()
 
 
-def make_engine(gguf_path: str, eos: list[int], dtype: str, invariant: bool, cpu: CpuConfig | None = None) -> LLMEngine:
+def make_engine(path: str, eos: list[int], dtype: str, invariant: bool, cpu: CpuConfig | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=gguf_path, dtype=dtype),
+        model=ModelConfig(model=path, dtype=dtype),
         cache=CacheConfig(kv_cache_bytes=64 << 20),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=CHUNK, batch_invariant=invariant),
         parallel=ParallelConfig(device="cpu", cpu=cpu or CpuConfig()),
@@ -69,10 +73,10 @@ def prompt(hf_tokenizer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, prompt) -> torch.Tensor:
+def reference(tiny_hf_model, prompt) -> torch.Tensor:
     """transformers' fp32 log_softmax: row i predicts prompt token i + 1."""
     with torch.no_grad():
-        return hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        return tiny_hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
 
 
 def assert_matches_reference(got: list[TokenLogprob | None], prompt: list[int], reference: torch.Tensor,
@@ -85,12 +89,12 @@ def assert_matches_reference(got: list[TokenLogprob | None], prompt: list[int], 
         assert [v for _, v in lp.top] == pytest.approx([reference[i, t].item() for t, _ in lp.top], abs=atol)
 
 
-def test_sliced_prompt_logprobs_match_transformers_beside_a_decode(gguf_path, eos, prompt, reference, hf_greedy,
+def test_sliced_prompt_logprobs_match_transformers_beside_a_decode(tiny_llama, tiny_hf_model, eos, prompt, reference,
                                                                    chat_prompts, monkeypatch):
     """With steps in two halves (cpu.half_step_tokens) where the prompt's chunk and the neighbour split: the
     halves sample, then the prompt's slices run on the whole step's hidden states."""
     before = torch.get_num_threads()
-    engine = make_engine(gguf_path, eos, "float32", invariant=False,
+    engine = make_engine(tiny_llama, eos, "float32", invariant=False,
                          cpu=CpuConfig(threads_per_rank=1, half_step_tokens=4))
     try:
         halves = engine.executor.worker.runner.halves
@@ -98,7 +102,10 @@ def test_sliced_prompt_logprobs_match_transformers_beside_a_decode(gguf_path, eo
         assert halves is not None and halves.steps > 0
         assert largest <= SLICE  # no LM-head call of any step built more than a slice of logits
         assert_matches_reference(sliced, prompt, reference, atol=1e-4)
-        assert neighbour == hf_greedy(chat_prompts[0], 8)  # its rows shared the prompt's steps
+        with torch.no_grad():  # transformers' greedy generate of the neighbour alone
+            gen = tiny_hf_model.generate(torch.tensor([chat_prompts[0]]), max_new_tokens=8, do_sample=False,
+                                         eos_token_id=eos, pad_token_id=eos[0])
+        assert neighbour == gen[0, len(chat_prompts[0]):].tolist()  # its rows shared the prompt's steps
         whole, largest, _ = run(engine, prompt, CHUNK, monkeypatch=monkeypatch)
         assert largest == CHUNK  # one slice: the whole chunk at once (as before slicing), which the record shows
         # The same per-row math; fp32 GEMMs of other row counts may round the logits' last bit otherwise.
@@ -112,9 +119,9 @@ def test_sliced_prompt_logprobs_match_transformers_beside_a_decode(gguf_path, eo
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_invariant_slices_equal_the_unsliced_numbers_bit_for_bit(gguf_path, eos, prompt, reference, dtype,
+def test_batch_invariant_slices_equal_the_unsliced_numbers_bit_for_bit(tiny_llama, eos, prompt, reference, dtype,
                                                                         monkeypatch):
-    engine = make_engine(gguf_path, eos, dtype, invariant=True)
+    engine = make_engine(tiny_llama, eos, dtype, invariant=True)
     try:
         sliced, largest, _ = run(engine, prompt, SLICE, monkeypatch=monkeypatch)
         assert largest <= SLICE
