@@ -121,7 +121,7 @@ SESSION: dict[str, str] = {}
 
 SHARED_APPS: dict[str, frozenset[str]] = {
     "prio": frozenset({"prio", "traced"}),  # test_priority_serving.py, test_tracing_serving.py
-    "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py
+    "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py (Llama's tools too)
     "fp32": frozenset({"fp32_server"}),  # conftest.fp32_client: transformers-reference tests
 }
 
@@ -143,40 +143,58 @@ def prio_args(otlp_port: int) -> dict:
 
 FAMILIES = ("qwen3", "mixtral")
 TINY_ENGINE = {"cache": {"kv_cache_bytes": 32 << 20}, "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}
+# The tiny Llama again, its tokenizer carrying Llama 3.1 Instruct's chat template (Llama's own tool format).
+LLAMA31 = "tiny-llama31"
+
+
+def _tiny_llama(path: Path, tok, max_positions: int) -> str:
+    """A 2-layer width-64 Llama with RANDOM weights (seed 0) and `tok`'s vocabulary and end ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=max_positions,
+                      initializer_range=0.1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    return str(path)
 
 
 def tiny_checkpoints(root: Path, tok) -> dict[str, str]:
     """Tiny random models (weights random, built by transformers here; `tok`, SmolLM2's tokenizer, saved
-    beside each so chat templates render): a Llama ("tiny-llama") and one per added family (FAMILIES)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    beside each so chat templates render): a Llama ("tiny-llama"), one per added family (FAMILIES), and
+    the Llama once more with Llama 3.1 Instruct's chat template in place of SmolLM2's (LLAMA31), so that
+    the server finds Llama's tool format in it as it would for the real model."""
+    import json
 
     from tests.tiny_families import make_checkpoint
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.1,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    paths = {"tiny-llama": str(root / "tiny-llama")}
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(paths["tiny-llama"],
-                                                                                 safe_serialization=True)
+    paths = {"tiny-llama": _tiny_llama(root / "tiny-llama", tok, 512)}
     for family in FAMILIES:
         paths[family] = make_checkpoint(root / family, family, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                         eos_token_id=tok.eos_token_id)
+    paths[LLAMA31] = _tiny_llama(root / LLAMA31, tok, 1024)
     for path in paths.values():
         tok.save_pretrained(path)
+    config_path = Path(paths[LLAMA31]) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)  # the template file below is the only one
+    config_path.write_text(json.dumps(config))
+    template = Path(__file__).parents[1] / "protocol" / "llama31_chat_template.jinja"
+    (Path(paths[LLAMA31]) / "chat_template.jinja").write_text(template.read_text())
     return paths
 
 
 def multi_args(paths: dict[str, str]) -> dict:
     """One app of several base models (a `models` list: each its own model deployment behind one ingress
     and tokenizer): SmolLM2 ("smol"), the tiny Llama on two replicas ("tiny", with a LoRA slot: adapters
-    loaded at runtime for a model other than the first), and each added family's tiny model;
+    loaded at runtime for a model other than the first), each added family's tiny model, and the Llama
+    3.1-template one (LLAMA31, 1024 positions: a prompt with tools is longer than 256 tokens);
     test_multi_model.py and test_model_families.py share it."""
     from tests.serve.conftest import ADMIN_KEY, API_KEY
 
-    def engine(name: str) -> dict:
-        return {"model": {"model": paths[name], "dtype": "float32", "max_model_len": 256}} | TINY_ENGINE
+    def engine(name: str, max_model_len: int = 256) -> dict:
+        return {"model": {"model": paths[name], "dtype": "float32", "max_model_len": max_model_len}} | TINY_ENGINE
 
     # Adapters for the tiny Llama may come from beside the tiny models (test_multi_model.py writes one there).
     lora = {"max_loras": 1, "max_lora_rank": 4, "allowed_roots": [str(Path(paths["tiny-llama"]).parent)]}
@@ -184,7 +202,8 @@ def multi_args(paths: dict[str, str]) -> dict:
         {"engine": SMALL_ENGINE, "aliases": ["smol"]},
         {"served_model_name": "tiny-llama", "aliases": ["tiny"], "deployment": {"num_replicas": 2},
          "engine": engine("tiny-llama") | {"lora": lora}},
-        *({"served_model_name": f"tiny-{family}", "engine": engine(family)} for family in FAMILIES)]}
+        *({"served_model_name": f"tiny-{family}", "engine": engine(family)} for family in FAMILIES),
+        {"served_model_name": LLAMA31, "engine": engine(LLAMA31, 1024)}]}
 
 
 def _value(v) -> object:

@@ -15,14 +15,15 @@ import httpx
 import pytest
 import torch
 from conftest import ADMIN_KEY, API_KEY
-from ops_apps import FAMILIES, MODEL, multi_args
+from ops_apps import FAMILIES, LLAMA31, MODEL, multi_args
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
 TINY = "tiny-llama"
-FAMILY_MODELS = {f"tiny-{family}" for family in FAMILIES}  # test_model_families.py's, in the same app
+# test_model_families.py's models, in the same app
+FAMILY_MODELS = {f"tiny-{family}" for family in FAMILIES} | {LLAMA31}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def tiny_path(tiny_models) -> str:
 @pytest.fixture(scope="module")
 def multi(request, shared_apps, tiny_models) -> str:
     """The several-model app; the tiny Llama runs two replicas, SmolLM2 one (test_model_families.py's
-    models are in it too)."""
+    models, FAMILY_MODELS, are in it too)."""
     return shared_apps.get(request, "multi", multi_args(tiny_models))
 
 

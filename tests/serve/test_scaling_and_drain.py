@@ -6,7 +6,7 @@ The tests share one app (autoscaling, graceful drain), in file order: scale up a
 down (which deletes it); a test that finds it deleted deploys it again, so any one runs alone.
 test_operations.py's apps are gone by the time these run, so the app has CPUs to grow into. Token
 counts and waits scale with this machine's pace: the app's own start-up time (measured when it is
-deployed) and a `Pace` measured through it, not fixed seconds.
+deployed) and a `Pace` measured through it (once, for both drain tests), not fixed seconds.
 """
 
 from __future__ import annotations
@@ -25,13 +25,19 @@ pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` s
 
 # ---- autoscaling and graceful drain -------------------------------------------------------------------------
 
+# Short autoscaling delays: the load (4 requests always open, target 1) asks for 2 replicas the whole time it
+# runs and for 1 once it stops, so the controller need not wait long to trust either (its loop runs every
+# 0.5 s, serving.env); the look-back must exceed the metrics interval.
 SCALE = {"stream_interval_s": 0.05, "llm_deployment_options": {
     "max_ongoing_requests": 4,
     "graceful_shutdown_timeout_s": 60,
     "graceful_shutdown_wait_loop_s": 0.5,
     "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                           "upscale_delay_s": 2, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
-                           "look_back_period_s": 2}}}
+                           "upscale_delay_s": 0.5, "downscale_delay_s": 1, "metrics_interval_s": 0.5,
+                           "look_back_period_s": 1}}}
+# Tokens of each load request: the load is the number of open requests, not their length; short ones let the new
+# replica answer (and the workers stop) soon after it starts.
+LOAD_TOKENS = 16
 
 
 def _running_llm_replicas(app: str) -> int:
@@ -80,7 +86,7 @@ def own_app(server: str, name: str, args: dict):
     deadline = time.monotonic() + ingress_drain_s() + 3 * app.start_s
     while name in serve.status().applications:
         assert time.monotonic() < deadline, f"app {name} not deleted"
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +112,7 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not stop.is_set():
-            r = await http.post(f"{scaled.base}/v1/chat/completions", json=chat_body(48))
+            r = await http.post(f"{scaled.base}/v1/chat/completions", json=chat_body(LOAD_TOKENS))
             results.append((r.status_code, r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else r.text))
             if scaled_up.is_set():
                 replicas_after_up.append(r.headers.get("x-replica-id"))
@@ -116,7 +122,7 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
         workers = [asyncio.create_task(worker(http)) for _ in range(4)]
         while _running_llm_replicas(app) < 2:
             assert time.monotonic() - t0 < up_s, "did not scale up"
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
         t_up = time.monotonic() - t0
         scaled_up.set()
         # The load stops once both replicas have answered some of it.
@@ -128,7 +134,7 @@ async def test_autoscaling_up_under_load_and_back_down_without_failures(scaled):
     t1 = time.monotonic()
     while _running_llm_replicas(app) > 1 or len(_llm_replica_actors(app)) > 1:
         assert time.monotonic() - t1 < down_s, "did not scale down"
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.2)
     print(f"\nautoscaling: 1 -> 2 replicas after {t_up:.1f} s of load, back to 1 "
           f"{time.monotonic() - t1:.1f} s after it; {len(results)} requests (app start {scaled.start_s:.0f} s)")
     assert results and all(s == 200 and reason == "length" for s, reason in results), results
@@ -148,6 +154,12 @@ DRAIN = SCALE
 @pytest.fixture
 def drained(shared_app):
     return shared_app.live()
+
+
+@pytest.fixture(scope="module")
+def pace(shared_app) -> Pace:
+    """The app's pace, measured once for both drain tests (the redeploy changes no engine setting)."""
+    return Pace(shared_app.live().base)
 
 
 def stream_tokens(pace: Pace, share: float) -> int:
@@ -193,14 +205,16 @@ def _llm_states(app: str) -> dict:
     return dict(status.deployments["llm"].replica_states) if status and "llm" in status.deployments else {}
 
 
-def test_in_flight_stream_finishes_while_app_is_redeployed(drained):
+def test_in_flight_stream_finishes_while_app_is_redeployed(drained, pace):
     """Graceful drain on a rolling update: the old replicas stop only once the open stream has ended."""
     from ray import serve
 
     from rayllm.serve.builder import build_app
 
-    app, pace = drained.name, Pace(drained.base)
-    tokens = stream_tokens(pace, 1 / 6)  # open until the new replicas are up and the old ones drain
+    app = drained.name
+    # Open when the controller starts stopping the old replica (a second or two after the redeploy here: it stops
+    # the old one while the new one starts) and long after: the old replica must wait for it.
+    tokens = stream_tokens(pace, 1 / 10)
     old = _llm_replica_actors(app)
     stream = OpenStream(drained.base, tokens)
     stream.start()
@@ -219,17 +233,17 @@ def test_in_flight_stream_finishes_while_app_is_redeployed(drained):
     deadline = time.monotonic() + 3 * drained.start_s
     while _llm_replica_actors(app) & old:  # the old replica goes once drained
         assert time.monotonic() < deadline, "old replica still running"
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert drained_while_streaming, (tokens, pace, drained.start_s)
     r = httpx.post(f"{drained.base}/v1/chat/completions", json=chat_body(4), timeout=3 * drained.start_s)
     assert r.status_code == 200
 
 
-def test_in_flight_stream_finishes_while_app_is_shut_down(drained):
+def test_in_flight_stream_finishes_while_app_is_shut_down(drained, pace):
     """Graceful drain on shutdown: deleting the app lets the open stream finish before its replicas go."""
     from ray import serve
 
-    app, pace = drained.name, Pace(drained.base)
+    app = drained.name
     tokens = stream_tokens(pace, 1 / 20)  # deleting drains at once: no new replicas to wait for
     stream = OpenStream(drained.base, tokens)
     stream.start()
@@ -245,4 +259,4 @@ def test_in_flight_stream_finishes_while_app_is_shut_down(drained):
     deadline = time.monotonic() + 3 * drained.start_s
     while app in serve.status().applications:
         assert time.monotonic() < deadline, "app not deleted after its stream ended"
-        time.sleep(0.5)
+        time.sleep(0.2)

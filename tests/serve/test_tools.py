@@ -1,4 +1,5 @@
-"""Tool calling and reasoning end to end, on real generation with the default model."""
+"""Tool calling and reasoning end to end, on real generation with the default model. (Llama 3.x's own tool
+format, on a tiny model with Llama 3.1's chat template, is tested in test_model_families.py, whose app serves it.)"""
 
 from __future__ import annotations
 
@@ -222,64 +223,3 @@ def test_reasoning_switches_reach_the_template(server, auth, model_name):
     assert prompt_tokens(enable_thinking=True) > off
     assert prompt_tokens(reasoning_effort="low") > off
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == prompt_tokens(enable_thinking=True)
-
-
-# ---- Llama 3.x's own format -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def llama_client(server, apps, hf_tokenizer, tmp_path_factory):
-    """An app serving a tiny Llama with RANDOM weights whose tokenizer (SmolLM2's) carries Llama 3.1 Instruct's
-    chat template: the server finds the tool format in that template, as it would for the real model."""
-    import os
-    from pathlib import Path
-
-    import torch
-    from openai import OpenAI
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from tests.serve.conftest import API_KEY
-    from tests.serve.ops_apps import TINY_ENGINE, deploy
-
-    path = tmp_path_factory.mktemp("llama31-template")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=len(hf_tokenizer), max_position_embeddings=1024,
-                      initializer_range=0.1, bos_token_id=hf_tokenizer.bos_token_id,
-                      eos_token_id=hf_tokenizer.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
-    hf_tokenizer.save_pretrained(path)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config.pop("chat_template", None)
-    config_path.write_text(json.dumps(config))
-    template = Path(__file__).parents[1] / "protocol" / "llama31_chat_template.jinja"
-    (path / "chat_template.jinja").write_text(template.read_text())
-    assert os.path.exists(path / "model.safetensors")
-    apps.append("llama-tools")
-    url = deploy(server, "llama-tools", {"api_keys": [API_KEY], "engine": {
-        "model": {"model": str(path), "dtype": "float32", "max_model_len": 1024}} | TINY_ENGINE})
-    client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    return client, client.models.list().data[0].id
-
-
-@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "get_time"}}, "required"])
-def test_llama_template_model_calls_in_its_format(llama_client, tool_choice):
-    """required / named write Llama's `{"name": ..., "parameters": ...}` (the tokens show it), and the OpenAI SDK
-    parses the calls, whole and streamed, for strict tools."""
-    client, model = llama_client
-    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
-    kw = dict(model=model, messages=ASK, tools=strict, tool_choice=tool_choice, parallel_tool_calls=False,
-              temperature=0, max_tokens=120)
-    r = client.chat.completions.parse(logprobs=True, **kw)
-    choice = r.choices[0]
-    raw = "".join(t.token for t in choice.logprobs.content)
-    (call,) = choice.message.tool_calls
-    assert raw.startswith(f'{{"name": "{call.function.name}", "parameters": '), raw
-    assert choice.finish_reason == ("stop" if isinstance(tool_choice, dict) else "tool_calls")
-    jsonschema.validate(call.function.parsed_arguments, PARAMS[call.function.name])
-    assert isinstance(tool_choice, str) or call.function.name == "get_time"
-    with client.chat.completions.stream(**kw) as stream:
-        streamed = stream.get_final_completion().choices[0]
-    assert [(c.function.name, c.function.parsed_arguments) for c in streamed.message.tool_calls] == [
-        (call.function.name, call.function.parsed_arguments)]
