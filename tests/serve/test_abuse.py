@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -26,24 +27,49 @@ def chat(**kw) -> dict:
     return {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "temperature": 0} | kw
 
 
+_HTTP: list[httpx.Client] = []  # the module's one client: each new one builds an SSL context (~20 ms of CPU)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def http_client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=BOUND_S) as http:
+        _HTTP.append(http)
+        yield http
+        _HTTP.clear()
+
+
 def replica_state(base: str, headers: dict, stats) -> tuple[str, int]:
     """The serving replica's id and its engine's step count (a restarted engine starts again from 0)."""
-    r = httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=1), headers=headers, timeout=BOUND_S)
+    r = _HTTP[0].post(f"{base}/v1/chat/completions", json=chat(max_tokens=1), headers=headers)
     assert r.status_code == 200, r.text
     return r.headers["x-replica-id"], stats()["num_steps"]
 
 
-@pytest.fixture
-def same_replica(server, auth, llm_stats):
-    rid, steps = replica_state(server, auth, llm_stats)
+# App URL -> (position in the session of the test whose closing check read it, replica id, step count).
+_CHECKED: dict[str, tuple[int, str, int]] = {}
+
+
+def checked_replica(request: pytest.FixtureRequest, base: str, headers: dict, stats) -> Iterator[None]:
+    """The same model replica serves before and after the test, its engine not restarted. The state before
+    is what the closing check of the test just before read, when that test checked this app (nothing else
+    sends to it between two tests of this module): not read twice."""
+    here = request.session.items.index(request.node)
+    last = _CHECKED.pop(base, None)
+    rid, steps = last[1:] if last is not None and last[0] == here - 1 else replica_state(base, headers, stats)
     yield
-    rid_after, steps_after = replica_state(server, auth, llm_stats)
+    rid_after, steps_after = replica_state(base, headers, stats)  # its request runs at least one step
     assert rid_after == rid and steps_after > steps, "the model replica was replaced or its engine restarted"
+    _CHECKED[base] = (here, rid_after, steps_after)
+
+
+@pytest.fixture
+def same_replica(request, server, auth, llm_stats) -> Iterator[None]:
+    yield from checked_replica(request, server, auth, llm_stats)
 
 
 def post(server: str, auth: dict, path: str, body: dict, **kw) -> httpx.Response:
     t0 = time.monotonic()
-    r = httpx.post(f"{server}{path}", json=body, headers=auth, timeout=BOUND_S, **kw)
+    r = _HTTP[0].post(f"{server}{path}", json=body, headers=auth, **kw)
     assert time.monotonic() - t0 < BOUND_S
     return r
 
@@ -106,8 +132,8 @@ def test_largest_accepted_values_generate(server, auth, same_replica, body):
 
 
 def a_token(server: str, auth: dict) -> int:
-    r = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": "a", "add_special_tokens": False},
-                   headers=auth, timeout=BOUND_S)
+    r = _HTTP[0].post(f"{server}/tokenize", json={"model": MODEL, "prompt": "a", "add_special_tokens": False},
+                      headers=auth)
     (tid,) = r.json()["tokens"]
     return tid
 
@@ -118,7 +144,7 @@ def test_catastrophic_stop_regex_streams_forced_as_quickly(server, auth, same_re
     body = chat(max_tokens=40, stream=True, ignore_eos=True, stop_regex=["(a+)+b", "(x+x+)+y"],
                 logit_bias={str(a_token(server, auth)): 100})
     t0 = time.monotonic()
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth, timeout=5 * BOUND_S) as r:
+    with _HTTP[0].stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth, timeout=5 * BOUND_S) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert time.monotonic() - t0 < 5 * BOUND_S and lines[-1] == "data: [DONE]"
@@ -199,6 +225,7 @@ def test_chunked_body_over_the_limit_is_413(server, auth, same_replica):
             yield b"x" * (64 << 10)
         yield b'"}]}'
 
+    # A client of its own: the server answers before reading the whole body, and that connection is not reused.
     r = httpx.post(f"{server}/v1/chat/completions", content=chunks(), headers=auth | {"content-type": "application/json"},
                    timeout=BOUND_S)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -235,12 +262,12 @@ PLAIN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[ass
 
 
 @pytest.fixture(scope="module")
-def abuse(server, apps):
+def abuse(server, apps, http_client):
     apps.append("abuse")
     url = deploy(server, "abuse", ABUSE)
     # Warm: a new replica's first requests pay one-time costs, which may meet its 2 s timeout when loaded.
     for _ in range(5):
-        if httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=1), timeout=BOUND_S).status_code == 200:
+        if _HTTP[0].post(f"{url}/v1/chat/completions", json=chat(max_tokens=1)).status_code == 200:
             break
     return url
 
@@ -258,11 +285,8 @@ def abuse_stats(abuse_handle):
 
 
 @pytest.fixture
-def abuse_same_replica(abuse, abuse_stats):
-    rid, steps = replica_state(abuse, {}, abuse_stats)
-    yield
-    rid_after, steps_after = replica_state(abuse, {}, abuse_stats)
-    assert rid_after == rid and steps_after > steps
+def abuse_same_replica(request, abuse, abuse_stats) -> Iterator[None]:
+    yield from checked_replica(request, abuse, {}, abuse_stats)
 
 
 def test_request_chat_template_when_allowed(abuse, abuse_same_replica):

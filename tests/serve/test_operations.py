@@ -13,15 +13,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rayllm.serve.metrics import STATS_INTERVAL_S
+from rayllm.serve.metrics import STATS_FRESH_S, STATS_INTERVAL_S, STATS_NAMESPACE, stats_prefix
 from tests.serve.ops_apps import MODEL, QUESTION, SMALL_ENGINE, Pace, chat_body, deploy_all, sse_lines
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    """One client for the module's probes and polls: each new one builds an SSL context (~20 ms of CPU)."""
+    with httpx.Client(timeout=60) as client:
+        yield client
+
 
 # ---- metrics -----------------------------------------------------------------------------------------------
 
@@ -35,6 +44,24 @@ def _metric_values(server: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
+def _wait_for_stats_written_after(t0: float) -> None:
+    """Until every replica of the session app's model that /metrics counts (a record at most STATS_FRESH_S
+    old) has written its engine record (rayllm.serve.metrics) later than `t0` by more than one stats()
+    call: those records hold the engine's state after `t0`."""
+    from ray.experimental import internal_kv
+
+    deadline = time.monotonic() + STATS_FRESH_S + 2 * STATS_INTERVAL_S  # a gone replica's record ages out
+    while True:
+        keys = internal_kv._internal_kv_list(stats_prefix("llm", "llm"), namespace=STATS_NAMESPACE)
+        stamps = [json.loads(internal_kv._internal_kv_get(k, namespace=STATS_NAMESPACE) or "{}").get("t", 0)
+                  for k in keys]
+        fresh = [t for t in stamps if time.time() - t <= STATS_FRESH_S]
+        if fresh and min(fresh) > t0 + 0.25:
+            return
+        assert time.monotonic() < deadline, ("no engine record written since the requests", stamps, t0)
+        time.sleep(0.1)
+
+
 def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, model_name, llm_stats):
     label = (("model_name", model_name),)
     before = _metric_values(server)
@@ -42,8 +69,8 @@ def test_metrics_endpoint_has_vllm_names_and_counts_requests(server, client, mod
     chunks = list(client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=8,
                                                  stream=True, stream_options={"include_usage": True}))
     # The engine gauges are the replica's own, written every STATS_INTERVAL_S to Ray's key-value store: a
-    # scrape after the next write shows them.
-    time.sleep(STATS_INTERVAL_S * 1.5)
+    # scrape after the next write shows them (not a fixed 1.5 intervals: the record's own time stamp says).
+    _wait_for_stats_written_after(time.time())
     after, stats = _metric_values(server), llm_stats()
 
     def grew(name: str) -> float:
@@ -89,14 +116,17 @@ class AppURL(str):
 
 @pytest.fixture(scope="module")
 def module_apps(server, apps, auth, fp32_server) -> dict:
-    """The module's three apps, deployed together (their replicas start side by side): their URLs, and the
+    """The module's two apps, deployed together (their replicas start side by side): their URLs, and the
     request timeout of ops-limits (see `limited`), from the pace of the fp32 app (conftest.fp32_server:
-    the same model and engine settings as these apps)."""
+    the same model and engine settings as these apps). ops-ray has the same bounds with no request
+    timeout, its TP rank as a Ray actor and health checks every 2 s: the back-pressure test's streams
+    (which must meet no timeout) and the fault tests share it (one app start fewer than one app each)."""
     pace = Pace(fp32_server, headers=auth)
     timeout_s = max(1.0, round(min(pace.bound(8, margin=6.0), TIMEOUT_CAP * pace.step_s / 4), 1))
-    specs = {"ops-limits": LIMITS | {"request_timeout_s": timeout_s}, "ops-queue": LIMITS,
-             "ops-ray": {"engine": SMALL_ENGINE | {"parallel": {"executor": "ray"}},
-                         "llm_deployment_options": {"health_check_period_s": 2}}}
+    specs = {"ops-limits": LIMITS | {"request_timeout_s": timeout_s},
+             "ops-ray": LIMITS | {"engine": SMALL_ENGINE | {"parallel": {"executor": "ray"}},
+                                  "llm_deployment_options": LIMITS["llm_deployment_options"]
+                                  | {"health_check_period_s": 2}}}
     apps.extend(specs)
     return deploy_all(server, specs) | {"timeout_s": timeout_s}
 
@@ -113,9 +143,9 @@ def limited(module_apps) -> AppURL:
 
 @pytest.fixture(scope="module")
 def queue_bound(module_apps) -> str:
-    """The same queue bounds with no request timeout: the back-pressure test's long streams must not
-    meet one."""
-    return module_apps["ops-queue"]
+    """The same queue bounds with no request timeout (ops-ray): the back-pressure test's long streams must
+    not meet one."""
+    return module_apps["ops-ray"]
 
 
 def _error(r: httpx.Response) -> dict:
@@ -163,8 +193,9 @@ async def test_backpressure_gives_503_with_retry_after_never_a_hang(queue_bound)
     """Six streams at once, one model slot and one queue place: two are served, the rest refused at
     once (each 503 before the first stream could have ended), none left hanging."""
     pace = Pace(queue_bound)
-    # Each admitted stream lasts ~60 request times: all six have arrived while the first still runs.
-    tokens = pace.tokens_for(60 * pace.request_s, cap=LIMITS["max_total_tokens"] - 64)
+    # Each admitted stream lasts ~40 request times: all six have arrived while the first still runs (each
+    # refusal must come within 10 of them, below).
+    tokens = pace.tokens_for(40 * pace.request_s, cap=LIMITS["max_total_tokens"] - 64)
 
     async with httpx.AsyncClient(timeout=2 * pace.bound(tokens)) as http:
         async def one() -> tuple[int, dict, list[str], float]:
@@ -183,7 +214,7 @@ async def test_backpressure_gives_503_with_retry_after_never_a_hang(queue_bound)
     assert elapsed < 2 * pace.bound(tokens), (elapsed, pace)  # the served ones, one after the other
     for status, headers, lines, took in results:
         if status == 503:
-            assert took < 10 * pace.request_s, (took, pace)  # refused at once (the first stream runs ~20 of these)
+            assert took < 10 * pace.request_s, (took, pace)  # refused at once (the first stream runs ~40 of these)
             assert headers.get("retry-after") == "2", (headers, lines)
             err = json.loads(lines[0])["error"]
             assert err["code"] == "server_overloaded" and err["type"] == "server_error"
@@ -228,17 +259,18 @@ def _rank_actors(app: str) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def ops_ray(module_apps) -> str:
-    """TP ranks as Ray actors (executor: ray), health checked every 2 s. Each test that kills part of
-    it waits until Serve has replaced it, so the next finds it healthy."""
+    """TP ranks as Ray actors (executor: ray), health checked every 2 s (and the queue bounds of the
+    back-pressure test, which runs on it first). Each test that kills part of it waits until Serve has
+    replaced it, so the next finds it healthy."""
     return module_apps["ops-ray"]
 
 
-def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray):
+def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray, http):
     import ray
 
     base = ops_ray
     (victim,) = _rank_actors("ops-ray")
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=chat_body(400, stream=True), timeout=120) as r:
+    with http.stream("POST", f"{base}/v1/chat/completions", json=chat_body(400, stream=True), timeout=120) as r:
         assert r.status_code == 200
         lines = []
         for line in r.iter_lines():
@@ -255,7 +287,7 @@ def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray):
     saw_503 = False
     deadline = time.time() + 60
     while time.time() < deadline and not saw_503:
-        h = httpx.get(f"{base}/health", timeout=30)
+        h = http.get(f"{base}/health")
         saw_503 = h.status_code == 503
         if not saw_503:
             time.sleep(0.5)
@@ -265,24 +297,17 @@ def test_dead_tp_actor_fails_stream_clearly_health_503_then_recovers(ops_ray):
 
     assert h.json()["error"]["message"] == UNHEALTHY and "Actor" not in h.text and "pid" not in h.text
     # Serve replaces the replica (new rank actors) and new requests succeed.
-    deadline = time.time() + 240
-    while True:
-        r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(4), timeout=60)
-        if r.status_code == 200:
-            break
-        assert r.status_code == 503, r.text  # never anything but a clear "retry"
-        assert time.time() < deadline, "the replica was not replaced"
-        time.sleep(0.5)
-    assert r.json()["usage"]["completion_tokens"] == 4
+    assert _recovered(http, base).json()["usage"]["completion_tokens"] == 4
     actors = _rank_actors("ops-ray")
     assert actors and victim not in actors
-    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    assert http.get(f"{base}/health").status_code == 200
 
 
-def _recovered(base: str, deadline_s: float = 240) -> httpx.Response:
+def _recovered(http: httpx.Client, base: str, deadline_s: float = 240) -> httpx.Response:
+    """The first 200 of a short request, polled until Serve has replaced what was killed."""
     deadline = time.time() + deadline_s
     while True:
-        r = httpx.post(f"{base}/v1/chat/completions", json=chat_body(4), timeout=60)
+        r = http.post(f"{base}/v1/chat/completions", json=chat_body(4))
         if r.status_code == 200:
             return r
         assert r.status_code == 503, r.text  # never anything but a clear "retry"
@@ -290,7 +315,7 @@ def _recovered(base: str, deadline_s: float = 240) -> httpx.Response:
         time.sleep(0.5)
 
 
-def test_dead_model_replica_fails_stream_clearly_then_recovers(ops_ray):
+def test_dead_model_replica_fails_stream_clearly_then_recovers(ops_ray, http):
     """The replica process itself dies mid-stream (not just a rank actor)."""
     import ray
 
@@ -298,8 +323,7 @@ def test_dead_model_replica_fails_stream_clearly_then_recovers(ops_ray):
     replicas = [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith("SERVE_REPLICA::ops-ray#llm#")]
     assert len(replicas) == 1
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=chat_body(400, stream=True),
-                      timeout=120) as r:
+    with http.stream("POST", f"{base}/v1/chat/completions", json=chat_body(400, stream=True), timeout=120) as r:
         assert r.status_code == 200
         lines = []
         for line in r.iter_lines():
@@ -311,26 +335,26 @@ def test_dead_model_replica_fails_stream_clearly_then_recovers(ops_ray):
     assert lines[-1] == "data: [DONE]"
     err = json.loads(lines[-2][6:])["error"]
     assert err["code"] == "model_replica_failed" and "retry" in err["message"]
-    assert _recovered(base).json()["usage"]["completion_tokens"] == 4
-    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    assert _recovered(http, base).json()["usage"]["completion_tokens"] == 4
+    assert http.get(f"{base}/health").status_code == 200
 
 
-def test_a_dead_tokenizer_replica_makes_health_503_until_it_is_replaced(ops_ray):
+def test_a_dead_tokenizer_replica_makes_health_503_until_it_is_replaced(ops_ray, http):
     """Every chat request needs the tokenizer deployment: /health covers it as it covers the model."""
     import ray
 
     base = ops_ray
     (victim,) = [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["name"].startswith("SERVE_REPLICA::ops-ray#tokenizer#")]
-    assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+    assert http.get(f"{base}/health").status_code == 200
     ray.kill(ray.get_actor(*victim), no_restart=True)
     deadline, codes = time.time() + 60, []
     while time.time() < deadline and 503 not in codes:
-        codes.append(httpx.get(f"{base}/health", timeout=30).status_code)
+        codes.append(http.get(f"{base}/health").status_code)
         time.sleep(0.1)
     assert 503 in codes, codes
-    assert _recovered(base).json()["usage"]["completion_tokens"] == 4
+    assert _recovered(http, base).json()["usage"]["completion_tokens"] == 4
     deadline = time.time() + 60
-    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+    while http.get(f"{base}/health").status_code != 200:
         assert time.time() < deadline, "health did not come back after the tokenizer was replaced"
         time.sleep(0.5)

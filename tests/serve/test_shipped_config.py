@@ -204,32 +204,39 @@ def mixed_batch(sc, models: list[str]) -> list[tuple[str, list[float]]]:
         return list(pool.map(lambda m: greedy_with_logprobs(sc, m), models * 4))
 
 
-def test_base_requests_are_unchanged_by_lora_neighbours(sc, model_name, loaded, loaded_b):
-    base_solo, lora_solo = greedy_with_logprobs(sc, model_name), greedy_with_logprobs(sc, loaded)
-    assert base_solo[1][0] != lora_solo[1][0]  # the adapter is applied
-    assert mixed_batch(sc, [model_name, loaded])[::2] == [base_solo] * 4
-    assert mixed_batch(sc, [model_name, loaded, loaded_b])[::3] == [base_solo] * 4
+@pytest.fixture(scope="module")
+def lora_answers(sc, model_name, loaded, loaded_b) -> dict:
+    """The base model's and the first adapter's answers alone, then in the two mixed batches (base with the
+    adapter; base with both adapters): sent once, for both tests below (each checks its own requests')."""
+    return {"base": greedy_with_logprobs(sc, model_name), "lora": greedy_with_logprobs(sc, loaded),
+            "two": mixed_batch(sc, [model_name, loaded]), "three": mixed_batch(sc, [model_name, loaded, loaded_b])}
 
 
-def test_lora_requests_are_unchanged_by_their_neighbours(sc, model_name, loaded, loaded_b):
+def test_base_requests_are_unchanged_by_lora_neighbours(lora_answers):
+    base_solo = lora_answers["base"]
+    assert base_solo[1][0] != lora_answers["lora"][1][0]  # the adapter is applied
+    assert lora_answers["two"][::2] == [base_solo] * 4
+    assert lora_answers["three"][::3] == [base_solo] * 4
+
+
+def test_lora_requests_are_unchanged_by_their_neighbours(lora_answers):
     """An adapter request alone, beside base requests, and beside base and other-adapter requests."""
-    lora_solo = greedy_with_logprobs(sc, loaded)
-    assert mixed_batch(sc, [model_name, loaded])[1::2] == [lora_solo] * 4
-    assert mixed_batch(sc, [model_name, loaded, loaded_b])[1::3] == [lora_solo] * 4
+    lora_solo = lora_answers["lora"]
+    assert lora_answers["two"][1::2] == [lora_solo] * 4
+    assert lora_answers["three"][1::3] == [lora_solo] * 4
 
 
 def test_16_concurrent_greedy_requests_equal_their_solo_answers(sc, model_name):
-    solo = [ask(sc, model_name, q, max_tokens=24).choices[0].message.content for q in QUESTIONS]
+    """16 tokens each (`ask`'s default): every step of a batch of 16 against the same steps alone."""
+    solo = [ask(sc, model_name, q).choices[0].message.content for q in QUESTIONS]
     with ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(lambda q: ask(sc, model_name, q, max_tokens=24).choices[0].message.content,
-                                 QUESTIONS))
+        together = list(pool.map(lambda q: ask(sc, model_name, q).choices[0].message.content, QUESTIONS))
     assert together == solo
 
 
 def test_seeded_samples_equal_alone_and_in_a_batch_of_8(sc, model_name):
     def sample(i: int) -> str:
-        return ask(sc, model_name, QUESTIONS[i], temperature=1.0, top_p=0.95, seed=100 + i,
-                   max_tokens=24).choices[0].message.content
+        return ask(sc, model_name, QUESTIONS[i], temperature=1.0, top_p=0.95, seed=100 + i).choices[0].message.content
 
     alone = [sample(i) for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
