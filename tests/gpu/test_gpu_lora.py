@@ -20,7 +20,7 @@ from rayllm.schema.config import (
     SchedulerConfig,
 )
 from rayllm.schema.sampling_params import SamplingParams
-from tests.lora.test_lora_reference import peft_adapter, tiny_llama
+from tests.lora.test_lora_reference import peft_adapter, save_small_base
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -33,7 +33,7 @@ def exact_fp32():
 
 
 def adapters(tmp_path):
-    base = tiny_llama(tmp_path)
+    base = save_small_base(tmp_path)
     refs = {11: peft_adapter(base, str(tmp_path / "a"), rank=8, alpha=16, targets=ALL, seed=1),
             12: peft_adapter(base, str(tmp_path / "b"), rank=4, alpha=8, targets=["q_proj", "v_proj", "down_proj"],
                              seed=2, rslora=True),

@@ -31,18 +31,24 @@ from rayllm.schema.config import (
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 
-@pytest.fixture(scope="module")
-def small_base(tmp_path_factory) -> str:
-    """A tiny random Llama saved by transformers (3 KV heads: TP=2 splits them 2+1), shared by the module."""
+def save_small_base(folder) -> str:
+    """A tiny random Llama saved by transformers (3 KV heads: TP=2 splits them 2+1) in `folder`/base; the GPU
+    lane's LoRA test (tests/gpu/test_gpu_lora.py) builds its base the same way."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
                       num_key_value_heads=3, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
                       tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("lora-base") / "base"
+    path = folder / "base"
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def small_base(tmp_path_factory) -> str:
+    """save_small_base's model, shared by the module."""
+    return save_small_base(tmp_path_factory.mktemp("lora-base"))
 
 
 def peft_adapter(base: str, out: str, rank: int, alpha: int, targets: list[str], seed: int, rslora=False):
