@@ -82,13 +82,16 @@ serve: install
 # PYTEST_ARGS (options, not paths) go to both passes; UNIT_LANES=1 runs the first pass serially.
 UNIT_LANES ?= 2
 XDIST = $(if $(filter-out 0 1,$(UNIT_LANES)),-n $(UNIT_LANES) --dist loadfile)
+# pytest keeps each test module's assertion-rewritten bytecode in __pycache__ unless PYTHONDONTWRITEBYTECODE is set
+# (these machines set it): without the cache every pytest process rewrites all ~560 test modules again (~7 CPU-s).
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 test: install-test
-	$(BIN)/python -m pytest -q $(XDIST) --without-serve-apps $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q --serve-apps-only $(PYTEST_ARGS) tests/serve
+	$(PYTEST) -q $(XDIST) --without-serve-apps $(PYTEST_ARGS)
+	$(PYTEST) -q --serve-apps-only $(PYTEST_ARGS) tests/serve
 
 # The unit lane: no model runs, no Ray Serve (those test files carry the `slow` marker).
 test-fast: install-test
-	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check .

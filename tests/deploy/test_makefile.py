@@ -35,7 +35,9 @@ def _touch_after_sources(path: Path) -> None:
 
 
 def _dry_run(tree: Path, *args: str) -> str:
-    return subprocess.run(["make", "-n", *args], cwd=tree, capture_output=True, text=True, check=True).stdout
+    # Without the caller's make variables (`PYTEST_ARGS=... make test` runs this test too).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ARGS", "UNIT_LANES", "MAKEFLAGS")}
+    return subprocess.run(["make", "-n", *args], cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
 
 
 def test_serve_after_a_gpu_install_keeps_the_gpu_torch(tree):
@@ -89,6 +91,8 @@ def test_make_test_runs_the_other_folders_in_workers_then_tests_serve_alone(tree
     first, second = [ln for ln in _dry_run(tree, "test").splitlines() if "-m pytest" in ln]
     assert "-n 2 --dist loadfile" in first and "--without-serve-apps" in first
     assert second.endswith("--serve-apps-only  tests/serve") and "-n " not in second  # the Serve apps' tests in one process
+    # pytest may keep its rewritten test modules (these machines set PYTHONDONTWRITEBYTECODE=1).
+    assert first.startswith("PYTHONDONTWRITEBYTECODE= ") and second.startswith("PYTHONDONTWRITEBYTECODE= ")
     serial = [ln for ln in _dry_run(tree, "test", "UNIT_LANES=1").splitlines() if "-m pytest" in ln]
     assert len(serial) == 2 and not any("-n " in ln for ln in serial)
 
