@@ -21,6 +21,12 @@ os.environ.setdefault("RAYLLM_WEIGHT_CACHE_ENTRIES", "4")
 # (docs/benchmarks.md, test time). Engines set their own thread counts (rayllm/platforms/cpu) either way.
 if (_workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+# The engines these tests start take both cores' threads while the other lane, Ray's processes and the
+# references hold cores too: libgomp's default wait (~300k spins before sleeping) then burns a core for each
+# thread its partner waits on (test_engine + penalties, loaded: 99 -> 45 CPU-s; docs/benchmarks.md, session
+# 42). Read when torch loads libgomp, so set before any test imports torch; subprocesses inherit it. The
+# served apps keep serving.env's own GOMP_SPINCOUNT, which libgomp takes over this policy: as shipped.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The folders mirror rayllm/ (tests/engine/test_scheduler.py tests rayllm/engine/scheduler.py); the cost
 # lanes are markers: files that run the real model or Ray Serve say `pytestmark = pytest.mark.slow`, and
