@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +56,35 @@ def _on_serve_apps(item: pytest.Item, serve_dir: str) -> bool:
     beside the first pass's unit files their waits take no core from the shared apps' paced tests)."""
     return (str(item.path).startswith(serve_dir) and item.get_closest_marker("slow") is not None
             and item.get_closest_marker("engine_only") is None and item.get_closest_marker("own_ray") is None)
+
+
+def _pass_of_file(path: Path) -> str | None:
+    """From a tests/serve file's text, without importing it: "serve" when its module marker makes every test
+    one on Ray Serve apps (slow, and no own_ray or engine_only anywhere in it), "first" when none can be (no
+    slow marker in it at all, or own_ray / engine_only on the whole module), None when it mixes or cannot tell."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    module_mark = next((ln for ln in text.splitlines() if ln.startswith("pytestmark")), "")
+    if "mark.slow" not in text or "own_ray" in module_mark or "engine_only" in module_mark:
+        return "first"
+    if "slow" in module_mark and "own_ray" not in text and "engine_only" not in text:
+        return "serve"
+    return None
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Each pass leaves the other pass's tests/serve files uncollected: importing and collecting them (in
+    each pytest-xdist worker of the first pass) only to deselect every test cost ~10 CPU-s a process.
+    pytest_collection_modifyitems below still decides test by test."""
+    without, only = config.getoption("--without-serve-apps"), config.getoption("--serve-apps-only")
+    if not (without or only) or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    if collection_path.parent != Path(__file__).parent / "serve":
+        return None
+    kind = _pass_of_file(collection_path)
+    return True if (without and kind == "serve") or (only and kind == "first") else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
