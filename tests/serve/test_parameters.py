@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -12,6 +13,17 @@ import pytest
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def concurrently(*calls):
+    """The calls' results in order, sent at once (the first exception raised is raised): batched for a fraction
+    of their cost one by one, and each answer is the one it would be alone (batch-invariant; seeded draws too)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
+def _stream_text(stream) -> str:  # a chat stream's text
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +43,11 @@ def test_logit_bias_plus_100_forces_a_token(client, model_name, server, auth):
 
 
 def test_min_tokens_and_ignore_eos(client, model_name):
-    short = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=64)
+    short, longer = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=64),
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=64,
+                                               extra_body={"min_tokens": 40}))
     assert short.usage.completion_tokens < 30 and short.choices[0].finish_reason == "stop"
-    longer = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=64,
-                                            extra_body={"min_tokens": 40})
     assert longer.usage.completion_tokens >= 40
     # Twice the tokens at which the same request stopped by itself: ignore_eos goes on past that EOS.
     n = 2 * short.usage.completion_tokens
@@ -47,16 +60,16 @@ def test_min_tokens_holds_stop_strings_back(client, model_name):
     """As vLLM: a stop string counts only once it ends after the first min_tokens tokens' text; the same
     request without `stop` (greedy, same min_tokens, its tokens from logprobs) is the reference."""
     kw = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=64, extra_body={"min_tokens": 20})
-    ref = client.chat.completions.create(logprobs=True, **kw)
+    ref, r, streamed = concurrently(
+        lambda: client.chat.completions.create(logprobs=True, **kw),
+        lambda: client.chat.completions.create(stop=["."], **kw),
+        lambda: _stream_text(client.chat.completions.create(stop=["."], stream=True, **kw)))
     full = ref.choices[0].message.content
     boundary = len("".join(t.token for t in ref.choices[0].logprobs.content[:20]))
     assert 0 <= full.find(".") < boundary  # without min_tokens, the first "." would end it
     cut = full.find(".", boundary)
-    r = client.chat.completions.create(stop=["."], **kw)
     assert r.choices[0].message.content == (full[:cut] if cut >= 0 else full)
     assert r.choices[0].finish_reason == ("stop" if cut >= 0 else ref.choices[0].finish_reason)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stop=["."], stream=True, **kw)
-                       if c.choices)
     assert streamed == r.choices[0].message.content
 
 
@@ -102,23 +115,24 @@ def test_completion_top_logprobs_always_hold_the_chosen_token(client, model_name
 
 
 def test_stop_token_ids_and_no_stop_trim(client, model_name, server, auth):
-    base = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24)
+    base, kept = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24),
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24,
+                                               stop=["Paris"], extra_body={"no_stop_trim": True}))
     text = base.choices[0].message.content
     ids = httpx.post(f"{server}/tokenize", json={"prompt": text, "add_special_tokens": False}, headers=auth).json()
     stop_id = ids["tokens"][2]
     r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24,
                                        extra_body={"stop_token_ids": [stop_id]})
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 3
-    kept = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24,
-                                          stop=["Paris"], extra_body={"no_stop_trim": True})
     assert kept.choices[0].message.content.endswith("Paris")
 
 
 def test_penalties_change_greedy_output(client, model_name):
     msgs = [{"role": "user", "content": "Repeat the word cat many times."}]
-    plain = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=12)
-    penalised = client.chat.completions.create(model=model_name, messages=msgs, temperature=0, max_tokens=12,
-                                               frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+    kw = dict(model=model_name, messages=msgs, temperature=0, max_tokens=12)
+    plain, penalised = concurrently(lambda: client.chat.completions.create(**kw), lambda: client.chat.completions.create(
+        frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5}, **kw))
     assert penalised.choices[0].message.content != plain.choices[0].message.content
 
 
@@ -166,21 +180,22 @@ def test_return_hidden_states_match_transformers(fp32_client, client, model_name
         ref = hf_model(full[None, :-1], output_hidden_states=True).hidden_states[-1][0]  # after the final norm
     # Row k is the state that predicted output token k: the last prompt token, then each output token.
     assert torch.allclose(torch.tensor(hidden), ref[len(prompt_ids) - 1:], atol=2e-3, rtol=1e-3)
-    chat = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3,
-                                          extra_body={"return_hidden_states": True})
+    chat, plain = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3,
+                                               extra_body={"return_hidden_states": True}),
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3))
     assert len(chat.choices[0].model_extra["hidden_states"]) == 3
-    plain = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3)
     assert "hidden_states" not in (plain.choices[0].model_extra or {})
 
 
 def test_best_of_returns_the_most_likely_candidates(client, model_name, server, auth):
     kw = dict(model=model_name, prompt="Once upon a time", temperature=1.0, max_tokens=8, seed=123)
-    every = client.completions.create(n=4, logprobs=0, **kw)
+    every, best = concurrently(lambda: client.completions.create(n=4, logprobs=0, **kw),
+                               lambda: client.completions.create(n=2, best_of=4, **kw))
     score = {c.index: sum(c.logprobs.token_logprobs) for c in every.choices}
     ranked = sorted(score, key=score.get, reverse=True)
     texts = {c.index: c.text for c in every.choices}
     assert len(set(texts.values())) > 1  # the candidates differ, so picking matters
-    best = client.completions.create(n=2, best_of=4, **kw)
     assert [c.text for c in best.choices] == [texts[ranked[0]], texts[ranked[1]]]
     assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
     assert best.usage.completion_tokens == every.usage.completion_tokens  # usage counts all candidates
@@ -199,16 +214,16 @@ def test_suffix_needs_fill_in_the_middle_tokens(server, auth, model_name):
 def test_special_tokens_in_output(client, model_name, hf_tokenizer):
     # +100 on <|im_end|> (id 2) with ignore_eos: the output is that special token three times.
     kw = dict(model=model_name, prompt="Hi", max_tokens=3, temperature=0, logit_bias={"2": 100})
-    skipped = client.completions.create(extra_body={"ignore_eos": True}, **kw)
+    skipped, *kept = concurrently(lambda: client.completions.create(extra_body={"ignore_eos": True}, **kw), *(
+        lambda s=s: client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False,
+                                                          "spaces_between_special_tokens": s}, **kw) for s in (False, True)))
     assert skipped.choices[0].text == "" and skipped.usage.completion_tokens == 3
     # Kept as transformers' fast decode (and vLLM) writes them: spaces_between_special_tokens is accepted but,
     # as there, has no effect on a fast tokenizer.
     ref = hf_tokenizer.decode([2, 2, 2], skip_special_tokens=False)
     assert ref == "<|im_end|>" * 3
-    for spaces in (False, True):
-        kept = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False,
-                                                     "spaces_between_special_tokens": spaces}, **kw)
-        assert kept.choices[0].text == ref
+    for one in kept:  # spaces_between_special_tokens False, then True
+        assert one.choices[0].text == ref
 
 
 def test_chat_template_override(client, model_name, server, auth):
@@ -227,23 +242,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, model_name
     text = "Here is a list of fruit: apple, pear, plum, cherry, grape, lemon, lime, melon, and then the colour of the sky is"
     ids = hf_tokenizer(text).input_ids
     assert len(ids) > 2 * k
-    cut = client.completions.create(model=model_name, prompt=text, max_tokens=6, temperature=0, echo=True,
-                                    extra_body={"truncate_prompt_tokens": k})
-    ref = client.completions.create(model=model_name, prompt=ids[-k:], max_tokens=6, temperature=0)
-    assert cut.usage.prompt_tokens == k
-    assert cut.choices[0].text == hf_tokenizer.decode(ids[-k:]) + ref.choices[0].text  # echo: what the model saw
-
     messages = [{"role": "user", "content": text}]
     rendered = hf_tokenizer(hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                             add_special_tokens=False).input_ids
-    chat = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0,
-                                          extra_body={"truncate_prompt_tokens": k})
-    ref = client.completions.create(model=model_name, prompt=rendered[-k:], max_tokens=6, temperature=0)
-    assert chat.usage.prompt_tokens == k and chat.choices[0].message.content == ref.choices[0].text
-
-    emb = client.embeddings.create(model=model_name, input=[text], extra_body={"truncate_prompt_tokens": k})
-    ref = client.embeddings.create(model=model_name, input=[ids[-k:]])
-    assert emb.usage.prompt_tokens == k and emb.data[0].embedding == ref.data[0].embedding
+    cut, ref, chat, chat_ref, emb, emb_ref = concurrently(
+        lambda: client.completions.create(model=model_name, prompt=text, max_tokens=6, temperature=0, echo=True,
+                                          extra_body={"truncate_prompt_tokens": k}),
+        lambda: client.completions.create(model=model_name, prompt=ids[-k:], max_tokens=6, temperature=0),
+        lambda: client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, temperature=0,
+                                               extra_body={"truncate_prompt_tokens": k}),
+        lambda: client.completions.create(model=model_name, prompt=rendered[-k:], max_tokens=6, temperature=0),
+        lambda: client.embeddings.create(model=model_name, input=[text], extra_body={"truncate_prompt_tokens": k}),
+        lambda: client.embeddings.create(model=model_name, input=[ids[-k:]]))
+    assert cut.usage.prompt_tokens == k
+    assert cut.choices[0].text == hf_tokenizer.decode(ids[-k:]) + ref.choices[0].text  # echo: what the model saw
+    assert chat.usage.prompt_tokens == k and chat.choices[0].message.content == chat_ref.choices[0].text
+    assert emb.usage.prompt_tokens == k and emb.data[0].embedding == emb_ref.data[0].embedding
 
 
 @pytest.mark.parametrize("keep", [0, -2, 1 << 20])
@@ -263,9 +277,9 @@ def test_allowed_token_ids_keep_every_sampled_token_in_the_set(client, model_nam
     ids = [hf_tokenizer.encode(w, add_special_tokens=False) for w in words]
     assert all(len(i) == 1 for i in ids)
     allowed = [i[0] for i in ids]
-    for temperature in (1.0, 0.0):
-        r = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=temperature, seed=3,
-                                           max_tokens=8, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    for r in concurrently(*(lambda t=temperature: client.chat.completions.create(
+            model=model_name, messages=QUESTION, temperature=t, seed=3, max_tokens=8,
+            extra_body={"allowed_token_ids": allowed, "ignore_eos": True}) for temperature in (1.0, 0.0))):
         text = r.choices[0].message.content
         assert r.usage.completion_tokens == 8 and re.fullmatch(r"( red| blue| green){8}", text), text
 
@@ -290,10 +304,10 @@ def test_return_token_ids_are_the_prompt_and_the_tokens_generated(client, model_
     prompt = "The three primary colours are"
     kw = dict(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
               extra_body={"return_token_ids": True, "ignore_eos": True})
-    whole = client.completions.create(**kw).choices[0]
+    whole, chunks = concurrently(lambda: client.completions.create(**kw).choices[0],
+                                 lambda: [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices])
     assert whole.prompt_token_ids == hf_tokenizer(prompt).input_ids
     assert len(whole.token_ids) == 8 and hf_tokenizer.decode(whole.token_ids) == whole.text
-    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
     assert chunks[0].prompt_token_ids == whole.prompt_token_ids
     assert [t for c in chunks for t in c.token_ids or []] == whole.token_ids
 
@@ -302,14 +316,14 @@ def test_return_token_ids_are_the_prompt_and_the_tokens_generated(client, model_
                             add_special_tokens=False).input_ids
     kw = dict(model=model_name, messages=messages, max_tokens=8, temperature=0,
               extra_body={"return_token_ids": True, "ignore_eos": True})
-    chat = client.chat.completions.create(**kw)
+    chat, stream, plain = concurrently(
+        lambda: client.chat.completions.create(**kw), lambda: list(client.chat.completions.create(stream=True, **kw)),
+        lambda: client.chat.completions.create(model=model_name, messages=messages, max_tokens=2))
     assert chat.prompt_token_ids == rendered
     assert hf_tokenizer.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
-    stream = list(client.chat.completions.create(stream=True, **kw))
     assert stream[0].prompt_token_ids == rendered
     assert [t for c in stream if c.choices for t in getattr(c.choices[0], "token_ids", None) or []] == \
         chat.choices[0].token_ids
-    plain = client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
     assert "prompt_token_ids" not in plain.model_dump() and "token_ids" not in plain.choices[0].model_dump()
 
 
@@ -336,32 +350,33 @@ def test_documents_reach_the_chat_template(server, auth, model_name, hf_tokenize
 def test_bad_words_keep_a_word_out_of_the_answer(client, model_name):
     """vLLM's bad_words: the README's question names Paris; banned, the answer does not (streamed or not), and
     completions honour it too."""
-    free = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24)
-    assert "Paris" in free.choices[0].message.content
     kw = dict(model=model_name, messages=QUESTION, temperature=0, max_tokens=24, extra_body={"bad_words": ["Paris"]})
-    banned = client.chat.completions.create(**kw).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
-                       if c.choices)
+    free, banned, streamed, text = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=24),
+        lambda: client.chat.completions.create(**kw).choices[0].message.content,
+        lambda: _stream_text(client.chat.completions.create(stream=True, **kw)),
+        lambda: client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=8,
+                                          temperature=0, extra_body={"bad_words": ["Paris"]}).choices[0].text)
+    assert "Paris" in free.choices[0].message.content
     assert "Paris" not in banned and streamed == banned
-    text = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=8,
-                                     temperature=0, extra_body={"bad_words": ["Paris"]}).choices[0].text
     assert "Paris" not in text
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, model_name):
     """vLLM's return_tokens_as_token_ids: logprob entries name tokens "token_id:<id>", the ids the same
     response returns (return_token_ids), prompt tokens (echo) included; the alternatives too."""
-    chat = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0,
-        logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    chat, done = concurrently(
+        lambda: client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6, temperature=0,
+            logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}),
+        lambda: client.completions.create(
+            model=model_name, prompt="Red, green and", max_tokens=4, temperature=0, echo=True, logprobs=1,
+            extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0])
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
     assert all(re.fullmatch(r"token_id:\d+", t.token) and bytes(t.bytes) == t.token.encode()
                for c in content for t in c.top_logprobs)
     assert content[0].top_logprobs[0].token == content[0].token  # greedy: the chosen token is the top one
-    done = client.completions.create(model=model_name, prompt="Red, green and", max_tokens=4, temperature=0, echo=True,
-                                     logprobs=1, extra_body={"return_tokens_as_token_ids": True,
-                                                             "return_token_ids": True}).choices[0]
     assert done.logprobs.tokens == [f"token_id:{t}" for t in done.prompt_token_ids + done.token_ids]
     assert done.logprobs.token_logprobs[0] is None
 

@@ -26,6 +26,16 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
+def concurrently(*calls):
+    """The calls' results, in order, the calls sent at once: the session app batches them (batch-invariant, and
+    a seeded draw does not depend on its batch: each answer is the one it would be alone) for a fraction of
+    their cost one after another. The first exception a call raised is raised here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def _tokens(server, auth, model_name, messages) -> int:
     r = httpx.post(f"{server}/tokenize", json={"model": model_name, "messages": messages}, headers=auth)
     r.raise_for_status()
@@ -70,8 +80,8 @@ def test_instructions_are_the_system_message(client, server, auth, model_name):
 
 def test_streaming_events_match_the_whole_response(client, model_name):
     kw = dict(model=model_name, input="Write one sentence about the sea.", temperature=0, max_output_tokens=40)
-    whole = client.responses.create(**kw)
-    events = list(client.responses.create(stream=True, **kw))
+    whole, events = concurrently(lambda: client.responses.create(**kw),
+                                 lambda: list(client.responses.create(stream=True, **kw)))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
@@ -131,24 +141,27 @@ def test_function_call_streams_its_arguments(client, model_name):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_structured_output(client, model_name, temperature):
-    r = client.responses.create(model=model_name, input="Describe a person named Bob as JSON.", temperature=temperature,
-                                max_output_tokens=80, text={"format": {"type": "json_schema", "name": "person",
-                                                                       "schema": PERSON, "strict": True}})
-    jsonschema.validate(json.loads(r.output_text), PERSON)
-    assert r.text.format.type == "json_schema"
-
     class Person(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=20)
         age: int = pydantic.Field(ge=0, le=150)  # bounded, so a sampled answer always fits the tokens
 
-    parsed = client.responses.parse(model=model_name, input="Describe a person named Bob.", text_format=Person,
-                                    temperature=temperature, max_output_tokens=80)
+    # An open JSON object has no length bound: sampled, it may outrun max_output_tokens (asked for greedy only).
+    r, parsed, *obj = concurrently(
+        lambda: client.responses.create(model=model_name, input="Describe a person named Bob as JSON.",
+                                        temperature=temperature, max_output_tokens=80,
+                                        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                         "strict": True}}),
+        lambda: client.responses.parse(model=model_name, input="Describe a person named Bob.", text_format=Person,
+                                       temperature=temperature, max_output_tokens=80),
+        *([] if temperature else [lambda: client.responses.create(
+            model=model_name, input="Reply with a JSON object with the keys name and age.", temperature=temperature,
+            max_output_tokens=60, text={"format": {"type": "json_object"}})]))
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.text.format.type == "json_schema"
     assert isinstance(parsed.output_parsed, Person)
-    if temperature:  # an open JSON object has no length bound: sampled, it may outrun max_output_tokens
+    if temperature:
         return
-    r = client.responses.create(model=model_name, input="Reply with a JSON object with the keys name and age.",
-                                temperature=temperature, max_output_tokens=60, text={"format": {"type": "json_object"}})
-    assert isinstance(json.loads(r.output_text), dict)
+    assert isinstance(json.loads(obj[0].output_text), dict)
 
 
 def test_conversation_and_store(client, server, auth, model_name):
@@ -269,18 +282,18 @@ def test_reasoning_items_from_a_thinking_model(client, model_name):
     streams as reasoning_text deltas."""
     from test_tools import THINK_TEMPLATE, THINKING
 
-    chat = client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
-                                          extra_body={"chat_template": THINK_TEMPLATE})
-    expected = chat.choices[0].message
-    assert expected.reasoning_content  # the reference really thought
     kw = dict(model=model_name, input=THINKING, temperature=0, max_output_tokens=60,
               extra_body={"chat_template": THINK_TEMPLATE})
-    r = client.responses.create(**kw)
+    chat, r, events = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
+                                               extra_body={"chat_template": THINK_TEMPLATE}),
+        lambda: client.responses.create(**kw), lambda: list(client.responses.create(stream=True, **kw)))
+    expected = chat.choices[0].message
+    assert expected.reasoning_content  # the reference really thought
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == expected.reasoning_content
     assert r.output_text == expected.content
     assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
-    events = list(client.responses.create(stream=True, **kw))
     thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert thought == expected.reasoning_content
 

@@ -80,57 +80,81 @@ def test_health_answers_without_internals(server):
     assert r.status_code == 200 and r.content == b""
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_a_locked_store_answers_503_with_the_completion(client, stream):
-    """The conversations database is locked by another connection when generation ends: the request
-    answers 503 storage_unavailable within the busy timeout, and the completion it paid for is in
-    error.completion (a stream has sent every delta before its error event); the SDK does not retry."""
-    messages = [{"role": "user", "content": "Name a color."}]
-    expected = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
-                                              temperature=0).choices[0].message.content
-    path = os.environ["STORAGE_URL"][len("sqlite:///"):]
-    holder = sqlite3.connect(path, isolation_level=None)
+MODEL = "SmolLM2-135M-Instruct"
+COLOR = [{"role": "user", "content": "Name a color."}]
+RESPONSE_KW = dict(model=MODEL, input="Name a color.", max_output_tokens=8, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def locked_store(client) -> dict:
+    """The three requests of the locked-store tests below, made while one other connection holds the
+    conversations database locked: sent at once, so that the store's busy timeout (conftest: 2 s) is waited
+    out once, not three times. Each outcome is what the request raised (and, for the stream, the deltas
+    received before that). `expected`: the same chat request and Response, unstored, beforehand."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = {"chat": client.chat.completions.create(model=MODEL, messages=COLOR, max_tokens=8,
+                                                       temperature=0).choices[0].message.content,
+                "response": client.responses.create(store=False, **RESPONSE_KW).output_text}
+    pieces: list[str] = []
+
+    def stream() -> None:
+        for chunk in client.chat.completions.create(model=MODEL, messages=COLOR, max_tokens=8, temperature=0,
+                                                    store=True, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+
+    def outcome(call) -> Exception | None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001  (the tests below say which error it must be)
+            return exc
+        return None
+
+    calls = {"json": lambda: client.chat.completions.create(model=MODEL, messages=COLOR, max_tokens=8,
+                                                            temperature=0, store=True),
+             "stream": stream,
+             "response": lambda: client.responses.create(**RESPONSE_KW)}
+    holder = sqlite3.connect(os.environ["STORAGE_URL"][len("sqlite:///"):], isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
-        if stream:
-            pieces: list[str] = []
-            with pytest.raises(openai.APIError) as err:
-                for chunk in client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                                            max_tokens=8, temperature=0, store=True, stream=True):
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        pieces.append(chunk.choices[0].delta.content)
-            assert "".join(pieces) == expected
-        else:
-            with pytest.raises(openai.InternalServerError) as err:
-                client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
-                                               temperature=0, store=True)
-            assert err.value.status_code == 503 and err.value.response.headers["x-should-retry"] == "false"
+        with ThreadPoolExecutor(len(calls)) as pool:
+            errors = dict(zip(calls, pool.map(outcome, calls.values()), strict=True))
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    body = err.value.body
+    return {"expected": expected, "errors": errors, "pieces": pieces}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_locked_store_answers_503_with_the_completion(client, locked_store, stream):
+    """The conversations database is locked by another connection when generation ends: the request
+    answers 503 storage_unavailable within the busy timeout, and the completion it paid for is in
+    error.completion (a stream has sent every delta before its error event); the SDK does not retry."""
+    expected = locked_store["expected"]["chat"]
+    err = locked_store["errors"]["stream" if stream else "json"]
+    if stream:
+        assert isinstance(err, openai.APIError), err
+        assert "".join(locked_store["pieces"]) == expected
+    else:
+        assert isinstance(err, openai.InternalServerError), err
+        assert err.status_code == 503 and err.response.headers["x-should-retry"] == "false"
+    body = err.body
     assert body["code"] == "storage_unavailable"
     assert body["completion"]["choices"][0]["message"]["content"] == expected
-    stored = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
+    stored = client.chat.completions.create(model=MODEL, messages=COLOR, max_tokens=8,
                                             temperature=0, store=True)  # unlocked: stored again
     assert stored.choices[0].message.content == expected
 
 
-def test_a_locked_store_answers_503_with_the_response(client):
+def test_a_locked_store_answers_503_with_the_response(client, locked_store):
     """The same for /v1/responses (stored by default): the 503 carries the generated Response in
     error.response, and the SDK does not generate again on its own."""
-    kw = dict(model="SmolLM2-135M-Instruct", input="Name a color.", max_output_tokens=8, temperature=0)
-    expected = client.responses.create(store=False, **kw).output_text
-    holder = sqlite3.connect(os.environ["STORAGE_URL"][len("sqlite:///"):], isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
-        with pytest.raises(openai.InternalServerError) as err:
-            client.responses.create(**kw)
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
-    assert err.value.status_code == 503 and err.value.response.headers["x-should-retry"] == "false"
-    body = err.value.body
+    expected = locked_store["expected"]["response"]
+    err = locked_store["errors"]["response"]
+    assert isinstance(err, openai.InternalServerError), err
+    assert err.status_code == 503 and err.response.headers["x-should-retry"] == "false"
+    body = err.body
     assert body["code"] == "storage_unavailable"
     assert body["response"]["output"][-1]["content"][0]["text"] == expected
-    assert client.responses.create(**kw).output_text == expected  # unlocked: stored
+    assert client.responses.create(**RESPONSE_KW).output_text == expected  # unlocked: stored

@@ -39,6 +39,16 @@ FEW_SHOT = [{"role": "user", "content": "What's the weather in London?"}, _call(
             {"role": "user", "content": "And in Paris?"}]
 
 
+def concurrently(*calls):
+    """The calls' results, in order, the calls sent at once: the session app batches them (batch-invariant, and
+    a seeded draw does not depend on its batch: each answer is the one it would be alone) for a fraction of
+    their cost one after another. The first exception a call raised is raised here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def _check_calls(calls, expect_name=None):
     assert calls
     for c in calls:
@@ -49,14 +59,15 @@ def _check_calls(calls, expect_name=None):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_required_and_named_tool_choice(client, model_name, temperature):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       temperature=temperature, seed=1, max_tokens=150)
-    choice = r.choices[0]
+    required, r = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+                                               temperature=temperature, seed=1, max_tokens=150),
+        lambda: client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, temperature=temperature,
+                                               tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                               seed=1, max_tokens=100))
+    choice = required.choices[0]
     assert choice.finish_reason == "tool_calls"
     _check_calls(choice.message.tool_calls)
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, temperature=temperature,
-                                       tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                       seed=1, max_tokens=100)
     assert r.choices[0].finish_reason == "stop"  # a call forced by name: OpenAI's and vLLM's answer
     assert len(r.choices[0].message.tool_calls) == 1
     _check_calls(r.choices[0].message.tool_calls, "get_time")
@@ -70,17 +81,18 @@ def test_required_without_parallel_calls_gives_exactly_one(client, model_name):
 
 
 def test_auto_parses_the_models_own_tool_call(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=FEW_SHOT, tools=TOOLS, temperature=0,
-                                       max_tokens=60)
+    r, none = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=FEW_SHOT, tools=TOOLS, temperature=0,
+                                               max_tokens=60),
+        lambda: client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="none",
+                                               temperature=0, max_tokens=30))
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert not choice.message.content
     _check_calls(choice.message.tool_calls, "get_weather")
     assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] == "Paris"
     # tool_choice none: no tools offered, no calls parsed
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="none",
-                                       temperature=0, max_tokens=30)
-    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -89,10 +101,13 @@ def test_auto_parses_the_models_own_tool_call(client, model_name):
     {"messages": ASK, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 100},
 ])
 def test_tool_calls_stream_in_openai_shape(client, model_name, kwargs):
-    whole = client.chat.completions.create(model=model_name, tools=TOOLS, temperature=0, **kwargs)
+    whole, chunks = concurrently(
+        lambda: client.chat.completions.create(model=model_name, tools=TOOLS, temperature=0, **kwargs),
+        lambda: list(client.chat.completions.create(model=model_name, tools=TOOLS, temperature=0, stream=True,
+                                                    **kwargs)))
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(model=model_name, tools=TOOLS, temperature=0, stream=True, **kwargs):
+    for chunk in chunks:
         if not chunk.choices:
             continue
         finish = chunk.choices[0].finish_reason or finish
@@ -156,31 +171,38 @@ THINKING = [{"role": "user", "content": "What is 2+2?"},
             {"role": "user", "content": "What is 3+5?"}]
 
 
-def test_reasoning_is_separated(client, model_name):
-    plain = client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
-                                           extra_body={"chat_template": THINK_TEMPLATE, "separate_reasoning": False})
-    raw = plain.choices[0].message.content
-    assert raw.startswith("<think>") and "</think>" in raw  # the model really thinks in tags
-    r = client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
-                                       extra_body={"chat_template": THINK_TEMPLATE})
-    msg = r.choices[0].message
-    thought, answer = raw[len("<think>"):].split("</think>", 1)
-    assert msg.reasoning_content == thought and msg.content == answer.lstrip("\n")
-    assert "<think>" not in msg.content
+@pytest.fixture(scope="module")
+def reasoned(client, model_name):
+    """The thinking conversation's answer with its reasoning separated (the default): the reference that the
+    reasoning tests below compare their other spellings of the same greedy request with."""
+    return client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
+                                          extra_body={"chat_template": THINK_TEMPLATE})
+
+
+def test_reasoning_is_separated(client, model_name, reasoned):
     # vLLM's include_reasoning: false drops the thought from the answer altogether, streamed or not
     kw = dict(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
               extra_body={"chat_template": THINK_TEMPLATE, "include_reasoning": False})
-    dropped = client.chat.completions.create(**kw).choices[0].message
+    plain, dropped, chunks = concurrently(
+        lambda: client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
+                                               extra_body={"chat_template": THINK_TEMPLATE,
+                                                           "separate_reasoning": False}),
+        lambda: client.chat.completions.create(**kw).choices[0].message,
+        lambda: [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices])
+    raw = plain.choices[0].message.content
+    assert raw.startswith("<think>") and "</think>" in raw  # the model really thinks in tags
+    msg = reasoned.choices[0].message
+    thought, answer = raw[len("<think>"):].split("</think>", 1)
+    assert msg.reasoning_content == thought and msg.content == answer.lstrip("\n")
+    assert "<think>" not in msg.content
     assert getattr(dropped, "reasoning_content", None) is None and dropped.content == msg.content
-    chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
     assert not any(getattr(d, "reasoning_content", None) for d in chunks)
     assert "".join(d.content or "" for d in chunks) == msg.content
 
 
 @pytest.mark.parametrize("stream_reasoning", [True, False])
-def test_reasoning_streams(client, model_name, stream_reasoning):
-    whole = client.chat.completions.create(model=model_name, messages=THINKING, temperature=0, max_tokens=60,
-                                           extra_body={"chat_template": THINK_TEMPLATE})
+def test_reasoning_streams(client, model_name, reasoned, stream_reasoning):
+    whole = reasoned
     chunks = list(client.chat.completions.create(
         model=model_name, messages=THINKING, temperature=0, max_tokens=60, stream=True,
         extra_body={"chat_template": THINK_TEMPLATE, "stream_reasoning": stream_reasoning}))
@@ -192,20 +214,22 @@ def test_reasoning_streams(client, model_name, stream_reasoning):
     assert (len(reasoning) > 1) == stream_reasoning  # streamed piece by piece, or sent whole once done
 
 
-def test_reasoning_goes_by_vllms_name_too(client, model_name):
+def test_reasoning_goes_by_vllms_name_too(client, model_name, reasoned):
     """vLLM now calls the thought `reasoning`: answers carry it beside reasoning_content (the same text, whole or
     streamed), and an assistant turn that brings its thought back under that name is accepted."""
     kw = dict(model=model_name, temperature=0, max_tokens=60, extra_body={"chat_template": THINK_TEMPLATE})
-    msg = client.chat.completions.create(messages=THINKING, **kw).choices[0].message
+    msg = reasoned.choices[0].message  # the same request as kw's
     assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"] and msg.model_extra["reasoning"]
-    thought = [c.choices[0].delta.model_extra for c in client.chat.completions.create(messages=THINKING, stream=True,
-                                                                                         **kw)
-               if c.choices and c.choices[0].delta.model_extra]
-    assert all(x["reasoning"] == x["reasoning_content"] for x in thought)
-    assert "".join(x["reasoning"] for x in thought) == msg.model_extra["reasoning"]
     history = [*THINKING, {"role": "assistant", "content": msg.content, "reasoning": msg.model_extra["reasoning"]},
                {"role": "user", "content": "And 1+1?"}]
-    assert client.chat.completions.create(messages=history, **kw).choices[0].message.content
+    streamed, again = concurrently(
+        lambda: [c.choices[0].delta.model_extra for c in client.chat.completions.create(messages=THINKING,
+                                                                                        stream=True, **kw)
+                 if c.choices and c.choices[0].delta.model_extra],
+        lambda: client.chat.completions.create(messages=history, **kw))
+    assert all(x["reasoning"] == x["reasoning_content"] for x in streamed)
+    assert "".join(x["reasoning"] for x in streamed) == msg.model_extra["reasoning"]
+    assert again.choices[0].message.content
 
 
 def test_reasoning_switches_reach_the_template(server, auth, model_name):
@@ -219,7 +243,9 @@ def test_reasoning_switches_reach_the_template(server, auth, model_name):
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens"]
 
-    off = prompt_tokens()
-    assert prompt_tokens(enable_thinking=True) > off
-    assert prompt_tokens(reasoning_effort="low") > off
-    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == prompt_tokens(enable_thinking=True)
+    off, on, effort, kwargs_on = concurrently(
+        prompt_tokens, lambda: prompt_tokens(enable_thinking=True), lambda: prompt_tokens(reasoning_effort="low"),
+        lambda: prompt_tokens(chat_template_kwargs={"enable_thinking": True}))
+    assert on > off
+    assert effort > off
+    assert kwargs_on == on
