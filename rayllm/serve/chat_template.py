@@ -4,9 +4,13 @@ Used by the tokenizer deployment and, for client-supplied templates, by its sand
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rayllm.loader.model_sources import is_gguf
@@ -17,6 +21,10 @@ from rayllm.serve.rust_tokenizer import RustTokenizer, load_snapshot, save_snaps
 
 if TYPE_CHECKING:  # imported when a tokenizer loads: importing this module (Serve's app builder does) stays light
     from transformers import PreTrainedTokenizerBase
+
+# How long a process waits for another to build a tokenizer's snapshot before building it too (a first load
+# from a GGUF, which rebuilds the tokenizer from its metadata, takes ~10 s on a busy core).
+SNAPSHOT_LOCK_TIMEOUT_S = 120.0
 
 # Roles some chat templates do not know, mapped onto ones they do.
 ROLE_FALLBACK = {"developer": "system", "function": "tool"}
@@ -70,18 +78,54 @@ def _snapshot_dir(model_path: str) -> str:
 
 def load_serving_tokenizer(model_path: str) -> PreTrainedTokenizerBase | RustTokenizer:
     """The tokenizer the serving processes use: from its snapshot when there is one (no transformers import,
-    rayllm.serve.rust_tokenizer), else through transformers, saving the snapshot for the next start."""
+    rayllm.serve.rust_tokenizer), else through transformers, saving the snapshot for the next start.
+
+    An app's tokenizer replica and its model replicas start together and would all miss a new model's snapshot:
+    one process builds it (importing transformers and torch, ~3 s of CPU each) while the others wait for it
+    (_snapshot_lock) and then read it."""
     directory = _snapshot_dir(model_path)
     tok = load_snapshot(directory)
     if tok is not None:
         return tok
-    loaded = load_tokenizer(model_path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError:  # a read-only cache: transformers serves, every time
+    with _snapshot_lock(directory):
+        tok = load_snapshot(directory)  # built by the process that held the lock before
+        if tok is not None:
+            return tok
+        loaded = load_tokenizer(model_path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError:  # a read-only cache: transformers serves, every time
+            return loaded
+        save_snapshot(loaded, directory)
         return loaded
-    save_snapshot(loaded, directory)
-    return loaded
+
+
+@contextlib.contextmanager
+def _snapshot_lock(directory: str) -> Iterator[None]:
+    """Held while this process builds `directory`'s snapshot: an advisory lock on a file beside it (not in it:
+    a GGUF's tokenizer directory is renamed into place). Where the lock cannot be taken (a read-only cache) or
+    is held longer than SNAPSHOT_LOCK_TIMEOUT_S, the caller builds without it, as every process did before."""
+    try:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        fd = os.open(directory + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + SNAPSHOT_LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # another process builds it
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            except OSError:  # no locks on this file system
+                break
+        yield  # the lock goes with the file descriptor
+    finally:
+        os.close(fd)
 
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase:

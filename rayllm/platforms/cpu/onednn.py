@@ -62,15 +62,23 @@ class OneDNNWeight:
 
 ROW_BLOCKS = (128, 64, 32, 16, 8, 4)
 # Probed row blocks by (weight shape, dtype, torch threads). oneDNN picks its kernel and its blocking of the
-# reduction from the shapes, the ISA and the threads, not from the values, so every layer of one shape gets
-# the same answer: a model probes each of its few shapes once (30 layers: 121 probes were ~2.7 s of its start).
+# reduction from the shapes, the ISA, the caches and the threads, not from the values, so every layer of one
+# shape gets the same answer: a model probes each of its few shapes once (30 layers: 121 probes were ~2.7 s of
+# its start), and the answers are kept on disk for the next process on this machine (row_block_store.py:
+# SmolLM2's five shapes were ~1.1 s of CPU in every batch-invariant bf16 start).
 _ROW_BLOCKS: dict[tuple, int] = {}
 
 
 def _row_block(gemm: OneDNNWeight, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    from rayllm.platforms.cpu import row_block_store
+
     key = (shape, dtype, torch.get_num_threads())
     if key not in _ROW_BLOCKS:
-        _ROW_BLOCKS[key] = _probe_row_block(gemm, shape[1], dtype)
+        block = row_block_store.stored(*key)
+        if block not in (*ROW_BLOCKS, 1):  # none kept (or not one a probe returns): probe, and keep it
+            block = _probe_row_block(gemm, shape[1], dtype)
+            row_block_store.store(*key, block)
+        _ROW_BLOCKS[key] = block
     return _ROW_BLOCKS[key]
 
 
