@@ -1,7 +1,6 @@
 """rayllm.serve.chat_template.load_serving_tokenizer when several processes miss a new model's tokenizer snapshot
 at once (an app's tokenizer and model replicas start together): one builds it through transformers while the
-others wait on its lock and then read the snapshot; a lock held too long, the waiter builds it itself.
-(In tests/protocol: the serving layer's tests/serve belongs to the Serve pass.)"""
+others wait on its lock and then read the snapshot; a lock held too long, the waiter builds it itself."""
 
 from __future__ import annotations
 
