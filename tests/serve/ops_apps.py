@@ -123,7 +123,14 @@ SHARED_APPS: dict[str, frozenset[str]] = {
     "prio": frozenset({"prio", "traced"}),  # test_priority_serving.py, test_tracing_serving.py
     "multi": frozenset({"multi", "families"}),  # test_multi_model.py, test_model_families.py (Llama's tools too)
     "fp32": frozenset({"fp32_server"}),  # conftest.fp32_client: transformers-reference tests
+    "abuse": frozenset({"abuse", "timeout_app"}),  # test_abuse.py, test_embeddings.py (ABUSE)
 }
+
+# The `abuse` app (SMALL_ENGINE, no API keys): request chat templates on, a 2 s request timeout and a cap on
+# the tokens a request may ask for (test_abuse.py); also the app behind test_embeddings.py's request-timeout
+# test, whose 64 inputs are the default cap on sequences per request (max_sequences_per_request).
+ABUSE = {"allow_request_chat_template": True, "request_timeout_s": 2, "max_sequences_per_request": 64,
+         "max_requested_tokens": 4000}
 
 
 def prio_args(otlp_port: int) -> dict:

@@ -2,8 +2,9 @@
 generous bound, and the model replica that served before serves after (same x-replica-id, engine not
 restarted: its step counter only grows). All against the real Ray Serve app and model.
 
-Most tests use the session app (default bounds: the secure defaults). One extra app, `abuse`, turns
-on request chat templates, a 2 s request timeout and small fan-out caps."""
+Most tests use the session app (default bounds: the secure defaults). One extra app, `abuse` (ops_apps.ABUSE,
+shared with test_embeddings.py), turns on request chat templates, a 2 s request timeout and a cap on the
+tokens a request may ask for."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import GRAMMAR_COMPILE_TIMEOUT_S
-from tests.serve.ops_apps import MODEL, deploy
+from tests.serve.ops_apps import ABUSE, MODEL
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -254,17 +255,15 @@ async def test_deeply_nested_json_fails_no_one_else(server, auth, same_replica):
         refused(post(server, auth, "/v1/chat/completions", chat(**body)), param)
 
 
-# ---- the `abuse` app: request templates on, a 2 s request timeout, small caps ---------------------------------
+# ---- the `abuse` app: request templates on, a 2 s request timeout, a requested-tokens cap --------------------
 
-ABUSE = {"allow_request_chat_template": True, "request_timeout_s": 2, "max_sequences_per_request": 8,
-         "max_requested_tokens": 4000}
 PLAIN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
 
 
 @pytest.fixture(scope="module")
-def abuse(server, apps, http_client):
-    apps.append("abuse")
-    url = deploy(server, "abuse", ABUSE)
+def abuse(request, shared_apps, http_client):
+    """ops_apps.ABUSE, shared with test_embeddings.py's request-timeout test (conftest.SharedApps)."""
+    url = shared_apps.get(request, "abuse", ABUSE)
     # Warm: a new replica's first requests pay one-time costs, which may meet its 2 s timeout when loaded.
     for _ in range(5):
         if _HTTP[0].post(f"{url}/v1/chat/completions", json=chat(max_tokens=1)).status_code == 200:

@@ -13,6 +13,8 @@ import openai
 import pytest
 import torch
 
+from tests.serve.ops_apps import ABUSE
+
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 
@@ -165,28 +167,26 @@ def test_a_score_text_may_be_longer_than_the_list_bound(client, model_name, serv
     assert abs(r.json()["data"][0]["score"] - _cos(a, b)) < 1e-5
 
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = ABUSE["request_timeout_s"]
 
 
 @pytest.fixture(scope="module")
-def timed(server, apps):
-    """The default model (ops_apps.SMALL_ENGINE) behind a request timeout of TIMEOUT_S."""
-    from tests.serve.conftest import API_KEY
-    from tests.serve.ops_apps import deploy
-
-    apps.append("embd-timeout")
-    return deploy(server, "embd-timeout", {"api_keys": [API_KEY], "request_timeout_s": TIMEOUT_S})
+def timeout_app(request, shared_apps) -> str:
+    """The default model (ops_apps.SMALL_ENGINE) behind a request timeout of TIMEOUT_S: test_abuse.py's app
+    (ops_apps.ABUSE; no API keys, so the key these requests carry is not checked), shared."""
+    return shared_apps.get(request, "abuse", ABUSE)
 
 
-def test_request_timeout_bounds_embeddings_and_aborts_their_inputs(timed, model_name, auth, hf_tokenizer):
-    """64 inputs of ~1,000 tokens (tens of seconds of prefill here) against a 1 s request timeout: /v1/embeddings
+def test_request_timeout_bounds_embeddings_and_aborts_their_inputs(timeout_app, model_name, auth, hf_tokenizer):
+    """64 inputs of ~1,000 tokens (tens of seconds of prefill here) against a 2 s request timeout: /v1/embeddings
     and /v1/rerank answer 504 request_timeout as generation does, soon after it, and the engine drops the
     inputs (nothing left running or waiting) instead of pooling them for nobody."""
     from ray import serve
 
     from tests.serve.conftest import API_KEY
 
-    stats = serve.get_deployment_handle("llm", app_name="embd-timeout").stats
+    timed = timeout_app
+    stats = serve.get_deployment_handle("llm", app_name="abuse").stats
     sdk = openai.OpenAI(base_url=f"{timed}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     ids = hf_tokenizer(" ".join(DOCS * 40)).input_ids[:1000]
     texts = [f"{i} " + " ".join(DOCS * 30) for i in range(63)]

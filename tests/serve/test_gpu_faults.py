@@ -7,6 +7,8 @@ torch.OutOfMemoryError in its first step, as CUDA raises it when a step's activa
   same replica (no restart) serves the next request; the failed step's prompt blocks, hashed when scheduled
   but never computed, are not reused by the prefix cache.
 A graceful drain with streams in flight: tests/serve/test_scaling_and_drain.py.
+The app serves the tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's tokenizer and chat template):
+none of this depends on what the model says.
 """
 
 from __future__ import annotations
@@ -15,24 +17,26 @@ import openai
 import pytest
 
 from tests.serve.conftest import API_KEY
-from tests.serve.ops_apps import MODEL, QUESTION, deploy
+from tests.serve.ops_apps import QUESTION, deploy
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 BLOCK, NUM_BLOCKS = 16, 24
-ENGINE = {"model": {"dtype": "float32", "max_model_len": 1024},
+MODEL = "tiny-llama"  # the served name of the app's model
+ENGINE = {"model": {"served_model_name": MODEL, "dtype": "float32", "max_model_len": 512},
           "cache": {"block_size": BLOCK, "num_blocks_override": NUM_BLOCKS},
           "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
           "debug": {"fail_step_with_oom_after": 0}}
 
 
 @pytest.fixture(scope="module")
-def faulty(server, apps):
+def faulty(server, apps, tiny_models):
     from openai import OpenAI
     from ray import serve
 
     apps.append("faults")
-    base = deploy(server, "faults", {"api_keys": [API_KEY], "engine": ENGINE})
+    engine = ENGINE | {"model": ENGINE["model"] | {"model": tiny_models["tiny-llama"]}}
+    base = deploy(server, "faults", {"api_keys": [API_KEY], "engine": engine})
     handle = serve.get_deployment_handle("llm", app_name="faults")
     client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     return client, lambda: handle.engine_stats.remote().result()  # stats(), read off the replica's loop

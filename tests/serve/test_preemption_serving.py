@@ -1,7 +1,9 @@
 """Preemption and chunked prefill through the server: an app whose KV cache holds a few hundred tokens and
 whose step budget is smaller than the prompts, so concurrent long requests are prefilled in chunks and
-preempted (and recomputed); every answer still equals the same request's answer alone (bf16 with
-`batch_invariant`, so greedy equality is exact)."""
+preempted (and recomputed); every answer still equals the same request's answer alone (`batch_invariant`,
+so greedy equality is exact). The app serves the tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's
+tokenizer): what is compared is the token sequence a greedy request gets alone and under preemption, which does
+not depend on the weights being trained, and its steps cost a small part of the real model's."""
 
 from __future__ import annotations
 
@@ -10,13 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.serve.conftest import API_KEY
-from tests.serve.ops_apps import MODEL, deploy
+from tests.serve.ops_apps import deploy
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
 BLOCK = 16
 NUM_BLOCKS = 40  # 640 tokens of KV: four requests of ~300 tokens each cannot all stay resident
-ENGINE = {"model": {"dtype": "bfloat16", "max_model_len": 1024},
+MODEL = "tiny-llama"  # the served name of the app's model
+ENGINE = {"model": {"served_model_name": MODEL, "dtype": "float32", "max_model_len": 512},
           "cache": {"block_size": BLOCK, "num_blocks_override": NUM_BLOCKS, "enable_prefix_caching": False},
           "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "batch_invariant": True}}
 TOPICS = ["rivers", "mountains", "the moon", "bread", "trains", "owls"]
@@ -29,11 +32,12 @@ def long_prompt(topic: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(server, apps):
+def tiny(server, apps, tiny_models):
     from ray import serve
 
     apps.append("tiny")
-    base = deploy(server, "tiny", {"api_keys": [API_KEY], "engine": ENGINE})
+    engine = ENGINE | {"model": ENGINE["model"] | {"model": tiny_models["tiny-llama"]}}
+    base = deploy(server, "tiny", {"api_keys": [API_KEY], "engine": engine})
     handle = serve.get_deployment_handle("llm", app_name="tiny")
     return base, lambda: handle.stats.remote().result()
 

@@ -1,5 +1,7 @@
-"""The prefix router through the real app (Ray Serve, the model, two model replicas): a conversation's turns
-land on one replica and reuse its prefix cache (the usage's cached_tokens), while load still spreads."""
+"""The prefix router through the real app (Ray Serve, two model replicas): a conversation's turns land on one
+replica and reuse its prefix cache (the usage's cached_tokens), while load still spreads. The replicas serve the
+tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's tokenizer and chat template): where a request is
+routed and which of its prompt blocks are cached do not depend on what the model says."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import openai
 import pytest
 
 from rayllm.serve.prefix_affinity import RouterConfig
-from tests.serve.ops_apps import MODEL, deploy
+from tests.serve.ops_apps import deploy
 
 pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` skips it
 
@@ -19,14 +21,22 @@ SYSTEM = ("You are the support assistant of a bicycle shop. You answer questions
           "opening hours briefly and politely, and you never invent prices that you were not told about. The "
           "shop opens at nine and closes at six, repairs take two days, and customers may rent a bicycle.")
 IMBALANCE = 1
+MODEL = "tiny-llama"  # the served name of the app's model
+# Tokens of each of the load test's requests sharing a prefix: enough that all eight are routed before any ends
+# (the tiny model's steps take a few milliseconds).
+LOAD_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
-def routed(server, apps) -> str:
-    """Two model replicas behind the prefix router, with a tight load bound."""
+def routed(server, apps, tiny_models) -> str:
+    """Two model replicas of the tiny Llama (RANDOM weights) behind the prefix router, with a tight load bound."""
     apps.append("prefix")
+    engine = {"model": {"model": tiny_models["tiny-llama"], "served_model_name": MODEL, "dtype": "float32",
+                        "max_model_len": 512},
+              "cache": {"block_size": BLOCK, "kv_cache_bytes": 16 << 20},
+              "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256}}
     return deploy(server, "prefix", {"router": {"policy": "prefix", "max_imbalance": IMBALANCE},
-                                     "llm_deployment_options": {"num_replicas": 2}})
+                                     "llm_deployment_options": {"num_replicas": 2}, "engine": engine})
 
 
 def client(base: str) -> openai.AsyncOpenAI:
@@ -64,13 +74,13 @@ def test_a_conversations_turns_stay_on_one_replica_and_hit_its_prefix_cache(rout
 
 def test_load_spreads_over_both_replicas_within_the_bound(routed):
     """Eight concurrent requests sharing a long prefix: each replica takes a share within the bound (+ 1)
-    (they all are routed before any finishes: 64 tokens each, so also on a busy machine); distinct short
+    (they all are routed before any finishes: LOAD_TOKENS each, so also on a busy machine); distinct short
     prompts spread too."""
     async def run() -> tuple[list[str], list[str]]:
         c = client(routed)
         shared = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Hello number {i}."}]
                   for i in range(8)]
-        same = await asyncio.gather(*(turn(c, m, max_tokens=64) for m in shared))
+        same = await asyncio.gather(*(turn(c, m, max_tokens=LOAD_TOKENS) for m in shared))
         short = await asyncio.gather(*(turn(c, [{"role": "user", "content": f"Hi {i}"}], max_tokens=4)
                                        for i in range(8)))
         return [r for r, _, _ in same], [r for r, _, _ in short]
