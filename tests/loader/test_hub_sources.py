@@ -84,6 +84,7 @@ def hub(tmp_path_factory, gguf_path):
     gguf = open(gguf_path, "rb").read()
     sharded_dir = tmp_path_factory.mktemp("sharded")
     sharded = _llama_files(2, str(sharded_dir), max_shard_size="20KB")
+    tokenizer = _tokenizer_files(gguf_path)
     adapter = _adapter_files(gguf_path, str(tmp_path_factory.mktemp("adapter")))
     server = HubServer(
         {"acme/tiny-llama": {"main": _llama_files(2) | extra, "v1": _llama_files(1) | extra},
@@ -93,12 +94,12 @@ def hub(tmp_path_factory, gguf_path):
          # Mistral's layout: HF shards and their index, consolidated.safetensors beside them, more in subfolders.
          "acme/sharded": {"main": sharded | {"consolidated.safetensors": _mistral_consolidated(sharded),
                                              "original/model.safetensors": b"x", "model.Q8_0.gguf": b"GGUF"}},
-         "acme/chat-llama": {"main": _llama_files(2) | _tokenizer_files(gguf_path)},
+         "acme/chat-llama": {"main": _llama_files(2) | tokenizer},
          "acme/adapter": {"main": adapter | {"README.md": b"# adapter", "extra.safetensors": sharded[min(sharded)],
                                              "sub/adapter_model.safetensors": b"x"}},
          "acme/private": {"main": _llama_files(1)}},
         private={"acme/private": TOKEN})
-    server.sharded_dir = str(sharded_dir)
+    server.sharded_dir, server.tokenizer_files = str(sharded_dir), tokenizer
     yield server
     server.close()
 
@@ -235,15 +236,37 @@ def test_sharded_repo_fetches_the_shards_its_index_names_and_loads(hub, tmp_path
     torch.testing.assert_close(ours.float(), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["acme/a--b", "acme/a..b", "acme/" + "x" * 97, "acme/a..b/f.gguf"])
-def test_ids_huggingface_hub_refuses_are_source_errors(hub, tmp_path, name):
+REFUSED_IDS = ["acme/a--b", "acme/a..b", "acme/" + "x" * 97, "acme/a..b/f.gguf"]
+# LOADER for several sources in one process: huggingface_hub refuses these from the name alone, before any
+# request, so one fresh process loads them all (a process per name cost ~0.4 s apiece).
+LOADER_EACH = """
+import json, sys
+from rayllm.loader.model_files import resolve_model_path
+out = []
+for source in sys.argv[1:]:
+    try:
+        out.append({"path": resolve_model_path(source, None)})
+    except Exception as exc:
+        out.append({"error": f"{type(exc).__name__}: {exc}"})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def refused_loads(hub, tmp_path_factory) -> dict[str, dict]:
+    """LOADER's answer for each of REFUSED_IDS, from one process."""
+    return dict(zip(REFUSED_IDS, run(hub, tmp_path_factory.mktemp("refused"), LOADER_EACH, *REFUSED_IDS), strict=True))
+
+
+@pytest.mark.parametrize("name", REFUSED_IDS)
+def test_ids_huggingface_hub_refuses_are_source_errors(refused_loads, name):
     """Names the id pattern lets through but huggingface_hub refuses (HFValidationError, a ValueError): the
     error naming the source, as every other; a client's lora_path naming one is the 404 naming lora_path."""
     from rayllm.loader.adapter_sources import fetch_adapter
     from rayllm.loader.model_sources import ModelSourceError
     from rayllm.serve.lora.lora_registry import source_failure
 
-    got = load(hub, tmp_path, name)
+    got = refused_loads[name]
     assert got["error"].startswith("ModelSourceError") and repr(name) in got["error"], got
     with pytest.raises(ModelSourceError) as failed:  # a replica's fetch of a client's `lora_path: hf://<name>`
         fetch_adapter(name, {"adapter_config.json": 1 << 20}, keep=1)
@@ -313,7 +336,7 @@ def test_app_build_fetches_no_weights_and_pins_every_deployment_to_one_commit(hu
     # A push: `main` now names a one-layer model; the old commit stays fetchable by its sha, as on the Hub.
     hub.repos["acme/chat-llama"]["before-push"] = hub.repos["acme/chat-llama"]["main"]
     hub.commits[("acme/chat-llama", "before-push")] = sha
-    hub.repos["acme/chat-llama"]["main"] = _llama_files(1) | _tokenizer_files(gguf_path)
+    hub.repos["acme/chat-llama"]["main"] = _llama_files(1) | hub.tokenizer_files
     hub.commits[("acme/chat-llama", "main")] = "f" * 40
     assert _layers(load(hub, tmp_path / "node3", pinned)["path"]) == 2  # a replica started after the push
     assert _layers(load(hub, tmp_path / "node3", "acme/chat-llama")["path"]) == 1

@@ -17,7 +17,7 @@ import torch
 
 from rayllm.attention.selector import make_attention_backend
 from rayllm.executor.worker import Worker, default_dtype
-from rayllm.layers.linear import TPGroup
+from rayllm.layers.linear import VNNI_TOKENS, TPGroup
 from rayllm.layers.linear_method import LinearBase, SmallBatchMethod
 from rayllm.loader import weight_cache
 from rayllm.loader.loader import read_arch
@@ -97,7 +97,7 @@ def test_a_cached_start_equals_the_load_that_wrote_it(env, loaded):
             vnni = getattr(small.vnni, "inner", small.vnni)  # an LM head's Q8_0 planes: one VNNI weight inside
             kept = [vnni.packed] if vnni is not None else [small.packed, small.scales]
             assert all(t.data_ptr() % 64 == 0 for t in kept), name
-        for rows in (2, 4, 300):  # the small-batch copy, then oneDNN's dense path
+        for rows in (2, 4, VNNI_TOKENS + 1):  # the small-batch copy, then oneDNN's dense path (beyond every copy)
             x = torch.randn(rows, m.weight.shape[1], generator=g).to(torch.bfloat16)
             assert torch.equal(m.base(x), other.base(x)), (name, rows)
     assert packed > 0  # the default model's 4/8-bit layers have small-batch copies

@@ -23,6 +23,12 @@ ENGINE = {"model": {"max_model_len": 512}, "cache": {"kv_cache_bytes": 64 << 20}
           "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
           "parallel": {"device": "cpu", "executor": "ray", "tensor_parallel_size": 1}}
 MIN_STREAMS, MAX_STREAMS = 4, 12
+# Each stream's length: the last one started (on the replica whose node goes) must still stream when its node
+# is removed, and the other node's streams run to their end after it. The wait for the lost replica's return
+# below reads only Serve's replica count, which still says 2 RUNNING until Serve has seen the loss: the streams
+# outlast that. With 120 tokens they ended 2.6 s after the removal (timings), the count read 2 RUNNING at once
+# and the dead replica's node was still listed (session 42).
+STREAM_TOKENS = 300
 
 
 def _free_port() -> int:
@@ -56,7 +62,7 @@ def _replica_nodes() -> dict[str, list[str]]:
 
 def _stream(base: str, out: dict, started: threading.Event) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to one hundred."}],
-            "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
+            "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True}
     chunks, finish, error = 0, None, None
     try:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=180) as r:
@@ -88,6 +94,8 @@ def main() -> dict:
     from rayllm.serve.builder import build_app
 
     result: dict = {}
+    t0 = time.monotonic()
+    timings = result["timings"] = {}  # seconds since the start at each phase's end (printed by the test)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "resources": {"head": 1}, "include_dashboard": False})  # GCS: 6379 or a free port
     workers = [cluster.add_node(num_cpus=2, resources={f"worker{i}": 1}) for i in range(3)]
@@ -95,6 +103,7 @@ def main() -> dict:
     ray.init(address=cluster.address, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     cluster.wait_for_nodes()
+    timings["cluster_up"] = round(time.monotonic() - t0, 1)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     try:  # wider than any node: refused while building, before anything is deployed
@@ -111,6 +120,7 @@ def main() -> dict:
         if time.time() > deadline:
             raise RuntimeError(f"replicas did not start: {serve.status()}")
         time.sleep(0.5)
+    timings["replicas_running"] = round(time.monotonic() - t0, 1)
     before = _replica_nodes()
     result["before"] = [[names.get(n, n) for n in nodes] for nodes in before.values()]
 
@@ -139,9 +149,11 @@ def main() -> dict:
                         if a["State"] == "ALIVE" and victim_replica and victim_replica in a["Name"]), None)
     result["victim"] = names.get(victim_node)
     live = [t.is_alive() for t in threads]
+    timings["node_removed"] = round(time.monotonic() - t0, 1)
     cluster.remove_node(next(w for w in workers if w.node_id == victim_node), allow_graceful=False)
     for t in threads:
         t.join(200)
+    timings["streams_done"] = round(time.monotonic() - t0, 1)
     result["streams"] = [{"on_lost_node": o.get("replica") == victim_replica, "live_at_loss": alive,
                           "status": o.get("status"), "chunks": o.get("chunks"), "finish": o.get("finish"),
                           "error": o.get("error")} for o, alive in zip(outs, live, strict=True)]
@@ -150,11 +162,13 @@ def main() -> dict:
         if time.time() > deadline:
             break
         time.sleep(0.5)
+    timings["recovered"] = round(time.monotonic() - t0, 1)
     result["recovered"] = serve.status().applications["multinode"].deployments["llm"].replica_states
     result["after"] = [[names.get(n, n) for n in nodes] for nodes in _replica_nodes().values()]
     r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0})
     result["after_status"] = r.status_code
+    timings["answered_after"] = round(time.monotonic() - t0, 1)
     ray.shutdown()  # the cluster's nodes stop their replicas (no graceful serve.shutdown: seconds, and untested here)
     cluster.shutdown()
     return result

@@ -44,6 +44,7 @@ def test_replicas_on_several_nodes_survive_losing_one():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-4000:]
     r = json.loads(line[len("RESULT "):])
+    print(f"phases (s since the scenario's start): {r['timings']}; streams: {len(r['streams'])}")
 
     assert "tensor_parallel_size 3 needs 4 CPU on one node" in r["tp_refused"]
     assert "largest node has 2 CPU" in r["tp_refused"]

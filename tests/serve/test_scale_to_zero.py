@@ -23,7 +23,11 @@ from tests.serve.test_shipped_config import CLUSTER_YAML, merge
 pytestmark = [pytest.mark.slow, pytest.mark.own_ray]
 
 APP = "zero"
-PROBE_S = 20  # 10x the downscale delay: a probe that woke the model would show well within it
+# A probe that woke the model would show within ~2 s: Serve decides at once for a handle that has recorded no
+# load (upscale_delay_s 0; the model was never awake here), its control loop adds the replica within 0.5 s, and
+# replica_actors() lists a starting actor. 8 s of probes is 4x that, and several turns of the periodic reads a
+# probe makes (/health's status read, at most once a second; a listing's wait, at most 2 s).
+PROBE_S = 8
 DOWNSCALE_S = 2
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "models-and-scaling.md"
 

@@ -40,7 +40,17 @@ from tests.serve.ops_apps import Pace, free_port, own_haproxy_env
 pytestmark = [pytest.mark.slow, pytest.mark.own_ray]  # `make test-fast` skips it; its own Ray: the first pass
 
 ROOT = Path(__file__).resolve().parents[2]
-HOWS = ("SIGTERM", "SIGINT", "force")
+# "force" first: its run, killed at once, then no longer idles (Ray's daemons, Serve's control loop, the replica's
+# metrics) beside the graceful stops' runs, which each wait out a stream and Serve's own stop.
+HOWS = ("force", "SIGTERM", "SIGINT")
+
+
+# What the stream in flight at the signal must outlast: the launcher's drain call (a Serve status read and a
+# key-value write), the ingress's next read of its flag (drain.WATCH_S, 1 s), /health's turn to 503 and one
+# refused request: 0.3-0.9 s after the signal here (session 42; the test prints it). The drain then waits out
+# the stream's rest, and a stream slowed by a neighbour (another test lane on these two cores) stretches it: a
+# 6 s stream took 41 s in `make test`'s first pass. 4 s keeps over 4x the checks' time at the measured pace.
+STREAM_S = 4
 
 
 @dataclass
@@ -193,21 +203,25 @@ def test_stop_leaves_nothing(runs: dict[str, Run], how: str) -> None:
                     p.send_signal(signal.SIGKILL)
     else:
         # SIGTERM (docker stop, systemd) and Ctrl-C drain: a stream open at the signal runs to its end, while
-        # new requests get a 503 (and /health too). The stream lasts ~6 s at this machine's pace: open
+        # new requests get a 503 (and /health too). The stream lasts ~STREAM_S at this machine's pace: open
         # through the drain's start (the ingress reads its flag every second) and the requests below.
         base = f"http://{run.host}:{run.port}"
         pace = Pace(base)
-        tokens = pace.tokens_for(6, cap=4096)
+        tokens = pace.tokens_for(STREAM_S, cap=4096)
         stream = Stream(f"{base}/v1", max_tokens=tokens)
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
         assert stream.is_alive(), f"the stream of {tokens} tokens ended before the signal ({pace})"
+        t_signal = time.monotonic()
         if how == "SIGINT":  # Ctrl-C in a terminal signals the whole foreground group (Ray's daemons too)
             os.killpg(proc.pid, signal.SIGINT)
         else:  # docker stop, kill: the launcher alone
             proc.send_signal(signal.SIGTERM)
         _check_refused_while_draining(base, stream, run)
+        checked_s = time.monotonic() - t_signal
         stream.join(pace.bound(tokens) + 60)
+        print(f"{how}: refusals checked {checked_s:.1f} s after the signal, the stream of {tokens} tokens done "
+              f"{time.monotonic() - t_signal:.1f} s after it ({pace})")
         assert (stream.error, stream.finish, stream.tokens) == (None, "length", tokens), run.log.read_text()[-2000:]
     gone, alive = psutil.wait_procs(tree, timeout=60)
     for p in alive:  # leave the machine clean before failing
