@@ -150,8 +150,8 @@ def prio_args(otlp_port: int) -> dict:
 
 FAMILIES = ("qwen3", "mixtral")
 TINY_ENGINE = {"cache": {"kv_cache_bytes": 32 << 20}, "scheduler": {"max_num_seqs": 4, "max_num_batched_tokens": 64}}
-# The tiny Llama again, its tokenizer carrying Llama 3.1 Instruct's chat template (Llama's own tool format).
-LLAMA31 = "tiny-llama31"
+# The tiny Llama, its tokenizer carrying Llama 3.1 Instruct's chat template (Llama's own tool format).
+LLAMA31 = "tiny-llama"
 
 
 def _tiny_llama(path: Path, tok, max_positions: int) -> str:
@@ -169,18 +169,17 @@ def _tiny_llama(path: Path, tok, max_positions: int) -> str:
 
 def tiny_checkpoints(root: Path, tok) -> dict[str, str]:
     """Tiny random models (weights random, built by transformers here; `tok`, SmolLM2's tokenizer, saved
-    beside each so chat templates render): a Llama ("tiny-llama"), one per added family (FAMILIES), and
-    the Llama once more with Llama 3.1 Instruct's chat template in place of SmolLM2's (LLAMA31), so that
-    the server finds Llama's tool format in it as it would for the real model."""
+    beside each so chat templates render): a Llama ("tiny-llama", LLAMA31) whose tokenizer carries Llama 3.1
+    Instruct's chat template in place of SmolLM2's, so that the server finds Llama's tool format in it as it
+    would for the real model, and one model per added family (FAMILIES, SmolLM2's template)."""
     import json
 
     from tests.tiny_families import make_checkpoint
 
-    paths = {"tiny-llama": _tiny_llama(root / "tiny-llama", tok, 512)}
+    paths = {LLAMA31: _tiny_llama(root / LLAMA31, tok, 1024)}
     for family in FAMILIES:
         paths[family] = make_checkpoint(root / family, family, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
                                         eos_token_id=tok.eos_token_id)
-    paths[LLAMA31] = _tiny_llama(root / LLAMA31, tok, 1024)
     for path in paths.values():
         tok.save_pretrained(path)
     config_path = Path(paths[LLAMA31]) / "tokenizer_config.json"
@@ -189,28 +188,36 @@ def tiny_checkpoints(root: Path, tok) -> dict[str, str]:
     config_path.write_text(json.dumps(config))
     template = Path(__file__).parents[1] / "protocol" / "llama31_chat_template.jinja"
     (Path(paths[LLAMA31]) / "chat_template.jinja").write_text(template.read_text())
+    # Each folder's tokenizer snapshot (rayllm.serve.rust_tokenizer), made here once, as the first start of a
+    # real deployment leaves it for the next: otherwise every replica, tokenizer and ingress of each app on these
+    # new folders imports transformers to load the tokenizer (~15 s a replica while a multi-model app starts).
+    from rayllm.serve.chat_template import load_serving_tokenizer
+
+    for path in paths.values():
+        load_serving_tokenizer(path)
     return paths
 
 
 def multi_args(paths: dict[str, str]) -> dict:
     """One app of several base models (a `models` list: each its own model deployment behind one ingress
-    and tokenizer): SmolLM2 ("smol"), the tiny Llama on two replicas ("tiny", with a LoRA slot: adapters
-    loaded at runtime for a model other than the first), each added family's tiny model, and the Llama
-    3.1-template one (LLAMA31, 1024 positions: a prompt with tools is longer than 256 tokens);
-    test_multi_model.py and test_model_families.py share it."""
+    and tokenizer), all tiny and random (tiny_checkpoints): the first family's model first ("llm", alias
+    "first"), the Llama 3.1-template tiny Llama on two replicas (LLAMA31, alias "tiny", with a LoRA slot:
+    adapters loaded at runtime for a model other than the first; 1024 positions: a prompt with tools is
+    longer than 256 tokens), and the other families' models; test_multi_model.py and test_model_families.py
+    share it. No SmolLM2: the session app serves it, and a model's weights change nothing of the routing."""
     from tests.serve.conftest import ADMIN_KEY, API_KEY
 
     def engine(name: str, max_model_len: int = 256) -> dict:
         return {"model": {"model": paths[name], "dtype": "float32", "max_model_len": max_model_len}} | TINY_ENGINE
 
     # Adapters for the tiny Llama may come from beside the tiny models (test_multi_model.py writes one there).
-    lora = {"max_loras": 1, "max_lora_rank": 4, "allowed_roots": [str(Path(paths["tiny-llama"]).parent)]}
+    lora = {"max_loras": 1, "max_lora_rank": 4, "allowed_roots": [str(Path(paths[LLAMA31]).parent)]}
+    first, *others = FAMILIES
     return {"api_keys": [API_KEY], "admin_api_keys": [ADMIN_KEY], "models": [
-        {"engine": SMALL_ENGINE, "aliases": ["smol"]},
-        {"served_model_name": "tiny-llama", "aliases": ["tiny"], "deployment": {"num_replicas": 2},
-         "engine": engine("tiny-llama") | {"lora": lora}},
-        *({"served_model_name": f"tiny-{family}", "engine": engine(family)} for family in FAMILIES),
-        {"served_model_name": LLAMA31, "engine": engine(LLAMA31, 1024)}]}
+        {"served_model_name": f"tiny-{first}", "aliases": ["first"], "engine": engine(first)},
+        {"served_model_name": LLAMA31, "aliases": ["tiny"], "deployment": {"num_replicas": 2},
+         "engine": engine(LLAMA31, 1024) | {"lora": lora}},
+        *({"served_model_name": f"tiny-{family}", "engine": engine(family)} for family in others)]}
 
 
 def _value(v) -> object:

@@ -4,7 +4,11 @@ bound, two loads of one name at once leave exactly one winner, and restarted rep
 model runs two replicas too: an unload reaches both, and a reload reads the files again.
 
 Each ingress replica serves HTTP on a port of its own (HAProxy balances over them): the tests call each
-replica there, so which one answers is the test's choice, not the balancer's."""
+replica there, so which one answers is the test's choice, not the balancer's.
+
+The model is the tiny Llama with RANDOM weights (ops_apps.tiny_checkpoints) and its adapters random too:
+what is checked is which files answer where (an adapter's tokens against the base model's and another
+adapter's), not what they say."""
 
 from __future__ import annotations
 
@@ -17,20 +21,21 @@ import pytest
 
 from rayllm.serve.lora.shared_adapters import FRESH_S
 from tests.serve.conftest import ADMIN_KEY, API_KEY
-from tests.serve.ops_apps import QUESTION, SESSION, SMALL_ENGINE, run_app, wait_healthy
+from tests.serve.ops_apps import LLAMA31, QUESTION, SESSION, TINY_ENGINE, run_app, wait_healthy
 
-pytestmark = pytest.mark.slow  # Ray Serve and the real model: `make test-fast` skips it
+pytestmark = pytest.mark.slow  # Ray Serve: `make test-fast` skips it
 
 APP = "lorarep"
+BASE = LLAMA31  # the app's model: the tiny random Llama
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory, gguf_path) -> dict[str, str]:
-    """Random PEFT adapters on the default model, as tests/serve/test_lora_serving.py makes them."""
+def adapters(tmp_path_factory, tiny_models) -> dict[str, str]:
+    """Random PEFT adapters on the tiny Llama, as tests/serve/test_lora_serving.py makes them on the default model."""
     from rayllm.loader.loader import read_arch
     from rayllm.lora.files import random_peft_adapter
 
-    arch = read_arch(gguf_path)
+    arch = read_arch(tiny_models[BASE])
     root = tmp_path_factory.mktemp("replica-adapters")
     return {name: random_peft_adapter(str(root / name), arch, rank=8, seed=seed)
             for name, seed in (("one", 21), ("two", 22), ("three", 23))}
@@ -61,7 +66,7 @@ def two_replicas(old: frozenset[str] = frozenset(), wait_s: float = 120) -> list
 
 
 @pytest.fixture(scope="module")
-def replicas(server, adapters, tmp_path_factory) -> list[str]:
+def replicas(server, adapters, tiny_models, tmp_path_factory) -> list[str]:
     """An app whose ingress runs two replicas (two model replicas, two adapter slots each); the session's
     STORAGE_URL is its store. The list is the test module's to update when replicas are replaced."""
     from ray import serve
@@ -71,8 +76,9 @@ def replicas(server, adapters, tmp_path_factory) -> list[str]:
 
     config = ServerConfig.from_args({
         "api_keys": [API_KEY], "admin_api_keys": [ADMIN_KEY], "replica_num_cpus": 0.5,
-        "engine": SMALL_ENGINE | {"lora": {"max_loras": 2, "max_lora_rank": 8,
-                                           "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
+        "engine": TINY_ENGINE | {
+            "model": {"model": tiny_models[BASE], "served_model_name": BASE, "dtype": "float32", "max_model_len": 256},
+            "lora": {"max_loras": 2, "max_lora_rank": 8, "allowed_roots": [str(tmp_path_factory.getbasetemp())]}},
     })
     ingress = build_app_with(config, {"num_replicas": 2})._bound_deployment  # the builder's app, its ingress on two replicas
     app = ingress.options(num_replicas=2).bind(*ingress.init_args, **ingress.init_kwargs)
@@ -101,10 +107,9 @@ def listed(url: str) -> list[str]:
     return [m["id"] for m in r.json()["data"]]
 
 
-def test_an_adapter_loaded_through_one_replica_serves_through_the_other_until_unloaded(replicas, adapters,
-                                                                                     model_name):
+def test_an_adapter_loaded_through_one_replica_serves_through_the_other_until_unloaded(replicas, adapters):
     a, b = replicas
-    base = text(chat(b, model_name))
+    base = text(chat(b, BASE))
     r = admin(a, "load_lora_adapter", {"lora_name": "one", "lora_path": adapters["one"]})
     assert r.status_code == 200, r.text
     # b never saw the load: it finds the adapter in the store at once (embeddings: refused as an adapter,
@@ -113,10 +118,10 @@ def test_an_adapter_loaded_through_one_replica_serves_through_the_other_until_un
                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     one = text(chat(b, "one"))
-    assert one != base and text(chat(b, f"{model_name}:one")) == one == text(chat(a, "one"))
+    assert one != base and text(chat(b, f"{BASE}:one")) == one == text(chat(a, "one"))
     assert listed(b).count("one") == 1
     card = httpx.get(f"{b}/v1/models/one", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).json()
-    assert card["parent"] == model_name and adapters["one"] not in str(card)
+    assert card["parent"] == BASE and adapters["one"] not in str(card)
 
     r = admin(b, "unload_lora_adapter", {"lora_name": "one"})
     assert r.status_code == 200, r.text
@@ -131,10 +136,10 @@ def test_an_adapter_loaded_through_one_replica_serves_through_the_other_until_un
     assert time.monotonic() - unloaded < FRESH_S + 1
     r = admin(a, "unload_lora_adapter", {"lora_name": "one"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "lora_adapter_not_found"
-    assert text(chat(a, model_name)) == base
+    assert text(chat(a, BASE)) == base
 
 
-def test_two_loads_of_one_name_at_once_through_both_replicas_one_wins(replicas, adapters, model_name):
+def test_two_loads_of_one_name_at_once_through_both_replicas_one_wins(replicas, adapters):
     """vLLM's answer for a taken name (400 lora_adapter_exists) for exactly one of them, whichever replica
     took it; both replicas then serve the winner's files."""
     start = threading.Barrier(2)
@@ -160,7 +165,7 @@ def test_two_loads_of_one_name_at_once_through_both_replicas_one_wins(replicas, 
     winner = ("two", "three")[won]
     assert admin(replicas[0], "load_lora_adapter", {"lora_name": "check", "lora_path": adapters[winner]}
                  ).status_code == 200
-    assert text(chat(replicas[1], "check")) == served.pop() != text(chat(replicas[1], model_name))
+    assert text(chat(replicas[1], "check")) == served.pop() != text(chat(replicas[1], BASE))
     for name in ("two", "check"):
         assert admin(replicas[1], "unload_lora_adapter", {"lora_name": name}).status_code == 200
 

@@ -1,9 +1,11 @@
-"""Several base models in one app (cluster.yaml `models:`): the default SmolLM2 GGUF and a tiny random Llama
-directory (weights random, built by transformers in the test; SmolLM2's tokenizer saved beside it) behind
-one ingress and one tokenizer deployment, each model on its own deployment with its own replica count.
+"""Several base models in one app (cluster.yaml `models:`): tiny directories with RANDOM weights (built by
+transformers in the test, SmolLM2's tokenizer saved beside each: ops_apps.multi_args) behind one ingress and
+one tokenizer deployment, each model on its own deployment with its own replica count: the first family's
+tiny model first ("llm"), then a tiny Llama on two replicas. Which model answers shows in its tokens, so
+random weights serve as well as real ones here.
 
-References: the tiny model's greedy answer is transformers' `generate` on the same rendered prompt; SmolLM2's
-is the session server's answer (a single-model app) to the same request."""
+References: each model's greedy answer is transformers' `generate` on the same checkpoint and the prompt its
+own chat template renders."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ pytestmark = pytest.mark.slow  # the real model or Ray Serve: `make test-fast` s
 
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 8
-TINY = "tiny-llama"
-# test_model_families.py's models, in the same app
-FAMILY_MODELS = {f"tiny-{family}" for family in FAMILIES} | {LLAMA31}
+TINY = LLAMA31  # the tiny Llama, on two replicas, with a LoRA slot
+FIRST = f"tiny-{FAMILIES[0]}"  # the first model: deployment "llm", alias "first"
+MODELS = {f"tiny-{family}" for family in FAMILIES} | {TINY}
 
 
 @pytest.fixture(scope="module")
@@ -33,26 +35,29 @@ def tiny_path(tiny_models) -> str:
 
 @pytest.fixture(scope="module")
 def multi(request, shared_apps, tiny_models) -> str:
-    """The several-model app; the tiny Llama runs two replicas, SmolLM2 one (test_model_families.py's
-    models, FAMILY_MODELS, are in it too)."""
+    """The several-model app; the tiny Llama runs two replicas, the others one (test_model_families.py's
+    models are in it too)."""
     return shared_apps.get(request, "multi", multi_args(tiny_models))
 
 
-def _reference_tiny(path: str, tok) -> str:
-    from transformers import AutoModelForCausalLM
+def greedy_reference(path: str, messages: list[dict], max_tokens: int) -> str:
+    """transformers' greedy answer of the checkpoint at `path` (fp32) to `messages`, rendered by the chat
+    template of its own tokenizer, stopping at SmolLM2's end ids (the tiny models' vocabulary)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok(prompt, add_special_tokens=False).input_ids
     stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         x = torch.tensor([ids])
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=stop, pad_token_id=stop[0])
     return tok.decode([t for t in out[0, len(ids):].tolist() if t not in stop], skip_special_tokens=True)
 
 
-def test_two_models_answer_concurrently_each_with_its_own_output(multi, client, tiny_path, hf_tokenizer):
+def test_two_models_answer_concurrently_each_with_its_own_output(multi, tiny_models, hf_tokenizer):
     from openai import OpenAI
 
     multi_client = OpenAI(base_url=f"{multi}/v1", api_key=API_KEY, max_retries=0, timeout=120)
@@ -63,18 +68,19 @@ def test_two_models_answer_concurrently_each_with_its_own_output(multi, client, 
         return r.choices[0].message.content
 
     with ThreadPoolExecutor(4) as pool:  # both models at once, each twice (by name and by alias)
-        futures = {m: pool.submit(ask, multi_client, m) for m in (MODEL, TINY, "smol", "tiny")}
+        futures = {m: pool.submit(ask, multi_client, m) for m in (FIRST, TINY, "first", "tiny")}
         answers = {m: f.result() for m, f in futures.items()}
-    assert answers[MODEL] == ask(client, MODEL)  # the session's single-model app
-    assert answers[TINY] == _reference_tiny(tiny_path, hf_tokenizer)
-    assert answers["smol"] == answers[MODEL] and answers["tiny"] == answers[TINY]
-    assert answers[MODEL] != answers[TINY]
-    # The completions route and the tokenizer route go to the named model too (its own tokenizer info).
+    assert answers[FIRST] == greedy_reference(tiny_models[FAMILIES[0]], QUESTION, MAX_TOKENS)
+    assert answers[TINY] == greedy_reference(tiny_models[TINY], QUESTION, MAX_TOKENS)
+    assert answers["first"] == answers[FIRST] and answers["tiny"] == answers[TINY]
+    assert answers[FIRST] != answers[TINY]
+    # The completions route and the tokenizer route go to the named model too (its own tokenizer info: the
+    # first model's max_model_len is 256).
     text = multi_client.completions.create(model="tiny", prompt="Red, green", max_tokens=4, temperature=0)
     assert text.model == "tiny" and text.usage.prompt_tokens == len(hf_tokenizer("Red, green").input_ids)
     tok = httpx.post(f"{multi}/tokenize", json={"model": TINY, "prompt": "Red"},
                      headers={"Authorization": f"Bearer {API_KEY}"}).json()
-    assert tok["max_model_len"] == 256
+    assert tok["max_model_len"] == 1024
 
 
 def test_models_lists_every_model_and_alias_and_unknown_is_404(multi):
@@ -82,23 +88,22 @@ def test_models_lists_every_model_and_alias_and_unknown_is_404(multi):
 
     c = OpenAI(base_url=f"{multi}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     cards = {m.id: m for m in c.models.list().data}
-    assert set(cards) == {MODEL, "smol", TINY, "tiny"} | FAMILY_MODELS
-    assert cards["smol"].root == MODEL and cards["tiny"].root == TINY
+    assert set(cards) == MODELS | {"first", "tiny"}
+    assert cards["first"].root == FIRST and cards["tiny"].root == TINY
     assert c.models.retrieve("tiny").root == TINY
     with pytest.raises(NotFoundError) as err:
         c.chat.completions.create(model="nope", messages=QUESTION, max_tokens=2)
     body = err.value.body
     assert body["code"] == "model_not_found" and body["param"] == "model"
-    assert all(name in body["message"] for name in (MODEL, "smol", TINY, "tiny", *FAMILY_MODELS))
+    assert all(name in body["message"] for name in (*MODELS, "first", "tiny"))
 
 
 def test_each_model_has_its_own_replicas(multi):
-    """Two replicas for the tiny model leave SmolLM2's deployment at one (serve.status())."""
+    """Two replicas for the tiny Llama leave the first model's deployment at one (serve.status())."""
     from ray import serve
 
     deployments = serve.status().applications["multi"].deployments
-    families = {f"llm-{m}" for m in FAMILY_MODELS}
-    assert set(deployments) == {"ingress", "tokenizer", "llm", "llm-tiny-llama"} | families
+    assert set(deployments) == {"ingress", "tokenizer"} | {"llm" if m == FIRST else f"llm-{m}" for m in MODELS}
     assert deployments["llm"].replica_states == {"RUNNING": 1}
     assert deployments["llm-tiny-llama"].replica_states == {"RUNNING": 2}
 
@@ -139,7 +144,7 @@ def test_an_adapter_loads_and_unloads_at_runtime_on_the_second_model(multi, tiny
 def test_an_adapter_may_not_take_a_models_name_or_alias(multi, tiny_path):
     """Requests address an adapter by its bare name, so a model's name or alias is refused as one (it would
     reach the model, and /v1/models would list the name twice); nothing is loaded."""
-    for name, model, owner in (("smol", "tiny", MODEL), ("tiny", None, TINY)):
+    for name, model, owner in (("first", "tiny", FIRST), ("tiny", None, TINY)):
         body = {"lora_name": name, "lora_path": str(Path(tiny_path).parent / "any")}
         r = admin(multi, "load_lora_adapter", body | ({"model": model} if model else {}))
         error = r.json()["error"]

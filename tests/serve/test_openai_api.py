@@ -209,19 +209,24 @@ def test_disconnect_mid_stream_frees_slot_and_blocks(server, auth, model_name, c
     assert r.choices[0].message.content
 
 
-def test_tensor_parallel_2_replica_through_serve(server, fp32_client, model_name, auth):
+def test_tensor_parallel_2_replica_through_serve(server, tiny_models, auth):
     """A second application whose model replica drives two TP actors in its placement group (all-reduce:
-    the shared-memory kernel); it answers as the same model on one rank does (both fp32)."""
+    the shared-memory kernel); it answers as the same model on one rank does (transformers, fp32). The model
+    is the tiny Llama with RANDOM weights (ops_apps.tiny_checkpoints; 4 heads, 2 KV heads: one per rank):
+    a wrong shard or sum shows in its tokens as it would in the real model's."""
     import ray
     from openai import OpenAI
     from ray import serve
 
     from rayllm.serve.builder import build_app
+    from tests.serve.ops_apps import LLAMA31, TINY_ENGINE
+    from tests.serve.test_multi_model import greedy_reference
 
     api_key = auth["Authorization"].removeprefix("Bearer ")
     allreduce = "shm"
-    app = build_app({"api_keys": [api_key], "engine": {
-        "model": {"dtype": "float32", "max_model_len": 2048}, "cache": {"kv_cache_bytes": 128 << 20},
+    path = tiny_models[LLAMA31]
+    app = build_app({"api_keys": [api_key], "replica_num_cpus": 0.5, "engine": TINY_ENGINE | {
+        "model": {"model": path, "served_model_name": LLAMA31, "dtype": "float32", "max_model_len": 256},
         "parallel": {"tensor_parallel_size": 2, "device": "cpu", "cpu": {"allreduce": allreduce}}}})
     serve.run(app, name="tp2", route_prefix="/tp2", blocking=False)
     try:
@@ -229,14 +234,13 @@ def test_tensor_parallel_2_replica_through_serve(server, fp32_client, model_name
         deadline = time.time() + 240
         while True:
             try:
-                got = tp2.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=16)
+                got = tp2.chat.completions.create(model=LLAMA31, messages=QUESTION, temperature=0, max_tokens=16)
                 break
             except (openai.APIStatusError, openai.APIConnectionError):
                 if time.time() > deadline:
                     raise
                 time.sleep(0.5)
-        ref = fp32_client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=16)
-        assert got.choices[0].message.content == ref.choices[0].message.content
+        assert got.choices[0].message.content == greedy_reference(path, QUESTION, 16)
         handle = serve.get_deployment_handle("llm", app_name="tp2")
         assert handle.stats.remote().result()["num_steps"] > 0
         ranks = [ray.get_actor(a["name"], namespace=a["namespace"]) for a in ray.util.list_named_actors(True)
