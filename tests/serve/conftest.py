@@ -229,5 +229,6 @@ def otlp_receiver() -> Receiver:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, hf_tokenizer) -> dict[str, str]:
-    """The tiny random models of ops_apps.multi_args, by name."""
+    """The tiny random models of ops_apps.tiny_checkpoints, by name (the several-model app's, and the tiny Llama
+    that the LoRA-replica, TP=2, fault, preemption and prefix-router apps serve)."""
     return tiny_checkpoints(tmp_path_factory.mktemp("tiny_models"), hf_tokenizer)

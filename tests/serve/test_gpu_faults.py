@@ -7,7 +7,7 @@ torch.OutOfMemoryError in its first step, as CUDA raises it when a step's activa
   same replica (no restart) serves the next request; the failed step's prompt blocks, hashed when scheduled
   but never computed, are not reused by the prefix cache.
 A graceful drain with streams in flight: tests/serve/test_scaling_and_drain.py.
-The app serves the tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's tokenizer and chat template):
+The app serves the tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's tokenizer, Llama 3.1's chat template):
 none of this depends on what the model says.
 """
 

@@ -1,6 +1,6 @@
 """The prefix router through the real app (Ray Serve, two model replicas): a conversation's turns land on one
 replica and reuse its prefix cache (the usage's cached_tokens), while load still spreads. The replicas serve the
-tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's tokenizer and chat template): where a request is
+tiny Llama of conftest.tiny_models (RANDOM weights, SmolLM2's tokenizer, Llama 3.1's chat template): where a request is
 routed and which of its prompt blocks are cached do not depend on what the model says."""
 
 from __future__ import annotations
