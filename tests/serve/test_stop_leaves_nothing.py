@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import socket
@@ -182,6 +183,22 @@ class Stream(threading.Thread):
         except Exception as exc:  # the stream cut: what the graceful stop prevents
             self.error = exc
         self.started.set()
+
+
+def test_the_readme_chat_example_names_paris_as_shipped(runs: dict[str, Run]) -> None:
+    """The README's first example through the OpenAI SDK on a run started as `make serve` starts it: cluster.yaml
+    as shipped (the 4-bit small-batch kernels with int8 activations; the Serve pass's apps run batch-invariant,
+    which keeps every step on oneDNN's bf16 GEMMs) names Paris (issue 35)."""
+    from openai import OpenAI
+
+    readme = (ROOT / "README.md").read_text()
+    question = re.search(r'"role": "user", "content": "([^"]+)"', readme).group(1)
+    assert "capital of France" in question
+    run = runs["SIGINT"]
+    client = OpenAI(base_url=f"http://{run.host}:{run.port}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0,
+                                           messages=[{"role": "user", "content": question}])
+    assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
 
 
 @pytest.mark.parametrize("how", HOWS)
