@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from typing import Any, Protocol
@@ -110,7 +111,9 @@ class RenderServer:
             writer.close()
 
     def close(self) -> None:
-        """Stops listening and ends every open connection (their clients fall back to the handle)."""
+        """Stops listening and ends every open connection (their clients fall back to the handle); the socket's
+        directory goes in any case. At interpreter exit (a replica object dropped with its module) the loop's
+        daemon thread no longer runs: nothing is waited for then, which the connections' end makes moot."""
         if self._closed:
             return
         self._closed = True
@@ -121,10 +124,13 @@ class RenderServer:
             for writer in list(self._writers):
                 writer.close()
 
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            if self._thread.is_alive() and not sys.is_finalizing():
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(5)
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class RenderChannel:

@@ -4,6 +4,10 @@ process's threads with the real SmolLM2 tokenizer (no Ray): the ids equal transf
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -99,3 +103,25 @@ def test_a_large_render_does_not_hold_back_the_renders_behind_it(server, hf_toke
     assert done == ["small", "big"]  # sent second on the same connection, answered first
     assert text == hf_tokenizer.apply_chat_template(big, tokenize=False, add_generation_prompt=True)
     assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_replica_dropped_at_interpreter_exit_leaves_neither_its_directory_nor_a_wait():
+    """A tokenizer replica object that lives until its process exits (the server's loop thread, a daemon, is
+    gone by the time the module's objects are dropped): close() waits for nothing then (it waited its 5 s
+    bound and raised, leaving the socket's directory behind) and the directory goes."""
+    script = textwrap.dedent("""
+        from rayllm.serve.render_channel import RenderServer
+
+        class Replica:  # as TokenizerDeployment holds its channel
+            def __init__(self):
+                self.channel = RenderServer({})
+
+            def __del__(self):
+                self.channel.close()
+
+        replica = Replica()
+        print(replica.channel._dir)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert not os.path.exists(out.stdout.strip())
