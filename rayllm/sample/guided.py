@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from rayllm.sample.grammar_worker import CompilerBusy, CompileTimeout, CompileWorker, compile_spec
@@ -54,14 +55,35 @@ class GrammarCompiler:
         self._cache_bytes = cache_bytes
         self.cached_bytes = 0
         self._lock = threading.Lock()
+        self._pending: dict[GuidedSpec, Future] = {}  # specs being compiled -> their outcome
         self.num_compiled = 0  # cache misses, for tests and metrics
 
     def compile(self, spec: GuidedSpec) -> Any:
-        """The CompiledGrammar for `spec`; raises ValueError with a client-readable reason."""
+        """The CompiledGrammar for `spec`; raises ValueError with a client-readable reason. Concurrent calls
+        for a spec being compiled wait for that compile and share its result or error (a burst of requests
+        with one new schema compiles it once, not once per request in the compiler's queue)."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec][0]
+            pending = self._pending.get(spec)
+            if pending is None:
+                self._pending[spec] = mine = Future()
+        if pending is not None:
+            return pending.result()
+        try:
+            compiled = self._compile_cached(spec)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        else:
+            mine.set_result(compiled)
+            return compiled
+        finally:
+            with self._lock:
+                del self._pending[spec]
+
+    def _compile_cached(self, spec: GuidedSpec) -> Any:
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:

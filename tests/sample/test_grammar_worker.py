@@ -64,3 +64,33 @@ def test_cache_is_bounded_in_bytes(tok):
     assert compiler.num_compiled == before
     compiler.compile(specs[0])  # evicted: compiled again
     assert compiler.num_compiled == before + 1
+
+
+@pytest.mark.parametrize("valid", [True, False], ids=["compiles", "invalid"])
+def test_concurrent_requests_for_one_new_grammar_share_one_compile(tok, valid):
+    """A burst of requests with the same new schema (the compile pool's threads all missing the cache at
+    once) compiles it once in the child; each caller gets that grammar, or that compile's error."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    spec = SCHEMA if valid else GuidedSpec("ebnf", "root ::= undefined_rule", "ebnf")
+    compiler = GrammarCompiler(tok, len(tok), [tok.eos_token_id], timeout_s=10.0)
+    barrier = Barrier(6)
+
+    def call(_: int) -> object:
+        barrier.wait()
+        try:
+            return compiler.compile(spec)
+        except ValueError as exc:
+            return exc
+
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            out = list(pool.map(call, range(6)))
+    finally:
+        compiler.close()
+    if valid:
+        assert compiler.num_compiled == 1 and all(o is out[0] for o in out)
+        assert new_matcher(out[0]).accept_string('{"a": 1}')
+    else:
+        assert compiler.num_compiled == 0 and all(isinstance(o, ValueError) and str(o) == str(out[0]) for o in out)
