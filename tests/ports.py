@@ -2,34 +2,58 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import random
 import socket
+import time
 from pathlib import Path
 
-_GIVEN: set[int] = set()
+# Ports handed out on this machine, across processes (pytest-xdist's workers, the two passes, the servers tests
+# start): a `serve run` binds its port tens of seconds after the test chose it, and another process's bind check
+# in that window would find the port free. Entries older than _HELD_S are forgotten.
+_LEDGER = Path("/tmp") / "rayllm-test-ports"
+_HELD_S = 900
 
 
 def free_port() -> int:
     """A free port that nothing else here takes between this call and the server's bind: above Ray's worker
     ports (10002-19999), below Serve's direct-ingress ports (replicas bind from 30000 up, gRPC from 40000)
-    and the kernel's ephemeral range, and never one this process handed out before."""
+    and the kernel's ephemeral range, and never one handed out on this machine in the last _HELD_S seconds
+    (a ledger file, locked while it is read and written)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, max(min(low, 30000), 20001))
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    with open(_LEDGER, "a+") as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)
+        ledger.seek(0)
+        now = time.time()
+        given = {}
+        for line in ledger.read().split():
+            port, _, at = line.partition("@")
+            with contextlib.suppress(ValueError):
+                if now - float(at) < _HELD_S:
+                    given[int(port)] = float(at)
+        chosen = None
+        for _ in range(200):
+            port = rng.randrange(20000, max(min(low, 30000), 20001))
+            if port in given:
                 continue
-        _GIVEN.add(port)
-        return port
-    with socket.socket() as s:  # an unusual port range: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            chosen = port
+            break
+        if chosen is None:  # an unusual port range: let the kernel choose
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                chosen = s.getsockname()[1]
+        given[chosen] = now
+        ledger.seek(0)
+        ledger.truncate()
+        ledger.write(" ".join(f"{p}@{at:.0f}" for p, at in given.items()))
+    return chosen
 
 
 DIRECT_INGRESS_BLOCK = 16  # ports per Serve instance for its ingress replicas (HTTP; as many for gRPC)
