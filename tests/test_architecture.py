@@ -1,6 +1,7 @@
 """The architecture holds: import-linter's contracts (pyproject.toml: layers, a torch-free engine core and
 protocol, an ingress without torch), no import cycle between modules (lazy and TYPE_CHECKING imports
-included), a docstring on every folder, no Python file over 400 lines, and tests that mirror rayllm/."""
+included), a docstring on every folder, no Python file over 400 lines, tests that mirror rayllm/, and every test
+file where pytest collects it."""
 
 from __future__ import annotations
 
@@ -106,3 +107,16 @@ def test_test_file_names_are_unique():
     collection of the whole suite."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert not {n for n in names if names.count(n) > 1}
+
+
+def test_every_test_file_is_under_testpaths():
+    """pytest collects only pyproject.toml's testpaths (their order is the suite's): a test file outside them
+    would never run in `make test`."""
+    import tomllib
+
+    paths = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
+    tracked = subprocess.run(["git", "ls-files", "tests"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    outside = [f for f in tracked if Path(f).name.startswith("test_") and f.endswith(".py")
+               and not any(f == p or f.startswith(p.rstrip("/") + "/") for p in paths)]
+    assert not outside, outside
