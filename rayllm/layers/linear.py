@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from rayllm.layers.linear_method import LinearBase, SmallBatchMethod
+from rayllm.layers.linear_method import ALL_STEPS, LinearBase, SmallBatchMethod
 from rayllm.platforms.cpu import qgemm as cpu_qgemm
 from rayllm.platforms.cpu.onednn import OneDNNWeight
 from rayllm.platforms.cpu.qgemm import Int4VnniWeight, Int8VnniWeight
@@ -294,9 +294,29 @@ def pack_small_batch_weights(model: nn.Module, source_bits: dict[str, int], vnni
     return count
 
 
+def keep_row_independent_copies(model: nn.Module) -> int:
+    """Batch-invariant mode: a row's result must not depend on the step's row count, so no layer may switch
+    kernels at a step size. The int4 x int8 VNNI copies compute each row on its own, in exact int32 sums and a
+    fixed order (csrc/qgemm.c): they serve every step from now on. The other small-batch copies (torch's int4
+    and int8 kernels) are dropped, leaving those layers to their dense path. Returns how many copies serve every
+    step."""
+    kept = 0
+    for module in model.modules():
+        if not isinstance(module, LinearBase) or not isinstance(module.method, SmallBatchMethod):
+            continue
+        small = module.method.small
+        if isinstance(small, PackedWeight) and small.vnni is not None:
+            small.max_tokens = ALL_STEPS
+            kept += 1
+        else:
+            module.set_method(module.method.large)
+    return kept
+
+
 def prepack_onednn_weights(model: nn.Module, batch_invariant: bool = False) -> int:
     """Give every linear layer (and the LM head) with a dense path its weight in oneDNN's layout; see
-    OneDNNWeight. Layers whose method serves every batch size (quantized mode, FP8) have no dense weight."""
+    OneDNNWeight. Layers whose method serves every batch size (quantized mode, FP8, a copy kept by
+    keep_row_independent_copies) run no dense path."""
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase) and module.large_batch_method is not None:

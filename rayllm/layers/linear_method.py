@@ -41,9 +41,14 @@ class DenseMethod:
 DENSE = DenseMethod()
 
 
+# A small-batch copy's `max_tokens` when it serves every step (layers/linear.keep_row_independent_copies).
+ALL_STEPS = 1 << 62
+
+
 class SmallBatchMethod:
     """A weight-only quantized copy (layers/linear.PackedWeight: int4, int8, or int4 x int8 VNNI) for steps of at
-    most `small.max_tokens` tokens, and `large` (dense or oneDNN) for bigger steps."""
+    most `small.max_tokens` tokens, and `large` (dense or oneDNN) for bigger steps; with ALL_STEPS the copy
+    serves every step and `large` is never called."""
 
     all_batches = False
 
@@ -56,6 +61,10 @@ class SmallBatchMethod:
             out = self.small(x)
             return out if layer.bias is None else out + layer.bias
         return self.large.apply(layer, x)
+
+    @property
+    def every_step(self) -> bool:
+        return self.small.max_tokens >= ALL_STEPS  # type: ignore[attr-defined]
 
 
 class LinearBase(nn.Module):
@@ -82,7 +91,7 @@ class LinearBase(nn.Module):
         """The method of steps beyond a small-batch copy (the whole method without one); None when the layer's
         method has weights of its own for every step size."""
         if isinstance(self.method, SmallBatchMethod):
-            return self.method.large
+            return None if self.method.every_step else self.method.large
         return None if self.method.all_batches else self.method
 
     def set_large_batch_method(self, method: LinearMethod) -> None:

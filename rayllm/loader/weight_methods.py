@@ -10,7 +10,12 @@ import logging
 import torch
 from torch import nn
 
-from rayllm.layers.linear import ParallelLMHead, pack_small_batch_weights, prepack_onednn_weights
+from rayllm.layers.linear import (
+    ParallelLMHead,
+    keep_row_independent_copies,
+    pack_small_batch_weights,
+    prepack_onednn_weights,
+)
 from rayllm.layers.linear_method import DenseMethod, LinearBase
 from rayllm.platforms.interface import Platform
 from rayllm.schema.config import EngineConfig
@@ -49,10 +54,14 @@ def choose_weight_methods(model: nn.Module, config: EngineConfig, platform: Plat
         log.info("FP8 weights in %d layers", quantize_model_fp8(model))
     cpu = config.parallel.cpu
     invariant = config.scheduler.batch_invariant
-    if cpu.small_batch_quant != "none" and not invariant and platform.small_batch_weights(dtype):
+    # Batch-invariant mode keeps only row-independent copies (auto's VNNI ones), which then serve every step.
+    if (cpu.small_batch_quant == "auto" or cpu.small_batch_quant == "weight_only" and not invariant) \
+            and platform.small_batch_weights(dtype):
         packed = pack_small_batch_weights(model, source_bits, vnni=cpu.small_batch_quant == "auto",
                                           passes=cpu.int8_passes_for)
         log.info("packed %d layers for small-batch weight-only kernels", packed)
+    if invariant:
+        log.info("%d layers run their int4 x int8 copy at every step", keep_row_independent_copies(model))
     # Batch-invariant mode needs the prepacked layout: plain F.linear's rows vary with the row count.
     if (cpu.weight_prepack or invariant) and platform.prepacked_gemms(dtype):
         log.info("reordered %d weights into oneDNN's layout", prepack_onednn_weights(model, batch_invariant=invariant))

@@ -132,7 +132,8 @@ class CpuConfig:
     # where they are faster than bf16. auto: 4-bit layers multiply int8-quantized activations (groups of
     # 32, as llama.cpp) with AVX-512 VNNI where the CPU has it, up to layers.linear.VNNI_TOKENS tokens;
     # weight_only: bf16 activations (torch's int4 kernel, up to 8 tokens; closer to bf16, slower); none:
-    # bf16 weights only. Quality and speed of each: docs/benchmarks.md.
+    # bf16 weights only. scheduler.batch_invariant keeps auto's VNNI copies at every step size and drops the
+    # others (docs/cpu.md). Quality and speed of each: docs/benchmarks.md.
     small_batch_quant: str = "auto"  # auto | weight_only | none
     # auto's int8 passes over each row: 2 (the row, then its quantization residual at 1/256 of its scale,
     # summed in one int32: bf16 activations' quality, measured in docs/cpu.md) or 1 (llama.cpp's Q8_1: faster

@@ -20,12 +20,13 @@ the switch is for: without it the same comparison fails on the same model."""
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 import torch
 
 from rayllm.engine.engine import LLMEngine
+from rayllm.layers.linear_method import LinearBase, SmallBatchMethod
 from rayllm.lora.files import random_peft_adapter
 from rayllm.schema.config import (
     CacheConfig,
@@ -153,12 +154,31 @@ def compare(engine: LLMEngine, rec: LogitRecorder, refs: dict[int, torch.Tensor]
             bad[name] = m
 
 
+def kernels(engine: LLMEngine) -> Counter[str]:
+    """How many linear layers run each kind of weight method: "int4 x int8 every step" for a small-batch
+    VNNI copy that serves every step size, else the method's class name (with its large-batch path's)."""
+    counts: Counter[str] = Counter()
+    for module in engine.executor.worker.model.modules():
+        if isinstance(module, LinearBase):
+            method = module.method
+            if isinstance(method, SmallBatchMethod):
+                kind = ("int4 x int8 every step" if method.every_step and method.small.vnni is not None
+                        else f"small batch, then {type(method.large).__name__}")
+            else:
+                kind = type(method).__name__
+            counts[kind] += 1
+    return counts
+
+
 def scenarios(path: str, batch_invariant: bool, prompts, tmp_path, weights: str = "auto",
-              only: frozenset[str] | None = None) -> dict[str, str]:
+              only: frozenset[str] | None = None, methods: Counter[str] | None = None) -> dict[str, str]:
     """Mismatches against the solo run (of the base model, or of adapter 7 for the `adapter-` cases), by
-    scenario (an empty dict: all bit-equal); `only`: just these scenarios."""
+    scenario (an empty dict: all bit-equal); `only`: just these scenarios; `methods`: filled with the
+    engine's kernels()."""
     target, others = prompts
     engine = make_engine(path, batch_invariant, weights=weights)
+    if methods is not None:
+        methods.update(kernels(engine))
     bad: dict[str, str] = {}
     ran: set[str] = set()
     try:
@@ -208,7 +228,13 @@ def rebudget(engine: LLMEngine, tokens: int) -> None:
 
 
 def test_batch_invariant_mode(model_path, prompts, tmp_path):
-    assert scenarios(model_path, True, prompts, tmp_path) == {}
+    """With the switch, every 4-bit layer runs its int4 x int8 VNNI copy at every step size (each row alone,
+    exact integer sums) and the rest oneDNN's batch-invariant layout; the LM head (Q8_0) runs the same kernel
+    as two 4-bit planes."""
+    methods: Counter[str] = Counter()
+    assert scenarios(model_path, True, prompts, tmp_path, methods=methods) == {}
+    # Two decoder layers of 4 projections each, and the LM head: all on the VNNI kernel, none switching.
+    assert methods == {"int4 x int8 every step": 4 * LAYERS + 1}, methods
 
 
 def test_default_mode_varies(model_path, prompts, tmp_path):

@@ -103,6 +103,34 @@ def test_a_cached_start_equals_the_load_that_wrote_it(env, loaded):
     assert packed > 0  # the default model's 4/8-bit layers have small-batch copies
 
 
+def test_a_batch_invariant_cached_start_keeps_its_copies_at_every_step(env, loaded):
+    """scheduler.batch_invariant: the 4-bit layers' VNNI copies serve every step size (no oneDNN path behind
+    them); a start from that entry (its own key) has them so again, with the same outputs at 1 row and past
+    the default mode's switch to oneDNN."""
+    model, cache_dir = env
+    config = replace(_config(), scheduler=replace(_config().scheduler, batch_invariant=True))
+    assert _entry(model, config).key != _entry(model).key
+    arch = read_arch(model)
+    fresh = Worker(config, model, arch, rank=0, dist_init=None).model
+    assert _entry(model, config).path.is_file()
+    cached = Worker(config, model, arch, rank=0, dist_init=None).model
+    cached_modules = dict(cached.named_modules())
+    g = torch.Generator().manual_seed(1)
+    every_step = 0
+    for name, m in fresh.named_modules():
+        if not isinstance(m, LinearBase):
+            continue
+        other = cached_modules[name]
+        assert type(m.method) is type(other.method), name
+        if isinstance(m.method, SmallBatchMethod):
+            assert m.method.every_step and other.method.every_step and m.large_batch_method is None, name
+            every_step += 1
+        for rows in (1, VNNI_TOKENS + 1):
+            x = torch.randn(rows, m.weight.shape[1], generator=g).to(torch.bfloat16)
+            assert torch.equal(m.base(x), other.base(x)), (name, rows)
+    assert every_step == 4 * arch.num_layers + 1  # every projection and the LM head (all 4/8-bit in this GGUF)
+
+
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 

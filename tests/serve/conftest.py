@@ -62,11 +62,11 @@ def server(tmp_path_factory):
     ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # bf16 on oneDNN's prepacked GEMMs as shipped, with `batch_invariant` so that a greedy answer does not
-    # depend on what shares its steps (several tests compare answers alone and in a batch); that mode keeps
-    # every step on those GEMMs instead of the shipped 4-bit small-batch kernels, which tests/quant and
-    # test_stop_leaves_nothing's `serve run cluster.yaml` cover. Tests against transformers' fp32 logits use
-    # `fp32_client`.
+    # bf16 with the shipped 4-bit x int8 kernels, plus `batch_invariant` so that a greedy answer does not
+    # depend on what shares its steps (several tests compare answers alone and in a batch): that mode runs
+    # those kernels at every step size (prefill chunks and the LM head too) where the shipped mode switches to
+    # oneDNN's bf16 GEMMs past 256 tokens and the LM head past 4 rows. Tests against transformers' fp32 logits
+    # use `fp32_client`.
     app = build_app({
         "api_keys": [API_KEY, "sha256:" + hashlib.sha256(API_KEY_2.encode()).hexdigest()],
         "admin_api_keys": [ADMIN_KEY],
