@@ -187,8 +187,8 @@ class Stream(threading.Thread):
 
 def test_the_readme_chat_example_names_paris_as_shipped(runs: dict[str, Run]) -> None:
     """The README's first example through the OpenAI SDK on a run started as `make serve` starts it: cluster.yaml
-    as shipped (the 4-bit small-batch kernels with int8 activations; the Serve pass's apps run batch-invariant,
-    which keeps every step on oneDNN's bf16 GEMMs) names Paris (issue 35)."""
+    as shipped (the 4-bit small-batch kernels with int8 activations up to 256-token steps, oneDNN's bf16 GEMMs
+    above; the Serve pass's batch-invariant apps run those kernels at every step size) names Paris (issue 35)."""
     from openai import OpenAI
 
     readme = (ROOT / "README.md").read_text()
