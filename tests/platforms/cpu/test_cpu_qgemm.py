@@ -56,10 +56,13 @@ def test_kernel_equals_the_int8_reference(n, k):
         assert (got.double() - exact).norm() / exact.norm() < 0.02
 
 
-def test_rows_do_not_depend_on_the_batch_or_the_thread_count():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_rows_do_not_depend_on_the_batch_or_the_thread_count(passes):
+    """What batch-invariant mode rests on (it runs this kernel at every step size): a row's bits are the same
+    alone, in a decode-sized batch and in a prefill chunk past layers.linear.VNNI_TOKENS rows."""
     q, d, m = random_weight(576, 1536, seed=2)
-    weight = cpu_qgemm.Int4VnniWeight(q, d, m)
-    x = torch.randn(37, 1536).bfloat16()
+    weight = cpu_qgemm.Int4VnniWeight(q, d, m, passes=passes)
+    x = torch.randn(301, 1536).bfloat16()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
