@@ -19,7 +19,7 @@ from rayllm.attention.selector import make_attention_backend
 from rayllm.common import startup_phases
 from rayllm.common.errors import first_line
 from rayllm.distributed.allreduce import make_all_reduce
-from rayllm.layers.linear import TPGroup
+from rayllm.layers.linear import TPGroup, release_unused_dense_weights
 from rayllm.loader import weight_cache
 from rayllm.loader.loader import load_weights
 from rayllm.loader.weight_methods import choose_weight_methods
@@ -127,6 +127,10 @@ class Worker:
         choose_weight_methods(self.model, config, self.platform, self.dtype, source_bits)
         if cache is not None and not cache.hit:
             cache.save(self.model)
+        # Batch-invariant mode's every-step copies leave their layers' dense weights unread (stored above first).
+        released = release_unused_dense_weights(self.model)
+        if released:
+            log.info("released the dense weights of %d layers", released)
         invariant = config.scheduler.batch_invariant
         self.model.eval()
         self.arch = arch

@@ -7,6 +7,7 @@ out of the full checkpoint tensor.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -311,6 +312,20 @@ def keep_row_independent_copies(model: nn.Module) -> int:
         else:
             module.set_method(module.method.large)
     return kept
+
+
+def release_unused_dense_weights(model: nn.Module) -> int:
+    """Free the dense weight of each layer whose small-batch copy serves every step (keep_row_independent_copies)
+    unless another module shares it (a tied LM head's weight is the embedding); returns how many. Called after
+    the weight cache has stored the dense weights it restores from."""
+    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    released = 0
+    for module in model.modules():
+        if (isinstance(module, LinearBase) and isinstance(module.method, SmallBatchMethod) and module.method.every_step
+                and holders[id(module.weight)] == 1):
+            module.release_weight()
+            released += 1
+    return released
 
 
 def prepack_onednn_weights(model: nn.Module, batch_invariant: bool = False) -> int:

@@ -83,8 +83,12 @@ class LinearBase(nn.Module):
         (what reads shapes, such as the LoRA layers, keeps working)."""
         self.method = method
         if method.all_batches:
-            w = self.weight
-            self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+            self.release_weight()
+
+    def release_weight(self) -> None:
+        """Keep only the dense weight's shape (on the meta device), for a method that never reads it."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
 
     @property
     def large_batch_method(self) -> LinearMethod | None:
